@@ -1,0 +1,33 @@
+# make test   - create .venv if missing, install torch (pinned CPU build) and tpcomm, run the suite
+# make bench  - the same set-up, then the all-reduce performance table
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+BENCH_ARGS ?= -b 1K -e 64M -f 4 --compare gloo
+
+.PHONY: test bench lint install clean
+
+$(VENV)/.installed: pyproject.toml setup.py src/tpcomm/_native.c
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build
+	$(PY) -m pip install -q --disable-pip-version-check torch==$(TORCH_VERSION)
+	$(PY) -m pip install -q --disable-pip-version-check "setuptools>=68" wheel numpy \
+		"pytest>=7" "pytest-timeout>=2" "ruff>=0.4"
+	$(PY) -m pip install -q --disable-pip-version-check --no-build-isolation -e .
+	touch $@
+
+install: $(VENV)/.installed
+
+lint: install
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
+
+test: install lint
+	$(PY) -m pytest -q tests
+
+bench: install
+	$(VENV)/bin/tpcomm perf all_reduce $(BENCH_ARGS)
+
+clean:
+	rm -rf build src/*.egg-info src/tpcomm/*.so

@@ -1,0 +1,23 @@
+"""Builds the private C core, tpcomm._native (no PyTorch C++ extension)."""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "tpcomm._native",
+            ["src/tpcomm/_native.c"],
+            extra_compile_args=[
+                "-std=gnu11",
+                "-O3",
+                # IEEE results must not depend on the ISA clone: no contraction,
+                # no reassociation (fixed summation order is a contract).
+                "-ffp-contract=off",
+                "-fno-fast-math",
+                "-Wall",
+                "-Wextra",
+                "-Wno-missing-field-initializers",
+            ],
+        )
+    ]
+)

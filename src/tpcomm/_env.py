@@ -1,0 +1,75 @@
+"""Every environment switch tpcomm reads, with its default next to it.
+
+Values are read when a Communicator is created, so tests and users can change
+them between communicators.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["timeout", "shm_dir", "slot_bytes", "spin_us", "yield_us", "host_id_override"]
+
+# Seconds any single wait may last while every peer is alive.  Dead peers are
+# detected in milliseconds whatever this says; this only bounds a live but
+# stuck peer (one that never calls the collective).
+DEFAULT_TIMEOUT_S = 300.0
+# Where segments live.  Must be a tmpfs for speed; tests point it at a small one.
+DEFAULT_SHM_DIR = "/dev/shm"
+# Bytes of one rank's slot (two per rank).  1 MiB keeps a round's working set
+# in L2 on current x86 parts and makes a world-8 segment 16 MiB.
+DEFAULT_SLOT_BYTES = 1 << 20
+# Spin this long (with pause) before yielding the CPU; 0 when the ranks
+# outnumber the cores (then spinning only steals the core a peer needs).
+DEFAULT_SPIN_US = 5.0
+# Then sched_yield until this long, then sleep on a futex (wake-up ~70 us).
+DEFAULT_YIELD_US = 1000.0
+
+
+def _float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number") from None
+    if value < 0:
+        raise ValueError(f"{name}={raw!r} must be non-negative")
+    return value
+
+
+def timeout() -> float:
+    """TPCOMM_TIMEOUT, seconds (default 300)."""
+    value = _float("TPCOMM_TIMEOUT", DEFAULT_TIMEOUT_S)
+    if value == 0:
+        raise ValueError("TPCOMM_TIMEOUT must be positive")
+    return value
+
+
+def shm_dir() -> str:
+    """TPCOMM_SHM_DIR (default /dev/shm)."""
+    return os.environ.get("TPCOMM_SHM_DIR") or DEFAULT_SHM_DIR
+
+
+def slot_bytes() -> int:
+    """TPCOMM_SLOT_BYTES, rounded up to a 4 KiB page (default 1 MiB)."""
+    value = int(_float("TPCOMM_SLOT_BYTES", DEFAULT_SLOT_BYTES))
+    if value < 4096:
+        raise ValueError(f"TPCOMM_SLOT_BYTES={value} is below the minimum 4096")
+    return (value + 4095) // 4096 * 4096
+
+
+def spin_us() -> float:
+    """TPCOMM_SPIN_US (default 5)."""
+    return _float("TPCOMM_SPIN_US", DEFAULT_SPIN_US)
+
+
+def yield_us() -> float:
+    """TPCOMM_YIELD_US (default 1000)."""
+    return _float("TPCOMM_YIELD_US", DEFAULT_YIELD_US)
+
+
+def host_id_override() -> str | None:
+    """TPCOMM_HOST_ID: pretend to be on this host (tests of multi-host paths)."""
+    return os.environ.get("TPCOMM_HOST_ID") or None

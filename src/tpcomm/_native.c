@@ -1,0 +1,972 @@
+/*
+ * tpcomm._native: the small private C core of tpcomm's shared-memory engine.
+ *
+ * It does four things and nothing else: atomic flags, bounded waits, copies
+ * and reduce loops.  Everything else (naming, creating and unlinking
+ * segments, argument checks, error messages) is Python.
+ *
+ * Segment layout (all offsets from the mapping's base; see seg_layout()):
+ *
+ *   +--------------------------+ 0
+ *   | header (4 KiB)           |  magic, version, world, slot_bytes, sizes,
+ *   |                          |  attach counter, sleeper count, abort word
+ *   +--------------------------+ ctrl_off = 4096
+ *   | rank 0 control (4 KiB)   |  line 0: pid;  line 1 + 2*c + p: channel c,
+ *   | rank 1 control           |  parity p: {seq, kind, dtype, op, count, arg}
+ *   | ...                      |
+ *   +--------------------------+ slot_off
+ *   | rank 0 slot parity 0     |  slot_bytes each, 4 KiB aligned
+ *   | rank 0 slot parity 1     |
+ *   | rank 1 slot parity 0 ... |
+ *   +--------------------------+ total
+ *
+ * Protocol of the collective channel (one-shot all-reduce, barrier):
+ *   Every rank keeps a private round counter n (the same on every rank,
+ *   because collectives are called in the same order).  Round n uses parity
+ *   p = n & 1.  A rank
+ *     1. copies its chunk into its slot p,
+ *     2. writes the call's metadata into its line p, then stores seq = n with
+ *        release semantics (the publish),
+ *     3. waits until every peer's line p has seq >= n (acquire),
+ *     4. compares the peers' metadata with its own (mismatch -> error on all),
+ *     5. reduces all slots p in rank order 0..W-1 into its own tensor.
+ *   Slot p of round n is rewritten in round n+2.  A rank reaches round n+2
+ *   only after it saw every peer publish round n+1, and a peer publishes n+1
+ *   only after it finished reading round n.  So one wait per round suffices.
+ *
+ * Flag states: seq of line p only ever holds values n with n & 1 == p, and it
+ * only grows.  A waiter that sleeps bumps hdr->sleepers first; a publisher
+ * that sees sleepers != 0 after its release store futex-wakes its line.
+ *
+ * Liveness: each rank holds an OFD write lock on byte `rank` of the segment
+ * file (its own open file description).  The kernel drops it when the holder
+ * exits, however it exits (SIGKILL included, zombies included).  A waiter
+ * checks a peer with F_OFD_GETLK every few milliseconds once it stops
+ * spinning.  A rank that finds a dead peer, or times out, stores an abort word
+ * in the header so that every other rank leaves its wait too.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+#include <linux/futex.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define cpu_relax() _mm_pause()
+/* Runtime dispatch: gcc builds one clone per ISA level and picks at load time
+ * (ifunc).  x86-64-v4 = AVX-512, v3 = AVX2 + FMA + F16C. */
+#define KERNEL __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#elif defined(__aarch64__)
+#define cpu_relax() __asm__ __volatile__("yield" ::: "memory")
+#define KERNEL
+#else
+#define cpu_relax() ((void)0)
+#define KERNEL
+#endif
+
+#define MAGIC 0x314d4d4f43505454ULL /* "TTPCOMM1" little endian */
+#define VERSION 1u
+#define PAGE 4096u
+#define LINE 64u
+#define NCHAN 1          /* channels per rank: 0 = collectives */
+#define CTRL_BYTES PAGE  /* per-rank control block: 64 lines */
+#define MAX_WORLD 4096   /* OFD lock bytes and futex fan-out stay cheap up to here */
+
+/* status codes returned to Python (see shm/engine.py) */
+enum { ST_OK = 0, ST_TIMEOUT = 1, ST_PEER_DEAD = 2, ST_MISMATCH = 3, ST_ABORTED = 4 };
+
+/* dtype and op codes shared with Python */
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_I32 = 3, DT_I64 = 4, DT_COUNT };
+enum { OP_SUM = 0, OP_AVG = 1, OP_MAX = 2, OP_MIN = 3, OP_COUNT };
+static const size_t dt_size[DT_COUNT] = {4, 2, 2, 4, 8};
+
+typedef struct {
+    uint64_t magic;
+    uint32_t version;
+    uint32_t world;
+    uint64_t slot_bytes;
+    uint64_t total_bytes;
+    uint64_t ctrl_off;
+    uint64_t slot_off;
+    uint64_t nchan;
+    char _pad0[LINE - 7 * 8];
+    _Atomic uint32_t attached; /* ranks that mapped the segment */
+    char _pad1[LINE - 4];
+    _Atomic uint32_t sleepers; /* ranks asleep in futex_wait */
+    char _pad2[LINE - 4];
+    _Atomic uint64_t abort_word; /* (reason << 32) | (rank + 1), 0 = fine */
+    char _pad3[LINE - 8];
+} hdr_t;
+
+typedef struct {
+    _Atomic uint64_t seq;
+    uint32_t kind, dtype, op, _r;
+    uint64_t count, arg;
+    char _pad[LINE - 40];
+} line_t;
+
+_Static_assert(sizeof(line_t) == LINE, "line_t must be one cache line");
+_Static_assert(sizeof(hdr_t) <= PAGE, "header must fit one page");
+
+static uint64_t seg_size(uint32_t world, uint64_t slot_bytes)
+{
+    return PAGE + (uint64_t)world * CTRL_BYTES + (uint64_t)world * 2 * slot_bytes;
+}
+
+static inline uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* ------------------------------------------------------------------------ */
+/* reduce kernels                                                            */
+/* ------------------------------------------------------------------------ */
+
+static inline float bf16_to_f32(uint16_t h)
+{
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) /* NaN: keep it quiet, keep the sign */
+        return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+#define BLK 512 /* elements per accumulator block: 2 KiB of floats, stays in L1 */
+
+/* NaN-propagating max/min, the same as torch.maximum / torch.minimum. */
+#define FMAX(a, b) (((a) != (a)) ? (a) : (((b) > (a) || (b) != (b)) ? (b) : (a)))
+#define FMIN(a, b) (((a) != (a)) ? (a) : (((b) < (a) || (b) != (b)) ? (b) : (a)))
+#define IMAX(a, b) ((b) > (a) ? (b) : (a))
+#define IMIN(a, b) ((b) < (a) ? (b) : (a))
+
+/*
+ * Float family: load every source as float32, combine in rank order, store
+ * once.  srcs[0..w-1] are in rank order; dst may alias any source (the
+ * caller's own tensor is both its source and the destination).
+ */
+#define DEF_FLOAT_REDUCE(NAME, T, LOAD, STORE)                                    \
+    KERNEL static void NAME(void *dst_, void *const *srcs_, int w, size_t n,      \
+                            int op)                                               \
+    {                                                                             \
+        T *dst = (T *)dst_;                                                       \
+        const T *const *srcs = (const T *const *)srcs_;                           \
+        float acc[BLK];                                                           \
+        const float inv = 1.0f / (float)w;                                        \
+        (void)inv;                                                                \
+        for (size_t i0 = 0; i0 < n; i0 += BLK) {                                  \
+            size_t m = n - i0 < BLK ? n - i0 : BLK;                               \
+            const T *s0 = srcs[0] + i0;                                           \
+            for (size_t i = 0; i < m; i++)                                        \
+                acc[i] = LOAD(s0[i]);                                             \
+            for (int r = 1; r < w; r++) {                                         \
+                const T *s = srcs[r] + i0;                                        \
+                if (op == OP_SUM || op == OP_AVG) {                               \
+                    for (size_t i = 0; i < m; i++)                                \
+                        acc[i] += LOAD(s[i]);                                     \
+                } else if (op == OP_MAX) {                                        \
+                    for (size_t i = 0; i < m; i++) {                              \
+                        float b = LOAD(s[i]);                                     \
+                        acc[i] = FMAX(acc[i], b);                                 \
+                    }                                                             \
+                } else {                                                          \
+                    for (size_t i = 0; i < m; i++) {                              \
+                        float b = LOAD(s[i]);                                     \
+                        acc[i] = FMIN(acc[i], b);                                 \
+                    }                                                             \
+                }                                                                 \
+            }                                                                     \
+            T *d = dst + i0;                                                      \
+            if (op == OP_AVG) {                                                   \
+                const float fw = (float)w;                                        \
+                for (size_t i = 0; i < m; i++)                                    \
+                    d[i] = STORE(acc[i] / fw);                                    \
+            } else {                                                              \
+                for (size_t i = 0; i < m; i++)                                    \
+                    d[i] = STORE(acc[i]);                                         \
+            }                                                                     \
+        }                                                                         \
+    }
+
+#define ID(x) (x)
+#if defined(__FLT16_MAX__)
+#define F16_LOAD(x) ((float)(x))
+#define F16_STORE(x) ((_Float16)(x))
+DEF_FLOAT_REDUCE(reduce_f16, _Float16, F16_LOAD, F16_STORE)
+#else
+#error "tpcomm needs a compiler with _Float16 (gcc >= 12 or clang >= 15)"
+#endif
+DEF_FLOAT_REDUCE(reduce_f32, float, ID, ID)
+DEF_FLOAT_REDUCE(reduce_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+
+/* Integer family: sums wrap modulo 2^bits like torch (computed unsigned,
+ * so no undefined behaviour); AVG is refused in Python. */
+#define DEF_INT_REDUCE(NAME, T, U)                                                \
+    KERNEL static void NAME(void *dst_, void *const *srcs_, int w, size_t n,      \
+                            int op)                                               \
+    {                                                                             \
+        T *dst = (T *)dst_;                                                       \
+        const T *const *srcs = (const T *const *)srcs_;                           \
+        T acc[BLK];                                                               \
+        for (size_t i0 = 0; i0 < n; i0 += BLK) {                                  \
+            size_t m = n - i0 < BLK ? n - i0 : BLK;                               \
+            const T *s0 = srcs[0] + i0;                                           \
+            for (size_t i = 0; i < m; i++)                                        \
+                acc[i] = s0[i];                                                   \
+            for (int r = 1; r < w; r++) {                                         \
+                const T *s = srcs[r] + i0;                                        \
+                if (op == OP_SUM) {                                               \
+                    for (size_t i = 0; i < m; i++)                                \
+                        acc[i] = (T)((U)acc[i] + (U)s[i]);                        \
+                } else if (op == OP_MAX) {                                        \
+                    for (size_t i = 0; i < m; i++)                                \
+                        acc[i] = IMAX(acc[i], s[i]);                              \
+                } else {                                                          \
+                    for (size_t i = 0; i < m; i++)                                \
+                        acc[i] = IMIN(acc[i], s[i]);                              \
+                }                                                                 \
+            }                                                                     \
+            memcpy(dst + i0, acc, m * sizeof(T));                                 \
+        }                                                                         \
+    }
+
+DEF_INT_REDUCE(reduce_i32, int32_t, uint32_t)
+DEF_INT_REDUCE(reduce_i64, int64_t, uint64_t)
+
+typedef void (*reduce_fn)(void *, void *const *, int, size_t, int);
+static const reduce_fn reducers[DT_COUNT] = {reduce_f32, reduce_bf16, reduce_f16,
+                                             reduce_i32, reduce_i64};
+
+/* Two sources are the hot case at world size 2: one fused pass, no block
+ * buffer.  Same arithmetic, same rounding as the general kernel. */
+KERNEL static void sum2_f32(float *d, const float *a, const float *b, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        d[i] = a[i] + b[i];
+}
+
+KERNEL static void sum2_bf16(uint16_t *d, const uint16_t *a, const uint16_t *b, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        d[i] = f32_to_bf16(bf16_to_f32(a[i]) + bf16_to_f32(b[i]));
+}
+
+static void do_reduce(int dtype, int op, void *dst, void *const *srcs, int w, size_t n)
+{
+    if (w == 2 && op == OP_SUM) {
+        if (dtype == DT_F32) {
+            sum2_f32(dst, srcs[0], srcs[1], n);
+            return;
+        }
+        if (dtype == DT_BF16) {
+            sum2_bf16(dst, srcs[0], srcs[1], n);
+            return;
+        }
+    }
+    reducers[dtype](dst, srcs, w, n, op);
+}
+
+/* ------------------------------------------------------------------------ */
+/* the engine object                                                         */
+/* ------------------------------------------------------------------------ */
+
+typedef struct {
+    PyObject_HEAD
+    char *base;
+    size_t size;
+    int fd;
+    int rank;
+    int world;
+    uint64_t slot_bytes;
+    uint64_t round;   /* last collective round this rank published */
+    uint64_t timeout_ns;
+    uint64_t spin_ns;  /* spin with pause this long before yielding */
+    uint64_t yield_ns; /* then sched_yield until this long, then futex */
+    int busy;
+    int failed;      /* the communicator is unusable after a failure */
+    /* details of the last error, for Python's message */
+    int err_rank;
+    uint32_t err_kind, err_dtype, err_op;
+    uint64_t err_count, err_arg;
+    uint64_t err_reason;
+    void **srcs; /* scratch: world source pointers */
+} Engine;
+
+static inline hdr_t *HDR(Engine *e) { return (hdr_t *)e->base; }
+
+static inline char *ctrl_of(Engine *e, int r) { return e->base + PAGE + (size_t)r * CTRL_BYTES; }
+
+static inline line_t *line_of(Engine *e, int r, int chan, int parity)
+{
+    return (line_t *)(ctrl_of(e, r) + LINE * (1 + 2 * chan + parity));
+}
+
+static inline char *slot_of(Engine *e, int r, int parity)
+{
+    size_t off = PAGE + (size_t)e->world * CTRL_BYTES + ((size_t)r * 2 + parity) * e->slot_bytes;
+    return e->base + off;
+}
+
+static inline uint32_t *futex_word(_Atomic uint64_t *p)
+{
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    return (uint32_t *)p;
+#else
+    return (uint32_t *)p + 1;
+#endif
+}
+
+static void futex_wake_all(_Atomic uint64_t *p)
+{
+    syscall(SYS_futex, futex_word(p), FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+/* Is the peer's liveness lock still held?  1 alive, 0 dead. */
+static int peer_alive(Engine *e, int r)
+{
+    struct flock fl;
+    memset(&fl, 0, sizeof fl);
+    fl.l_type = F_WRLCK;
+    fl.l_whence = SEEK_SET;
+    fl.l_start = r;
+    fl.l_len = 1;
+    if (fcntl(e->fd, F_OFD_GETLK, &fl) != 0)
+        return 1; /* cannot tell: assume alive, the deadline still holds */
+    return fl.l_type != F_UNLCK;
+}
+
+static void set_abort(Engine *e, uint64_t reason, int rank)
+{
+    uint64_t want = (reason << 32) | (uint64_t)(rank + 1), zero = 0;
+    atomic_compare_exchange_strong(&HDR(e)->abort_word, &zero, want);
+    /* wake every sleeper on every line: aborts are rare */
+    for (int r = 0; r < e->world; r++)
+        for (int c = 0; c < NCHAN; c++)
+            for (int p = 0; p < 2; p++)
+                futex_wake_all(&line_of(e, r, c, p)->seq);
+}
+
+static int take_abort(Engine *e)
+{
+    uint64_t a = atomic_load_explicit(&HDR(e)->abort_word, memory_order_acquire);
+    if (!a)
+        return 0;
+    e->err_reason = a >> 32;
+    e->err_rank = (int)(a & 0xffffffffu) - 1;
+    e->failed = 1;
+    return 1;
+}
+
+/*
+ * Wait until *seq >= n.  Spin (GIL held: most waits end here), then release
+ * the GIL and yield, then sleep on the futex.  `peer` is the rank whose
+ * liveness decides whether waiting still makes sense.  *ts holds the saved
+ * thread state once the GIL has been released (the caller restores it).
+ */
+static int wait_seq(Engine *e, _Atomic uint64_t *seq, uint64_t n, int peer, PyThreadState **ts)
+{
+    if (atomic_load_explicit(seq, memory_order_acquire) >= n)
+        return ST_OK;
+    uint64_t t0 = now_ns(), t = t0;
+    uint64_t deadline = t0 + e->timeout_ns;
+    while (t - t0 < e->spin_ns) {
+        for (int i = 0; i < 64; i++) {
+            cpu_relax();
+            if (atomic_load_explicit(seq, memory_order_acquire) >= n)
+                return ST_OK;
+        }
+        t = now_ns();
+    }
+    if (*ts == NULL)
+        *ts = PyEval_SaveThread();
+    uint64_t next_check = t + 2000000ull; /* liveness every 2 ms */
+    hdr_t *h = HDR(e);
+    for (;;) {
+        uint64_t v = atomic_load_explicit(seq, memory_order_acquire);
+        if (v >= n)
+            return ST_OK;
+        t = now_ns();
+        if (t >= next_check) {
+            next_check = t + 2000000ull;
+            if (take_abort(e))
+                return ST_ABORTED;
+            if (!peer_alive(e, peer)) {
+                if (atomic_load_explicit(seq, memory_order_acquire) >= n)
+                    return ST_OK; /* it published, then left: fine */
+                e->err_rank = peer;
+                e->failed = 1;
+                set_abort(e, ST_PEER_DEAD, peer);
+                return ST_PEER_DEAD;
+            }
+            if (t >= deadline) {
+                e->err_rank = peer;
+                e->failed = 1;
+                set_abort(e, ST_TIMEOUT, e->rank);
+                return ST_TIMEOUT;
+            }
+        }
+        if (t - t0 < e->yield_ns) {
+            sched_yield();
+            continue;
+        }
+        /* sleep: announce, re-check, wait on the futex (bounded), retract */
+        atomic_fetch_add_explicit(&h->sleepers, 1, memory_order_seq_cst);
+        v = atomic_load_explicit(seq, memory_order_seq_cst);
+        if (v < n && !atomic_load_explicit(&h->abort_word, memory_order_relaxed)) {
+            struct timespec to = {0, 2000000}; /* 2 ms: the liveness period */
+            syscall(SYS_futex, futex_word(seq), FUTEX_WAIT, (uint32_t)v, &to, NULL, 0);
+        }
+        atomic_fetch_sub_explicit(&h->sleepers, 1, memory_order_relaxed);
+    }
+}
+
+static inline void publish(Engine *e, line_t *l, uint64_t n)
+{
+    atomic_store_explicit(&l->seq, n, memory_order_release);
+    atomic_thread_fence(memory_order_seq_cst);
+    if (atomic_load_explicit(&HDR(e)->sleepers, memory_order_relaxed))
+        futex_wake_all(&l->seq);
+}
+
+/*
+ * One round on the collective channel: fill in the metadata, publish, wait
+ * for every peer, check they all called the same thing.  Copy-in happens
+ * before (the caller writes its slot).  Returns a status code.
+ */
+static int round_sync(Engine *e, uint32_t kind, uint32_t dtype, uint32_t op, uint64_t count,
+                      uint64_t arg, PyThreadState **ts)
+{
+    uint64_t n = ++e->round;
+    int p = (int)(n & 1);
+    line_t *mine = line_of(e, e->rank, 0, p);
+    mine->kind = kind;
+    mine->dtype = dtype;
+    mine->op = op;
+    mine->count = count;
+    mine->arg = arg;
+    publish(e, mine, n);
+    int mismatch = -1;
+    for (int i = 1; i < e->world; i++) {
+        int r = (e->rank + i) % e->world; /* stagger: ranks look at different peers first */
+        line_t *l = line_of(e, r, 0, p);
+        int st = wait_seq(e, &l->seq, n, r, ts);
+        if (st != ST_OK)
+            return st;
+        if (mismatch < 0 && (l->kind != kind || l->dtype != dtype || l->op != op ||
+                             l->count != count || l->arg != arg)) {
+            mismatch = r;
+            e->err_rank = r;
+            e->err_kind = l->kind;
+            e->err_dtype = l->dtype;
+            e->err_op = l->op;
+            e->err_count = l->count;
+            e->err_arg = l->arg;
+        }
+    }
+    return mismatch >= 0 ? ST_MISMATCH : ST_OK;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Python methods                                                            */
+/* ------------------------------------------------------------------------ */
+
+#define GIL_RELEASE_BYTES (256u * 1024u) /* below this, the op is shorter than the GIL round trip matters */
+
+static PyObject *eng_closed_error(void)
+{
+    PyErr_SetString(PyExc_RuntimeError, "tpcomm engine is closed");
+    return NULL;
+}
+
+static int enter(Engine *e)
+{
+    if (!e->base) {
+        eng_closed_error();
+        return -1;
+    }
+    if (e->busy) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "tpcomm: a Communicator is not thread-safe; another thread is inside a "
+                        "collective on it");
+        return -1;
+    }
+    if (e->failed || take_abort(e))
+        return 1;
+    e->busy = 1;
+    return 0;
+}
+
+/* all_reduce(ptr, count, dtype, op, kind) -> status */
+static PyObject *eng_all_reduce(Engine *e, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "all_reduce expects 5 arguments");
+        return NULL;
+    }
+    unsigned long long addr = PyLong_AsUnsignedLongLong(args[0]);
+    long long count = PyLong_AsLongLong(args[1]);
+    long dtype = PyLong_AsLong(args[2]);
+    long op = PyLong_AsLong(args[3]);
+    long kind = PyLong_AsLong(args[4]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (dtype < 0 || dtype >= DT_COUNT || op < 0 || op >= OP_COUNT || count < 0) {
+        PyErr_SetString(PyExc_ValueError, "all_reduce: bad dtype, op or count code");
+        return NULL;
+    }
+    int en = enter(e);
+    if (en < 0)
+        return NULL;
+    if (en > 0)
+        return PyLong_FromLong(ST_ABORTED);
+    const size_t es = dt_size[dtype];
+    const size_t chunk = e->slot_bytes / es;
+    char *t = (char *)(uintptr_t)addr;
+    PyThreadState *ts = NULL;
+    if ((size_t)count * es >= GIL_RELEASE_BYTES)
+        ts = PyEval_SaveThread();
+    int st = ST_OK;
+    size_t done = 0;
+    do {
+        size_t m = (size_t)count - done < chunk ? (size_t)count - done : chunk;
+        int p = (int)((e->round + 1) & 1);
+        char *src = t + done * es;
+        memcpy(slot_of(e, e->rank, p), src, m * es);
+        st = round_sync(e, (uint32_t)kind, (uint32_t)dtype, (uint32_t)op, (uint64_t)count, 0, &ts);
+        if (st != ST_OK)
+            break;
+        for (int r = 0; r < e->world; r++)
+            e->srcs[r] = r == e->rank ? (void *)src : (void *)slot_of(e, r, p);
+        do_reduce((int)dtype, (int)op, src, e->srcs, e->world, m);
+        done += m;
+    } while (done < (size_t)count);
+    if (ts)
+        PyEval_RestoreThread(ts);
+    e->busy = 0;
+    return PyLong_FromLong(st);
+}
+
+/* barrier(kind) -> status */
+static PyObject *eng_barrier(Engine *e, PyObject *arg)
+{
+    long kind = PyLong_AsLong(arg);
+    if (kind == -1 && PyErr_Occurred())
+        return NULL;
+    int en = enter(e);
+    if (en < 0)
+        return NULL;
+    if (en > 0)
+        return PyLong_FromLong(ST_ABORTED);
+    PyThreadState *ts = NULL;
+    int st = round_sync(e, (uint32_t)kind, 0, 0, 0, 0, &ts);
+    if (ts)
+        PyEval_RestoreThread(ts);
+    e->busy = 0;
+    return PyLong_FromLong(st);
+}
+
+/* reduce(dtype, op, dst, [src addresses], count): the kernel alone, for tests and perf */
+static PyObject *eng_reduce_kernel(PyObject *self, PyObject *args)
+{
+    (void)self;
+    int dtype, op;
+    unsigned long long dst;
+    PyObject *srcs;
+    long long count;
+    if (!PyArg_ParseTuple(args, "iiKOL", &dtype, &op, &dst, &srcs, &count))
+        return NULL;
+    if (dtype < 0 || dtype >= DT_COUNT || op < 0 || op >= OP_COUNT || count < 0) {
+        PyErr_SetString(PyExc_ValueError, "reduce: bad dtype, op or count");
+        return NULL;
+    }
+    Py_ssize_t w = PySequence_Length(srcs);
+    if (w < 1)
+        return PyErr_Occurred() ? NULL : (PyErr_SetString(PyExc_ValueError, "reduce: no sources"), NULL);
+    void **p = PyMem_Malloc(sizeof(void *) * (size_t)w);
+    if (!p)
+        return PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < w; i++) {
+        PyObject *o = PySequence_GetItem(srcs, i);
+        p[i] = o ? (void *)(uintptr_t)PyLong_AsUnsignedLongLong(o) : NULL;
+        Py_XDECREF(o);
+    }
+    if (PyErr_Occurred()) {
+        PyMem_Free(p);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    do_reduce(dtype, op, (void *)(uintptr_t)dst, p, (int)w, (size_t)count);
+    Py_END_ALLOW_THREADS
+    PyMem_Free(p);
+    Py_RETURN_NONE;
+}
+
+static PyObject *eng_error_info(Engine *e, PyObject *unused)
+{
+    (void)unused;
+    return Py_BuildValue("{s:i,s:I,s:I,s:I,s:K,s:K,s:K}", "rank", e->err_rank, "kind",
+                         e->err_kind, "dtype", e->err_dtype, "op", e->err_op, "count",
+                         (unsigned long long)e->err_count, "arg", (unsigned long long)e->err_arg,
+                         "reason", (unsigned long long)e->err_reason);
+}
+
+static PyObject *eng_header(Engine *e, PyObject *unused)
+{
+    (void)unused;
+    if (!e->base)
+        return eng_closed_error();
+    hdr_t *h = HDR(e);
+    return Py_BuildValue("{s:K,s:I,s:I,s:K,s:K,s:K,s:K,s:K,s:I}", "magic",
+                         (unsigned long long)h->magic, "version", h->version, "world", h->world,
+                         "slot_bytes", (unsigned long long)h->slot_bytes, "total_bytes",
+                         (unsigned long long)h->total_bytes, "ctrl_off",
+                         (unsigned long long)h->ctrl_off, "slot_off",
+                         (unsigned long long)h->slot_off, "nchan", (unsigned long long)h->nchan,
+                         "attached", (unsigned)atomic_load(&h->attached));
+}
+
+/* attach() -> number of ranks attached so far, this one included */
+static PyObject *eng_attach(Engine *e, PyObject *unused)
+{
+    (void)unused;
+    if (!e->base)
+        return eng_closed_error();
+    *(uint64_t *)ctrl_of(e, e->rank) = (uint64_t)getpid();
+    uint32_t n = atomic_fetch_add(&HDR(e)->attached, 1) + 1;
+    return PyLong_FromUnsignedLong(n);
+}
+
+/* wait_attached(timeout_s) -> True when every rank attached, False on timeout */
+static PyObject *eng_wait_attached(Engine *e, PyObject *arg)
+{
+    double timeout = PyFloat_AsDouble(arg);
+    if (timeout == -1.0 && PyErr_Occurred())
+        return NULL;
+    if (!e->base)
+        return eng_closed_error();
+    uint64_t deadline = now_ns() + (uint64_t)(timeout * 1e9);
+    int ok = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (;;) {
+        if (atomic_load(&HDR(e)->attached) >= (uint32_t)e->world) {
+            ok = 1;
+            break;
+        }
+        if (now_ns() >= deadline)
+            break;
+        struct timespec s = {0, 200000};
+        nanosleep(&s, NULL);
+    }
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(ok);
+}
+
+static PyObject *eng_peer_pids(Engine *e, PyObject *unused)
+{
+    (void)unused;
+    if (!e->base)
+        return eng_closed_error();
+    PyObject *l = PyList_New(e->world);
+    if (!l)
+        return NULL;
+    for (int r = 0; r < e->world; r++)
+        PyList_SET_ITEM(l, r, PyLong_FromUnsignedLongLong(*(uint64_t *)ctrl_of(e, r)));
+    return l;
+}
+
+static PyObject *eng_alive(Engine *e, PyObject *arg)
+{
+    long r = PyLong_AsLong(arg);
+    if (r == -1 && PyErr_Occurred())
+        return NULL;
+    if (!e->base)
+        return eng_closed_error();
+    if (r < 0 || r >= e->world) {
+        PyErr_Format(PyExc_ValueError, "alive: rank %ld out of range [0, %d)", r, e->world);
+        return NULL;
+    }
+    return PyBool_FromLong(peer_alive(e, (int)r));
+}
+
+static PyObject *eng_abort(Engine *e, PyObject *arg)
+{
+    long reason = PyLong_AsLong(arg);
+    if (reason == -1 && PyErr_Occurred())
+        return NULL;
+    if (e->base)
+        set_abort(e, (uint64_t)reason, e->rank);
+    e->failed = 1;
+    Py_RETURN_NONE;
+}
+
+static void eng_unmap(Engine *e)
+{
+    if (e->base) {
+        munmap(e->base, e->size);
+        e->base = NULL;
+    }
+    if (e->fd >= 0) {
+        close(e->fd); /* drops the liveness lock */
+        e->fd = -1;
+    }
+}
+
+static PyObject *eng_close(Engine *e, PyObject *unused)
+{
+    (void)unused;
+    if (e->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "tpcomm: close() while a collective is running");
+        return NULL;
+    }
+    eng_unmap(e);
+    Py_RETURN_NONE;
+}
+
+static PyObject *eng_address(Engine *e, PyObject *unused)
+{
+    (void)unused;
+    if (!e->base)
+        return eng_closed_error();
+    return PyLong_FromUnsignedLongLong((unsigned long long)(uintptr_t)e->base);
+}
+
+/*
+ * Engine(fd, size, rank, world, slot_bytes, create, timeout_s, spin_us, yield_us)
+ * Maps the segment (fd stays owned by the engine: it carries the liveness
+ * lock), takes the liveness lock on byte `rank`, and writes the header when
+ * `create` is true.  Header validation on attach is Python's (header()).
+ */
+static int eng_init(Engine *e, PyObject *args, PyObject *kw)
+{
+    (void)kw;
+    int fd, rank, world, create;
+    unsigned long long size, slot_bytes;
+    double timeout, spin_us, yield_us;
+    if (!PyArg_ParseTuple(args, "iKiiKpddd", &fd, &size, &rank, &world, &slot_bytes, &create,
+                          &timeout, &spin_us, &yield_us))
+        return -1;
+    if (world < 2 || rank < 0 || rank >= world || slot_bytes == 0 || slot_bytes % PAGE) {
+        PyErr_Format(PyExc_ValueError, "Engine: bad rank %d / world %d / slot_bytes %llu", rank,
+                     world, slot_bytes);
+        return -1;
+    }
+    if (world > MAX_WORLD) {
+        PyErr_Format(PyExc_ValueError, "Engine: world %d too large", world);
+        return -1;
+    }
+    uint64_t need = seg_size((uint32_t)world, slot_bytes);
+    if (size < need) {
+        PyErr_Format(PyExc_ValueError, "Engine: segment of %llu bytes, layout needs %llu", size,
+                     (unsigned long long)need);
+        return -1;
+    }
+    int myfd = fcntl(fd, F_DUPFD_CLOEXEC, 3);
+    if (myfd < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    void *p = mmap(NULL, (size_t)size, PROT_READ | PROT_WRITE, MAP_SHARED, myfd, 0);
+    if (p == MAP_FAILED) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        close(myfd);
+        return -1;
+    }
+    /* The dup shares the open file description with `fd`; Python opens a
+     * fresh description per rank, so OFD locks of different ranks conflict. */
+    struct flock fl;
+    memset(&fl, 0, sizeof fl);
+    fl.l_type = F_WRLCK;
+    fl.l_whence = SEEK_SET;
+    fl.l_start = rank;
+    fl.l_len = 1;
+    if (fcntl(myfd, F_OFD_SETLK, &fl) != 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        munmap(p, (size_t)size);
+        close(myfd);
+        return -1;
+    }
+    eng_unmap(e);
+    PyMem_Free(e->srcs);
+    e->srcs = PyMem_Calloc((size_t)world, sizeof(void *));
+    if (!e->srcs) {
+        munmap(p, (size_t)size);
+        close(myfd);
+        PyErr_NoMemory();
+        return -1;
+    }
+    e->base = p;
+    e->size = (size_t)size;
+    e->fd = myfd;
+    e->rank = rank;
+    e->world = world;
+    e->slot_bytes = slot_bytes;
+    e->round = 0;
+    e->timeout_ns = (uint64_t)(timeout * 1e9);
+    e->spin_ns = (uint64_t)(spin_us * 1e3);
+    e->yield_ns = (uint64_t)(yield_us * 1e3);
+    e->busy = 0;
+    e->failed = 0;
+    if (create) {
+        hdr_t *h = HDR(e);
+        h->version = VERSION;
+        h->world = (uint32_t)world;
+        h->slot_bytes = slot_bytes;
+        h->total_bytes = need;
+        h->ctrl_off = PAGE;
+        h->slot_off = PAGE + (uint64_t)world * CTRL_BYTES;
+        h->nchan = NCHAN;
+        atomic_store(&h->attached, 0);
+        atomic_store(&h->sleepers, 0);
+        atomic_store(&h->abort_word, 0);
+        atomic_thread_fence(memory_order_release);
+        h->magic = MAGIC;
+    }
+    return 0;
+}
+
+static void eng_dealloc(Engine *e)
+{
+    eng_unmap(e);
+    PyMem_Free(e->srcs);
+    Py_TYPE(e)->tp_free((PyObject *)e);
+}
+
+static PyObject *eng_get_round(Engine *e, void *c)
+{
+    (void)c;
+    return PyLong_FromUnsignedLongLong(e->round);
+}
+
+static PyObject *eng_get_failed(Engine *e, void *c)
+{
+    (void)c;
+    if (!e->failed && e->base)
+        take_abort(e);
+    return PyBool_FromLong(e->failed);
+}
+
+static PyObject *eng_set_timeout(Engine *e, PyObject *arg)
+{
+    double t = PyFloat_AsDouble(arg);
+    if (t == -1.0 && PyErr_Occurred())
+        return NULL;
+    e->timeout_ns = (uint64_t)(t * 1e9);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef eng_methods[] = {
+    {"all_reduce", (PyCFunction)(void (*)(void))eng_all_reduce, METH_FASTCALL, NULL},
+    {"barrier", (PyCFunction)eng_barrier, METH_O, NULL},
+    {"error_info", (PyCFunction)eng_error_info, METH_NOARGS, NULL},
+    {"header", (PyCFunction)eng_header, METH_NOARGS, NULL},
+    {"attach", (PyCFunction)eng_attach, METH_NOARGS, NULL},
+    {"wait_attached", (PyCFunction)eng_wait_attached, METH_O, NULL},
+    {"peer_pids", (PyCFunction)eng_peer_pids, METH_NOARGS, NULL},
+    {"alive", (PyCFunction)eng_alive, METH_O, NULL},
+    {"abort", (PyCFunction)eng_abort, METH_O, NULL},
+    {"close", (PyCFunction)eng_close, METH_NOARGS, NULL},
+    {"address", (PyCFunction)eng_address, METH_NOARGS, NULL},
+    {"set_timeout", (PyCFunction)eng_set_timeout, METH_O, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef eng_getset[] = {
+    {"round", (getter)eng_get_round, NULL, NULL, NULL},
+    {"failed", (getter)eng_get_failed, NULL, NULL, NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject EngineType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tpcomm._native.Engine",
+    .tp_basicsize = sizeof(Engine),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)eng_init,
+    .tp_dealloc = (destructor)eng_dealloc,
+    .tp_methods = eng_methods,
+    .tp_getset = eng_getset,
+};
+
+static PyObject *mod_segment_size(PyObject *self, PyObject *args)
+{
+    (void)self;
+    unsigned int world;
+    unsigned long long slot_bytes;
+    if (!PyArg_ParseTuple(args, "IK", &world, &slot_bytes))
+        return NULL;
+    return PyLong_FromUnsignedLongLong(seg_size(world, slot_bytes));
+}
+
+static PyObject *mod_isa(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"))
+        return PyUnicode_FromString("x86-64-v4 (avx512)");
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        return PyUnicode_FromString("x86-64-v3 (avx2)");
+    return PyUnicode_FromString("x86-64 (sse2)");
+#elif defined(__aarch64__)
+    return PyUnicode_FromString("aarch64 (neon)");
+#else
+    return PyUnicode_FromString("generic (scalar)");
+#endif
+}
+
+static PyMethodDef mod_methods[] = {
+    {"segment_size", mod_segment_size, METH_VARARGS, NULL},
+    {"reduce", eng_reduce_kernel, METH_VARARGS, NULL},
+    {"isa", mod_isa, METH_NOARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef mod = {PyModuleDef_HEAD_INIT, "tpcomm._native", NULL, -1, mod_methods,
+                                 NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__native(void)
+{
+    if (PyType_Ready(&EngineType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&mod);
+    if (!m)
+        return NULL;
+    Py_INCREF(&EngineType);
+    if (PyModule_AddObject(m, "Engine", (PyObject *)&EngineType) < 0) {
+        Py_DECREF(&EngineType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    PyModule_AddIntConstant(m, "ST_OK", ST_OK);
+    PyModule_AddIntConstant(m, "ST_TIMEOUT", ST_TIMEOUT);
+    PyModule_AddIntConstant(m, "ST_PEER_DEAD", ST_PEER_DEAD);
+    PyModule_AddIntConstant(m, "ST_MISMATCH", ST_MISMATCH);
+    PyModule_AddIntConstant(m, "ST_ABORTED", ST_ABORTED);
+    PyModule_AddObject(m, "MAGIC", PyLong_FromUnsignedLongLong(MAGIC));
+    PyModule_AddIntConstant(m, "VERSION", VERSION);
+    PyModule_AddIntConstant(m, "PAGE", PAGE);
+    PyModule_AddIntConstant(m, "NCHAN", NCHAN);
+    return m;
+}

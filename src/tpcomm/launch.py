@@ -1,0 +1,250 @@
+"""tpcomm.launch: run a function on N local ranks, no torch.distributed needed.
+
+The ranks are forked from a forkserver that has imported torch and tpcomm
+once, so a rank starts in milliseconds and never inherits a parent's OpenMP
+state.  The parent hosts a TCPStore for the set-up only.  ``LocalGroup``
+keeps the ranks alive between calls (the test suite and ``tpcomm perf`` use
+it); ``launch`` is one group, one call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import datetime
+import itertools
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import os
+import signal
+import time
+import traceback
+from typing import Any, Callable, Optional, Sequence
+
+from .errors import LaunchError, PeerFailedError
+
+__all__ = ["launch", "LocalGroup"]
+
+_ids = itertools.count()
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent exits."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _worker(rank: int, world: int, port: int, prefix: str, conn: Any,
+            timeout: Optional[float], cpu: Optional[int]) -> None:
+    _die_with_parent()
+    if cpu is not None:
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, {cpu})
+    from torch.distributed import TCPStore
+
+    from .communicator import Communicator
+
+    try:
+        comm = None
+        store = None
+        if world > 1:
+            store = TCPStore("127.0.0.1", port, is_master=False,
+                             timeout=datetime.timedelta(seconds=timeout or 300))
+        comm = Communicator._from_store(store, rank, world, prefix, "launch", timeout)
+        del store
+    except BaseException as e:
+        conn.send(("err", traceback.format_exc(), type(e).__name__))
+        return
+    conn.send(("ready", None, None))
+    with comm:
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                break
+            if msg is None:
+                break
+            fn, args = msg
+            try:
+                reply = ("ok", fn(comm, *args), None)
+            except BaseException as e:
+                reply = ("err", traceback.format_exc(), type(e).__name__)
+            try:
+                conn.send(reply)
+            except Exception as e:  # result not picklable
+                conn.send(("err", f"rank {rank}: cannot send the result back: {e!r}",
+                           type(e).__name__))
+
+
+class LocalGroup:
+    """``world_size`` local ranks, each holding a Communicator, kept alive between calls.
+
+    Args:
+        world_size: number of ranks (>= 1).
+        timeout: the communicators' timeout (seconds); default TPCOMM_TIMEOUT.
+        pin: pin rank r to CPU r (mod the CPUs this process may use).
+        start_timeout: seconds to wait for the ranks to start.
+
+    Any failure in ``run`` ends every rank: the group cannot be used again.
+    """
+
+    def __init__(self, world_size: int, *, timeout: Optional[float] = None, pin: bool = False,
+                 start_timeout: float = 120.0):
+        if isinstance(world_size, bool) or not isinstance(world_size, int):
+            raise TypeError(f"launch: world_size must be an int, got {type(world_size).__name__}")
+        if world_size < 1:
+            raise ValueError(f"launch: world_size must be >= 1, got {world_size}")
+        from torch.distributed import TCPStore
+
+        self.world_size = world_size
+        self._procs: list[Any] = []
+        self._conns: list[Any] = []
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "tpcomm"])
+        self._store = None
+        port = 0
+        if world_size > 1:
+            self._store = TCPStore("127.0.0.1", 0, None, is_master=True,
+                                   timeout=datetime.timedelta(seconds=start_timeout),
+                                   wait_for_workers=False)
+            port = self._store.port
+        prefix = f"tpcomm/launch/{os.getpid()}/{next(_ids)}"
+        cpus = sorted(os.sched_getaffinity(0))
+        try:
+            for r in range(world_size):
+                parent, child = ctx.Pipe()
+                cpu = cpus[r % len(cpus)] if pin else None
+                p = ctx.Process(target=_worker, name=f"tpcomm-rank{r}",
+                                args=(r, world_size, port, prefix, child, timeout, cpu),
+                                daemon=True)
+                p.start()
+                child.close()
+                self._procs.append(p)
+                self._conns.append(parent)
+            self._collect("start", start_timeout, expect="ready")
+        except BaseException:
+            self.close()
+            raise
+        self._store = None  # set-up is over: the ranks talk through shared memory
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: Optional[float] = None) -> list:
+        """Call ``fn(comm, *args)`` on every rank; return the results in rank order.
+
+        Raises:
+            LaunchError: a rank raised, died, or the call ran past ``timeout``;
+                every rank has been ended.
+        """
+        if not self._procs:
+            raise LaunchError("launch: this group is closed", rank=-1)
+        for c in self._conns:
+            c.send((fn, args))
+        return self._collect(getattr(fn, "__name__", "fn"), timeout, expect="ok")
+
+    def _collect(self, what: str, timeout: Optional[float], expect: str) -> list:
+        n = self.world_size
+        results: list[Any] = [None] * n
+        pending = set(range(n))
+        failures: dict[int, tuple[str, str]] = {}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        grace_end = None
+        while pending:
+            now = time.monotonic()
+            limit = deadline if grace_end is None else grace_end
+            if limit is not None and now >= limit:
+                break
+            waits = [self._conns[r] for r in pending] + [self._procs[r].sentinel for r in pending]
+            ready = mpc.wait(waits, None if limit is None else limit - now)
+            for r in list(pending):
+                conn, proc = self._conns[r], self._procs[r]
+                if conn in ready or (proc.sentinel in ready and conn.poll()):
+                    try:
+                        kind, value, exc = conn.recv()
+                    except (EOFError, OSError):
+                        kind, value, exc = "dead", None, None
+                elif proc.sentinel in ready:
+                    kind, value, exc = "dead", None, None
+                else:
+                    continue
+                pending.discard(r)
+                if kind == expect:
+                    results[r] = value
+                elif kind == "err":
+                    failures[r] = (exc or "Exception", value)
+                else:
+                    proc.join(1)
+                    code = proc.exitcode
+                    how = (f"killed by signal {signal.Signals(-code).name}" if code and code < 0
+                           else f"exited with code {code}")
+                    failures[r] = ("died", f"rank {r} {how} during {what}")
+            if failures and grace_end is None:
+                # let the other ranks report too, to tell cause from consequence
+                grace_end = time.monotonic() + 0.5
+        if failures or pending:
+            self.close()
+            if not failures:
+                raise LaunchError(
+                    f"launch: {what} timed out after {timeout}s; ranks {sorted(pending)} did "
+                    f"not finish; every rank was ended", rank=min(pending))
+            # the root cause: a rank that did not merely see a peer fail
+            consequences = {PeerFailedError.__name__}
+            causes = [r for r, (exc, _) in sorted(failures.items()) if exc not in consequences]
+            rank = causes[0] if causes else min(failures)
+            exc, text = failures[rank]
+            raise LaunchError(f"launch: rank {rank} failed in {what} ({exc}):\n{text}",
+                              rank=rank, remote_traceback=text)
+        return results
+
+    def close(self) -> None:
+        """End every rank (politely, then by force) and reap them.  Idempotent."""
+        for c in self._conns:
+            with contextlib.suppress(Exception):
+                c.send(None)
+        deadline = time.monotonic() + 2.0
+        for p in self._procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+        for p in self._procs:
+            p.join(5)
+        for c in self._conns:
+            c.close()
+        self._procs = []
+        self._conns = []
+        self._store = None
+
+    def __enter__(self) -> LocalGroup:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+def launch(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
+           timeout: Optional[float] = None) -> list:
+    """Spawn ``world_size`` local ranks and call ``fn(comm, *args)`` in each.
+
+    ``fn`` and ``args`` must be picklable (a module-level function; in a
+    script, guard the call with ``if __name__ == "__main__":``).
+
+    Args:
+        fn: called as ``fn(comm, *args)`` with each rank's Communicator.
+        world_size: number of ranks.
+        args: extra arguments, the same for every rank.
+        timeout: seconds for the whole call (None: no limit) and for the
+            communicators' waits.
+
+    Returns:
+        The ranks' return values, in rank order.
+
+    Raises:
+        LaunchError: a rank raised or died (``.rank`` and
+            ``.remote_traceback`` say which and how); the other ranks were
+            ended, and nothing is left running or mapped.
+    """
+    with LocalGroup(world_size, timeout=timeout) as group:
+        return group.run(fn, *args, timeout=timeout)

@@ -1,0 +1,72 @@
+"""Reduce operations and the dtype tables shared by every path."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+__all__ = ["ReduceOp"]
+
+
+class ReduceOp(enum.Enum):
+    """Reduction applied by all_reduce / reduce_scatter.
+
+    SUM and AVG accumulate floating types in float32 (bfloat16 and float16
+    round once at the end); integer SUM wraps like torch.  AVG needs a
+    floating dtype.
+    """
+
+    SUM = 0
+    AVG = 1
+    MAX = 2
+    MIN = 3
+
+
+# dtype -> code understood by the C core (see _native.c DT_*)
+DTYPE_CODES = {
+    torch.float32: 0,
+    torch.bfloat16: 1,
+    torch.float16: 2,
+    torch.int32: 3,
+    torch.int64: 4,
+}
+CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# torch.distributed's ReduceOp values users may pass instead of ours
+_DIST_OPS = {"SUM": ReduceOp.SUM, "AVG": ReduceOp.AVG, "MAX": ReduceOp.MAX, "MIN": ReduceOp.MIN}
+
+
+def as_reduce_op(fn: str, op) -> ReduceOp:
+    """Return ``op`` as a ReduceOp, accepting torch.distributed's too.
+
+    Raises:
+        TypeError: ``op`` is no reduce op.
+        ValueError: ``op`` is a reduce op tpcomm does not implement.
+    """
+    if isinstance(op, ReduceOp):
+        return op
+    name = getattr(op, "name", None)
+    if name is None:
+        # torch.distributed.ReduceOp.RedOpType members and ReduceOp instances
+        text = str(op).rsplit(".", 1)[-1]
+        if "ReduceOp" in type(op).__qualname__ or "RedOpType" in type(op).__qualname__:
+            name = text
+    if isinstance(name, str):
+        if name in _DIST_OPS:
+            return _DIST_OPS[name]
+        raise ValueError(
+            f"{fn}: op {name} is not supported; supported: "
+            f"{', '.join('ReduceOp.' + o.name for o in ReduceOp)}"
+        )
+    raise TypeError(f"{fn}: op must be a tpcomm.ReduceOp, got {type(op).__name__} {op!r}")
+
+
+# (dtype, op) -> (dtype code, op code) for the fast path of all_reduce
+AR_CODES = {
+    (dt, op): (code, op.value)
+    for dt, code in DTYPE_CODES.items()
+    for op in ReduceOp
+    if not (op is ReduceOp.AVG and dt not in FLOAT_DTYPES)
+}

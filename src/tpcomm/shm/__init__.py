@@ -1,0 +1,1 @@
+"""The CPU shared-memory engine: segments and the collectives over them."""

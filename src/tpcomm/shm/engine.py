@@ -1,0 +1,176 @@
+"""The shared-memory engine: a segment mapped by every rank, and its collectives.
+
+The protocol itself (rounds, parity slots, publish/wait, liveness locks,
+abort word) is documented at the top of ``_native.c``; this module sets it
+up and turns the core's status codes into tpcomm's exceptions.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .. import _env, _native
+from ..bootstrap import broadcast_from_rank0, local_cpu_count
+from ..errors import CommError, CommTimeoutError, PeerFailedError
+from ..ops import CODE_DTYPES, ReduceOp
+from . import segment
+
+__all__ = ["ShmEngine", "KIND_NAMES", "KIND_ALL_REDUCE", "KIND_BARRIER"]
+
+# op kinds, published with every round so that ranks calling different
+# collectives are told so instead of corrupting each other
+KIND_ALL_REDUCE = 1
+KIND_BARRIER = 2
+KIND_NAMES = {KIND_ALL_REDUCE: "all_reduce", KIND_BARRIER: "barrier"}
+
+ST_OK = _native.ST_OK
+ST_TIMEOUT = _native.ST_TIMEOUT
+ST_PEER_DEAD = _native.ST_PEER_DEAD
+ST_MISMATCH = _native.ST_MISMATCH
+ST_ABORTED = _native.ST_ABORTED
+
+
+def _describe_call(kind: int, dtype: int, op: int, count: int) -> str:
+    name = KIND_NAMES.get(kind, f"op kind {kind}")
+    if kind == KIND_BARRIER:
+        return "barrier()"
+    dt = CODE_DTYPES.get(dtype, f"dtype code {dtype}")
+    try:
+        opname = ReduceOp(op).name
+    except ValueError:
+        opname = str(op)
+    return f"{name}(dtype={dt}, op={opname}, numel={count})"
+
+
+class ShmEngine:
+    """One communicator's segment and the native engine that drives it."""
+
+    def __init__(self, store: Any, rank: int, world: int, prefix: str, group_tag: str,
+                 timeout: float):
+        self.rank = rank
+        self.world = world
+        self.timeout = timeout
+        slot_bytes = _env.slot_bytes()
+        # Ranks that outnumber the cores gain nothing by spinning: the peer they
+        # wait for needs the core.  (Pinned ranks see one CPU; count the host's.)
+        oversubscribed = world > max(local_cpu_count(), os.cpu_count() or 1)
+        spin = 0.0 if oversubscribed else _env.spin_us()
+        # Every rank must agree on the layout: rank 0 decides and publishes it.
+        path = None
+        fd = -1
+        if rank == 0:
+            try:
+                path, fd = segment.create(world, slot_bytes, group_tag)
+                value = f"{slot_bytes}:{path}"
+            except CommError as e:
+                broadcast_from_rank0(store, prefix, 0, "segment", "!" + str(e), timeout)
+                raise
+        else:
+            value = None
+        value = broadcast_from_rank0(store, prefix, rank, "segment", value, timeout)
+        slot_text, path = value.split(":", 1)
+        slot_bytes = int(slot_text)
+        self.path = path
+        self._native = None
+        try:
+            if rank != 0:
+                fd = segment.open_existing(path, world, slot_bytes)
+            size = segment.segment_size(world, slot_bytes)
+            self._native = _native.Engine(fd, size, rank, world, slot_bytes, rank == 0, timeout,
+                                          spin, _env.yield_us())
+            os.close(fd)
+            fd = -1
+            self._validate(slot_bytes, size)
+            self._native.attach()
+            ok = self._native.wait_attached(timeout)
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            segment.unlink_quietly(path)
+            self.close()
+            raise
+        # All ranks mapped it (or the wait gave up): nobody needs the name now.
+        segment.unlink_quietly(path)
+        if not ok:
+            self.close()
+            raise CommTimeoutError(
+                f"tpcomm: only some of the {world} ranks attached to the segment within "
+                f"{timeout:g}s; the others are missing or were started with a different world size"
+            )
+        self.slot_bytes = slot_bytes
+        # the pre-bound hot path
+        self.all_reduce = self._native.all_reduce
+        self.barrier = self._native.barrier
+        # exchange nothing more through the store: drop the reference
+        del store
+
+    def _validate(self, slot_bytes: int, size: int) -> None:
+        h = self._native.header()
+        expect = {
+            "magic": _native.MAGIC,
+            "version": _native.VERSION,
+            "world": self.world,
+            "slot_bytes": slot_bytes,
+            "total_bytes": size,
+            "nchan": _native.NCHAN,
+        }
+        for key, want in expect.items():
+            if h[key] != want:
+                raise CommError(
+                    f"tpcomm: segment {self.path} has {key}={h[key]}, expected {want} "
+                    f"(a different tpcomm version, or ranks that disagree on the world size)"
+                )
+
+    # -- errors ---------------------------------------------------------------
+
+    def raise_status(self, status: int, fn: str, kind: int, dtype: int, op: int,
+                     count: int) -> None:
+        """Raise the exception for a non-zero status of the native core."""
+        info = self._native.error_info() if self._native is not None else {}
+        peer = info.get("rank", -1)
+        if status == ST_MISMATCH:
+            mine = _describe_call(kind, dtype, op, count)
+            theirs = _describe_call(info["kind"], info["dtype"], info["op"], info["count"])
+            raise ValueError(
+                f"{fn}: mismatched collective: rank {self.rank} called {mine} but rank {peer} "
+                f"called {theirs}; every rank must call the same collective with the same "
+                f"dtype, op and element count"
+            )
+        if status == ST_PEER_DEAD:
+            raise PeerFailedError(
+                f"{fn}: rank {peer} died or closed its communicator while rank {self.rank} "
+                f"was waiting for it; this communicator can no longer be used",
+                rank=peer,
+            )
+        if status == ST_TIMEOUT:
+            raise CommTimeoutError(
+                f"{fn}: rank {self.rank} waited {self.timeout:g}s for rank {peer}, which is "
+                f"alive but never joined the collective (raise TPCOMM_TIMEOUT or the "
+                f"timeout= argument if that is expected)",
+                rank=peer,
+            )
+        if status == ST_ABORTED:
+            reason = info.get("reason")
+            if reason == ST_TIMEOUT:
+                raise CommTimeoutError(
+                    f"{fn}: rank {peer} timed out in a collective of this communicator; "
+                    f"it can no longer be used",
+                    rank=peer,
+                )
+            raise PeerFailedError(
+                f"{fn}: rank {peer} died or left during a collective of this communicator; "
+                f"it can no longer be used",
+                rank=peer,
+            )
+        raise CommError(f"{fn}: internal error, status {status}")
+
+    @property
+    def failed(self) -> bool:
+        return self._native is not None and self._native.failed
+
+    def close(self) -> None:
+        if self._native is not None:
+            self._native.close()
+            self._native = None
+            self.all_reduce = self.barrier = None

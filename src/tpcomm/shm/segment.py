@@ -1,0 +1,124 @@
+"""Shared-memory segments: create, attach, unlink, space checks, validation.
+
+A segment is one file in the shm directory (``TPCOMM_SHM_DIR``, default
+``/dev/shm``), named ``tpcomm-<host>-<group>-<token>``: the random token makes
+every job's name new (a leftover from a crash can never make O_EXCL fail), the
+host and group say whose it is when ``tpcomm doctor`` lists strays.  Rank 0
+creates it (O_EXCL, mode 0600) and reserves its space with posix_fallocate,
+so a /dev/shm that is too small fails now with a clear message instead of a
+SIGBUS later.  Every rank maps it, and as soon as all have, it is unlinked:
+from then on nothing is left behind whatever happens to the processes, even
+``kill -9``.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import secrets
+import socket
+
+from .. import _env
+from .. import _native
+from ..errors import CommError
+
+__all__ = ["PREFIX", "segment_size", "create", "open_existing", "unlink_quietly", "host_tag"]
+
+PREFIX = "tpcomm-"
+
+
+def segment_size(world: int, slot_bytes: int) -> int:
+    """Bytes of a segment for ``world`` ranks with ``slot_bytes`` per slot."""
+    return _native.segment_size(world, slot_bytes)
+
+
+def host_tag() -> str:
+    """The host name, made safe for a file name (at most 32 characters)."""
+    return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())[:32] or "host"
+
+
+def _space_message(directory: str, need: int, free: int) -> str:
+    return (
+        f"tpcomm: the shared-memory directory {directory} has {free} bytes free but this "
+        f"communicator needs {need} bytes ({need / 2**20:.1f} MiB). Make it larger: "
+        f"`docker run --shm-size=1g ...`, a Kubernetes emptyDir with medium: Memory, or "
+        f"`mount -o remount,size=2G {directory}`; or point TPCOMM_SHM_DIR at a larger tmpfs, "
+        f"or lower TPCOMM_SLOT_BYTES."
+    )
+
+
+def create(world: int, slot_bytes: int, group_tag: str) -> tuple[str, int]:
+    """Create a new segment file with its space reserved.
+
+    Returns:
+        (path, fd): the file's path and an fd open read-write on it.
+
+    Raises:
+        CommError: the directory is missing, not writable, or too small.
+    """
+    directory = _env.shm_dir()
+    need = segment_size(world, slot_bytes)
+    try:
+        st = os.statvfs(directory)
+    except OSError as e:
+        raise CommError(
+            f"tpcomm: cannot use the shared-memory directory {directory}: {e.strerror}; "
+            f"set TPCOMM_SHM_DIR to a tmpfs directory"
+        ) from None
+    free = st.f_bavail * st.f_frsize
+    if free < need:
+        raise CommError(_space_message(directory, need, free))
+    name = f"{PREFIX}{host_tag()}-{group_tag}-{secrets.token_hex(8)}"
+    path = os.path.join(directory, name)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        raise CommError(f"tpcomm: cannot create segment {path}: {e.strerror}") from None
+    try:
+        os.posix_fallocate(fd, 0, need)
+    except OSError as e:
+        os.close(fd)
+        unlink_quietly(path)
+        if e.errno in (errno.ENOSPC, errno.ENOMEM):
+            raise CommError(_space_message(directory, need, free)) from None
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise CommError(f"tpcomm: cannot reserve {need} bytes in {path}: {e.strerror}") from None
+        # A file system without fallocate: fall back to ftruncate (sparse).
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        os.ftruncate(fd, need)
+    return path, fd
+
+
+def open_existing(path: str, world: int, slot_bytes: int) -> int:
+    """Open a segment another rank created; check owner and size.
+
+    Raises:
+        CommError: the file is gone, not ours, or of the wrong size.
+    """
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError as e:
+        raise CommError(
+            f"tpcomm: cannot open segment {path} created by rank 0: {e.strerror}. If the ranks "
+            f"run in different containers or hosts, they do not share {os.path.dirname(path)}."
+        ) from None
+    st = os.fstat(fd)
+    need = segment_size(world, slot_bytes)
+    problem = None
+    if st.st_uid != os.getuid():
+        problem = f"owned by uid {st.st_uid}, not {os.getuid()}"
+    elif st.st_size != need:
+        problem = f"{st.st_size} bytes, expected {need}"
+    if problem:
+        os.close(fd)
+        raise CommError(f"tpcomm: segment {path} is {problem}")
+    return fd
+
+
+def unlink_quietly(path: str) -> None:
+    """Unlink ``path``; another rank may have done it already."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
