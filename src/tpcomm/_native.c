@@ -311,6 +311,12 @@ typedef struct {
     uint64_t err_count, err_arg;
     uint64_t err_reason;
     void **srcs; /* scratch: world source pointers */
+    /* fast path (see fast_all_reduce) */
+    PyTypeObject *tensor_type;
+    PyObject *ops[OP_COUNT];
+    PyObject *dtypes[DT_COUNT];
+    PyObject *fallback;
+    uint32_t kind_all_reduce;
 } Engine;
 
 static inline hdr_t *HDR(Engine *e) { return (hdr_t *)e->base; }
@@ -441,10 +447,17 @@ static int wait_seq(Engine *e, _Atomic uint64_t *seq, uint64_t n, int peer, PyTh
     }
 }
 
+/*
+ * Publish round n on line l.  No full fence between the release store and the
+ * sleeper check: that fence (an RFO stall of ~100 ns on every call) would only
+ * close the race with a waiter that is falling asleep at this very moment, and
+ * such a waiter sleeps at most one futex period (2 ms) before it looks again.
+ * A rank only sleeps after waiting 1 ms already, so the race costs little and
+ * the hot path pays nothing.
+ */
 static inline void publish(Engine *e, line_t *l, uint64_t n)
 {
     atomic_store_explicit(&l->seq, n, memory_order_release);
-    atomic_thread_fence(memory_order_seq_cst);
     if (atomic_load_explicit(&HDR(e)->sleepers, memory_order_relaxed))
         futex_wake_all(&l->seq);
 }
@@ -517,6 +530,36 @@ static int enter(Engine *e)
     return 0;
 }
 
+/* The chunked one-shot all-reduce of `count` elements at t, in place. */
+static int run_all_reduce(Engine *e, char *t, size_t count, int dtype, int op, uint32_t kind)
+{
+    const size_t es = dt_size[dtype];
+    const size_t chunk = e->slot_bytes / es;
+    PyThreadState *ts = NULL;
+    if (count * es >= GIL_RELEASE_BYTES)
+        ts = PyEval_SaveThread();
+    int st = ST_OK;
+    size_t done = 0;
+    e->busy = 1;
+    do {
+        size_t m = count - done < chunk ? count - done : chunk;
+        int p = (int)((e->round + 1) & 1);
+        char *src = t + done * es;
+        memcpy(slot_of(e, e->rank, p), src, m * es);
+        st = round_sync(e, kind, (uint32_t)dtype, (uint32_t)op, (uint64_t)count, 0, &ts);
+        if (st != ST_OK)
+            break;
+        for (int r = 0; r < e->world; r++)
+            e->srcs[r] = r == e->rank ? (void *)src : (void *)slot_of(e, r, p);
+        do_reduce(dtype, op, src, e->srcs, e->world, m);
+        done += m;
+    } while (done < count);
+    if (ts)
+        PyEval_RestoreThread(ts);
+    e->busy = 0;
+    return st;
+}
+
 /* all_reduce(ptr, count, dtype, op, kind) -> status */
 static PyObject *eng_all_reduce(Engine *e, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -540,31 +583,148 @@ static PyObject *eng_all_reduce(Engine *e, PyObject *const *args, Py_ssize_t nar
         return NULL;
     if (en > 0)
         return PyLong_FromLong(ST_ABORTED);
-    const size_t es = dt_size[dtype];
-    const size_t chunk = e->slot_bytes / es;
-    char *t = (char *)(uintptr_t)addr;
-    PyThreadState *ts = NULL;
-    if ((size_t)count * es >= GIL_RELEASE_BYTES)
-        ts = PyEval_SaveThread();
-    int st = ST_OK;
-    size_t done = 0;
-    do {
-        size_t m = (size_t)count - done < chunk ? (size_t)count - done : chunk;
-        int p = (int)((e->round + 1) & 1);
-        char *src = t + done * es;
-        memcpy(slot_of(e, e->rank, p), src, m * es);
-        st = round_sync(e, (uint32_t)kind, (uint32_t)dtype, (uint32_t)op, (uint64_t)count, 0, &ts);
-        if (st != ST_OK)
-            break;
-        for (int r = 0; r < e->world; r++)
-            e->srcs[r] = r == e->rank ? (void *)src : (void *)slot_of(e, r, p);
-        do_reduce((int)dtype, (int)op, src, e->srcs, e->world, m);
-        done += m;
-    } while (done < (size_t)count);
-    if (ts)
-        PyEval_RestoreThread(ts);
-    e->busy = 0;
+    int st = run_all_reduce(e, (char *)(uintptr_t)addr, (size_t)count, (int)dtype, (int)op,
+                            (uint32_t)kind);
     return PyLong_FromLong(st);
+}
+
+/*
+ * fast_all_reduce(tensor, op=SUM): the whole of Communicator.all_reduce for
+ * the common case, in one C call.  Torch attribute access costs ~100 ns each
+ * through Python, so the Python wrapper alone used to cost more than the
+ * collective.  Anything unusual (a subclass, another device, a view that is
+ * not contiguous, an unknown dtype or op, keywords, an error) goes to the
+ * Python fallback set with set_fast_path(), which does the full checks and
+ * raises the proper exceptions: fallback(tensor, op, status).
+ */
+static PyObject *S_dtype, *S_is_cpu, *S_is_contiguous, *S_data_ptr, *S_numel;
+
+static PyObject *call_fallback(Engine *e, PyObject *t, PyObject *op, int status)
+{
+    if (!e->fallback) {
+        PyErr_SetString(PyExc_RuntimeError, "tpcomm: the fast path has no fallback");
+        return NULL;
+    }
+    PyObject *target = PyObject_CallNoArgs(e->fallback); /* a weakref.WeakMethod */
+    if (!target)
+        return NULL;
+    if (target == Py_None) {
+        Py_DECREF(target);
+        PyErr_SetString(PyExc_RuntimeError, "tpcomm: the Communicator is gone");
+        return NULL;
+    }
+    PyObject *st = PyLong_FromLong(status);
+    PyObject *res = st ? PyObject_CallFunctionObjArgs(target, t, op, st, NULL) : NULL;
+    Py_XDECREF(st);
+    Py_DECREF(target);
+    return res;
+}
+
+static int is_true_attr(PyObject *t, PyObject *name, int call)
+{
+    PyObject *v = call ? PyObject_CallMethodNoArgs(t, name) : PyObject_GetAttr(t, name);
+    if (!v) {
+        PyErr_Clear();
+        return 0;
+    }
+    int r = v == Py_True;
+    Py_DECREF(v);
+    return r;
+}
+
+static PyObject *eng_fast_all_reduce(Engine *e, PyObject *const *args, Py_ssize_t nargs,
+                                     PyObject *kwnames)
+{
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    if (nargs + nkw < 1 || nargs + nkw > 2) {
+        PyErr_Format(PyExc_TypeError, "all_reduce() takes 1 or 2 arguments (%zd given)",
+                     nargs + nkw);
+        return NULL;
+    }
+    PyObject *t = nargs > 0 ? args[0] : NULL;
+    PyObject *op = nargs > 1 ? args[1] : NULL;
+    for (Py_ssize_t i = 0; i < nkw; i++) {
+        PyObject *k = PyTuple_GET_ITEM(kwnames, i);
+        if (PyUnicode_CompareWithASCIIString(k, "tensor") == 0 && !t)
+            t = args[nargs + i];
+        else if (PyUnicode_CompareWithASCIIString(k, "op") == 0 && !op)
+            op = args[nargs + i];
+        else {
+            PyErr_Format(PyExc_TypeError, "all_reduce() got an unexpected keyword argument %R", k);
+            return NULL;
+        }
+    }
+    if (!t) {
+        PyErr_SetString(PyExc_TypeError, "all_reduce() missing required argument 'tensor'");
+        return NULL;
+    }
+    if (!op)
+        op = e->ops[OP_SUM];
+    int opc = -1, dtc = -1;
+    if (!e->base || e->busy || e->failed || Py_TYPE(t) != e->tensor_type)
+        return call_fallback(e, t, op, 0);
+    for (int i = 0; i < OP_COUNT; i++)
+        if (op == e->ops[i])
+            opc = i;
+    PyObject *dt = PyObject_GetAttr(t, S_dtype);
+    if (!dt)
+        return NULL;
+    for (int i = 0; i < DT_COUNT; i++)
+        if (dt == e->dtypes[i])
+            dtc = i;
+    Py_DECREF(dt);
+    if (opc < 0 || dtc < 0 || (opc == OP_AVG && dtc >= DT_I32) || !is_true_attr(t, S_is_cpu, 0) ||
+        !is_true_attr(t, S_is_contiguous, 1))
+        return call_fallback(e, t, op, 0);
+    PyObject *pv = PyObject_CallMethodNoArgs(t, S_data_ptr);
+    if (!pv)
+        return NULL;
+    PyObject *nv = PyObject_CallMethodNoArgs(t, S_numel);
+    if (!nv) {
+        Py_DECREF(pv);
+        return NULL;
+    }
+    uintptr_t addr = (uintptr_t)PyLong_AsUnsignedLongLong(pv);
+    long long count = PyLong_AsLongLong(nv);
+    Py_DECREF(pv);
+    Py_DECREF(nv);
+    if (PyErr_Occurred())
+        return NULL;
+    if (take_abort(e))
+        return call_fallback(e, t, op, ST_ABORTED);
+    int st = run_all_reduce(e, (char *)addr, (size_t)count, dtc, opc, e->kind_all_reduce);
+    if (st != ST_OK)
+        return call_fallback(e, t, op, st);
+    Py_INCREF(t);
+    return t;
+}
+
+/* set_fast_path(tensor_type, (ops...), (dtypes...), kind, fallback) */
+static PyObject *eng_set_fast_path(Engine *e, PyObject *args)
+{
+    PyObject *tt, *ops, *dts, *fb;
+    unsigned int kind;
+    if (!PyArg_ParseTuple(args, "O!O!O!IO", &PyType_Type, &tt, &PyTuple_Type, &ops, &PyTuple_Type,
+                          &dts, &kind, &fb))
+        return NULL;
+    if (PyTuple_GET_SIZE(ops) != OP_COUNT || PyTuple_GET_SIZE(dts) != DT_COUNT) {
+        PyErr_SetString(PyExc_ValueError, "set_fast_path: wrong number of ops or dtypes");
+        return NULL;
+    }
+    Py_INCREF(tt);
+    Py_XSETREF(e->tensor_type, (PyTypeObject *)tt);
+    for (int i = 0; i < OP_COUNT; i++) {
+        Py_INCREF(PyTuple_GET_ITEM(ops, i));
+        Py_XSETREF(e->ops[i], PyTuple_GET_ITEM(ops, i));
+    }
+    for (int i = 0; i < DT_COUNT; i++) {
+        Py_INCREF(PyTuple_GET_ITEM(dts, i));
+        Py_XSETREF(e->dtypes[i], PyTuple_GET_ITEM(dts, i));
+    }
+    Py_INCREF(fb);
+    Py_XSETREF(e->fallback, fb);
+    e->kind_all_reduce = kind;
+    Py_RETURN_NONE;
 }
 
 /* barrier(kind) -> status */
@@ -849,6 +1009,12 @@ static void eng_dealloc(Engine *e)
 {
     eng_unmap(e);
     PyMem_Free(e->srcs);
+    Py_CLEAR(e->tensor_type);
+    Py_CLEAR(e->fallback);
+    for (int i = 0; i < OP_COUNT; i++)
+        Py_CLEAR(e->ops[i]);
+    for (int i = 0; i < DT_COUNT; i++)
+        Py_CLEAR(e->dtypes[i]);
     Py_TYPE(e)->tp_free((PyObject *)e);
 }
 
@@ -878,6 +1044,9 @@ static PyObject *eng_set_timeout(Engine *e, PyObject *arg)
 static PyMethodDef eng_methods[] = {
     {"all_reduce", (PyCFunction)(void (*)(void))eng_all_reduce, METH_FASTCALL, NULL},
     {"barrier", (PyCFunction)eng_barrier, METH_O, NULL},
+    {"fast_all_reduce", (PyCFunction)(void (*)(void))eng_fast_all_reduce,
+     METH_FASTCALL | METH_KEYWORDS, NULL},
+    {"set_fast_path", (PyCFunction)eng_set_fast_path, METH_VARARGS, NULL},
     {"error_info", (PyCFunction)eng_error_info, METH_NOARGS, NULL},
     {"header", (PyCFunction)eng_header, METH_NOARGS, NULL},
     {"attach", (PyCFunction)eng_attach, METH_NOARGS, NULL},
@@ -952,6 +1121,13 @@ PyMODINIT_FUNC PyInit__native(void)
         return NULL;
     PyObject *m = PyModule_Create(&mod);
     if (!m)
+        return NULL;
+    S_dtype = PyUnicode_InternFromString("dtype");
+    S_is_cpu = PyUnicode_InternFromString("is_cpu");
+    S_is_contiguous = PyUnicode_InternFromString("is_contiguous");
+    S_data_ptr = PyUnicode_InternFromString("data_ptr");
+    S_numel = PyUnicode_InternFromString("numel");
+    if (!S_dtype || !S_is_cpu || !S_is_contiguous || !S_data_ptr || !S_numel)
         return NULL;
     Py_INCREF(&EngineType);
     if (PyModule_AddObject(m, "Engine", (PyObject *)&EngineType) < 0) {

@@ -21,7 +21,7 @@ from .errors import CommError, CommTimeoutError
 __all__ = ["host_identity", "exchange", "broadcast_from_rank0"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _boot_id() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
@@ -47,8 +47,9 @@ def _wait(store: Any, keys: list[str], timeout: float, what: str) -> None:
         ) from None
 
 
-def exchange(store: Any, prefix: str, rank: int, world: int, name: str, value: str,
-             timeout: float) -> list[str]:
+def exchange(
+    store: Any, prefix: str, rank: int, world: int, name: str, value: str, timeout: float
+) -> list[str]:
     """Every rank publishes ``value``; returns all ranks' values in rank order."""
     store.set(f"{prefix}/{name}/{rank}", value)
     keys = [f"{prefix}/{name}/{r}" for r in range(world)]
@@ -56,8 +57,9 @@ def exchange(store: Any, prefix: str, rank: int, world: int, name: str, value: s
     return [store.get(k).decode() for k in keys]
 
 
-def broadcast_from_rank0(store: Any, prefix: str, rank: int, name: str, value: str | None,
-                         timeout: float) -> str:
+def broadcast_from_rank0(
+    store: Any, prefix: str, rank: int, name: str, value: str | None, timeout: float
+) -> str:
     """Rank 0 publishes ``value``; every rank returns it.
 
     A value starting with ``!`` is an error rank 0 hit during set-up; the

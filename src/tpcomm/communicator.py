@@ -12,6 +12,7 @@ import collections
 import datetime
 import hashlib
 import os
+import weakref
 from typing import Any, Optional, Union
 
 import torch
@@ -19,7 +20,7 @@ import torch
 from . import _env
 from .bootstrap import exchange, host_identity
 from .errors import CommError
-from .ops import AR_CODES, DTYPE_CODES, FLOAT_DTYPES, ReduceOp, as_reduce_op
+from .ops import CODE_DTYPES, DTYPE_CODES, FLOAT_DTYPES, ReduceOp, as_reduce_op
 from .shm.engine import KIND_ALL_REDUCE, KIND_BARRIER, ShmEngine
 
 __all__ = ["Communicator"]
@@ -41,7 +42,9 @@ def _timeout_seconds(fn: str, timeout: Timeout) -> float:
     if isinstance(timeout, datetime.timedelta):
         timeout = timeout.total_seconds()
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"{fn}: timeout must be seconds or a timedelta, got {type(timeout).__name__}")
+        raise TypeError(
+            f"{fn}: timeout must be seconds or a timedelta, got {type(timeout).__name__}"
+        )
     if not timeout > 0:
         raise ValueError(f"{fn}: timeout must be positive, got {timeout}")
     return float(timeout)
@@ -85,8 +88,10 @@ class Communicator:
             group = dist.group.WORLD
         rank = dist.get_rank(group)
         if rank < 0:
-            raise ValueError(f"{fn}: this process (global rank {dist.get_rank()}) is not a "
-                             f"member of the given group")
+            raise ValueError(
+                f"{fn}: this process (global rank {dist.get_rank()}) is not a "
+                f"member of the given group"
+            )
         world = dist.get_world_size(group)
         ranks = tuple(dist.get_process_group_ranks(group))
         tag = hashlib.sha1(repr(ranks).encode()).hexdigest()[:8]
@@ -112,22 +117,30 @@ class Communicator:
         for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             value = os.environ.get(name)
             if not value:
-                raise ValueError(f"{fn}: environment variable {name} is not set (torchrun sets "
-                                 f"RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT)")
+                raise ValueError(
+                    f"{fn}: environment variable {name} is not set (torchrun sets "
+                    f"RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT)"
+                )
             env[name] = value
         try:
             rank, world, port = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["MASTER_PORT"])
         except ValueError:
-            raise ValueError(f"{fn}: RANK, WORLD_SIZE and MASTER_PORT must be integers, got "
-                             f"{env}") from None
+            raise ValueError(
+                f"{fn}: RANK, WORLD_SIZE and MASTER_PORT must be integers, got {env}"
+            ) from None
         if world < 1 or not 0 <= rank < world:
             raise ValueError(f"{fn}: RANK={rank} must be in [0, WORLD_SIZE={world})")
         agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
         store = None
         if world > 1:
-            store = TCPStore(env["MASTER_ADDR"], port, world, is_master=(rank == 0 and not agent),
-                             timeout=datetime.timedelta(seconds=seconds),
-                             wait_for_workers=False)
+            store = TCPStore(
+                env["MASTER_ADDR"],
+                port,
+                world,
+                is_master=(rank == 0 and not agent),
+                timeout=datetime.timedelta(seconds=seconds),
+                wait_for_workers=False,
+            )
         _created["env"] += 1
         self = cls.__new__(cls)
         self._setup(store, rank, world, f"tpcomm/env/{_created['env']}", "env", seconds)
@@ -135,16 +148,18 @@ class Communicator:
         return self
 
     @classmethod
-    def _from_store(cls, store: Any, rank: int, world: int, prefix: str, tag: str,
-                    timeout: Timeout = None) -> Communicator:
+    def _from_store(
+        cls, store: Any, rank: int, world: int, prefix: str, tag: str, timeout: Timeout = None
+    ) -> Communicator:
         """Create a communicator over an existing torch Store (the launcher's)."""
         self = cls.__new__(cls)
         self._setup(store, rank, world, prefix, tag, _timeout_seconds("Communicator", timeout))
         self._group = None
         return self
 
-    def _setup(self, store: Any, rank: int, world: int, prefix: str, tag: str,
-               timeout: float) -> None:
+    def _setup(
+        self, store: Any, rank: int, world: int, prefix: str, tag: str, timeout: float
+    ) -> None:
         self._rank = rank
         self._world = world
         self._timeout = timeout
@@ -163,6 +178,17 @@ class Communicator:
                 f"shared-memory engine needs every rank on one host"
             )
         self._engine = ShmEngine(store, rank, world, prefix, tag, timeout)
+        native = self._engine._native
+        native.set_fast_path(
+            torch.Tensor,
+            tuple(ReduceOp),
+            tuple(CODE_DTYPES[i] for i in range(len(CODE_DTYPES))),
+            KIND_ALL_REDUCE,
+            weakref.WeakMethod(self._all_reduce_fallback),
+        )
+        # The instance attribute shadows the method below: one C call per
+        # all_reduce in the common case (see _native.c fast_all_reduce).
+        self.all_reduce = native.fast_all_reduce
 
     # -- properties -----------------------------------------------------------
 
@@ -195,6 +221,7 @@ class Communicator:
         if self._closed:
             return
         self._closed = True
+        self.__dict__.pop("all_reduce", None)
         if self._engine is not None:
             self._engine.close()
             self._engine = None
@@ -259,15 +286,13 @@ class Communicator:
         Returns:
             ``tensor``.
         """
-        eng = self._engine
-        if eng is not None and type(tensor) is _Tensor and tensor.is_cpu:
-            codes = AR_CODES.get((tensor.dtype, op))
-            if codes is not None and tensor.is_contiguous():
-                status = eng.all_reduce(tensor.data_ptr(), tensor.numel(), codes[0], codes[1],
-                                        KIND_ALL_REDUCE)
-                if status:
-                    self._raise(status, "all_reduce", KIND_ALL_REDUCE, codes, tensor.numel())
-                return tensor
+        return self._all_reduce_checked(tensor, op)
+
+    def _all_reduce_fallback(self, tensor: Any, op: Any, status: int) -> _Tensor:
+        """Called by the native fast path for everything it does not handle."""
+        if status:
+            codes = (DTYPE_CODES[tensor.dtype], as_reduce_op("all_reduce", op).value)
+            self._raise(status, "all_reduce", KIND_ALL_REDUCE, codes, tensor.numel())
         return self._all_reduce_checked(tensor, op)
 
     def _all_reduce_checked(self, tensor: Any, op: Any) -> _Tensor:
@@ -279,8 +304,9 @@ class Communicator:
             return tensor
         codes = (DTYPE_CODES[tensor.dtype], op.value)
         work = tensor if tensor.is_contiguous() else tensor.contiguous()
-        status = self._engine.all_reduce(work.data_ptr(), work.numel(), codes[0], codes[1],
-                                         KIND_ALL_REDUCE)
+        status = self._engine.all_reduce(
+            work.data_ptr(), work.numel(), codes[0], codes[1], KIND_ALL_REDUCE
+        )
         if status:
             self._raise(status, fn, KIND_ALL_REDUCE, codes, work.numel())
         if work is not tensor:

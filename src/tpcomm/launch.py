@@ -34,8 +34,15 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def _worker(rank: int, world: int, port: int, prefix: str, conn: Any,
-            timeout: Optional[float], cpu: Optional[int]) -> None:
+def _worker(
+    rank: int,
+    world: int,
+    port: int,
+    prefix: str,
+    conn: Any,
+    timeout: Optional[float],
+    cpu: Optional[int],
+) -> None:
     _die_with_parent()
     if cpu is not None:
         with contextlib.suppress(OSError):
@@ -48,8 +55,12 @@ def _worker(rank: int, world: int, port: int, prefix: str, conn: Any,
         comm = None
         store = None
         if world > 1:
-            store = TCPStore("127.0.0.1", port, is_master=False,
-                             timeout=datetime.timedelta(seconds=timeout or 300))
+            store = TCPStore(
+                "127.0.0.1",
+                port,
+                is_master=False,
+                timeout=datetime.timedelta(seconds=timeout or 300),
+            )
         comm = Communicator._from_store(store, rank, world, prefix, "launch", timeout)
         del store
     except BaseException as e:
@@ -72,8 +83,9 @@ def _worker(rank: int, world: int, port: int, prefix: str, conn: Any,
             try:
                 conn.send(reply)
             except Exception as e:  # result not picklable
-                conn.send(("err", f"rank {rank}: cannot send the result back: {e!r}",
-                           type(e).__name__))
+                conn.send(
+                    ("err", f"rank {rank}: cannot send the result back: {e!r}", type(e).__name__)
+                )
 
 
 class LocalGroup:
@@ -88,8 +100,14 @@ class LocalGroup:
     Any failure in ``run`` ends every rank: the group cannot be used again.
     """
 
-    def __init__(self, world_size: int, *, timeout: Optional[float] = None, pin: bool = False,
-                 start_timeout: float = 120.0):
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        timeout: Optional[float] = None,
+        pin: bool = False,
+        start_timeout: float = 120.0,
+    ):
         if isinstance(world_size, bool) or not isinstance(world_size, int):
             raise TypeError(f"launch: world_size must be an int, got {type(world_size).__name__}")
         if world_size < 1:
@@ -104,9 +122,14 @@ class LocalGroup:
         self._store = None
         port = 0
         if world_size > 1:
-            self._store = TCPStore("127.0.0.1", 0, None, is_master=True,
-                                   timeout=datetime.timedelta(seconds=start_timeout),
-                                   wait_for_workers=False)
+            self._store = TCPStore(
+                "127.0.0.1",
+                0,
+                None,
+                is_master=True,
+                timeout=datetime.timedelta(seconds=start_timeout),
+                wait_for_workers=False,
+            )
             port = self._store.port
         prefix = f"tpcomm/launch/{os.getpid()}/{next(_ids)}"
         cpus = sorted(os.sched_getaffinity(0))
@@ -114,9 +137,12 @@ class LocalGroup:
             for r in range(world_size):
                 parent, child = ctx.Pipe()
                 cpu = cpus[r % len(cpus)] if pin else None
-                p = ctx.Process(target=_worker, name=f"tpcomm-rank{r}",
-                                args=(r, world_size, port, prefix, child, timeout, cpu),
-                                daemon=True)
+                p = ctx.Process(
+                    target=_worker,
+                    name=f"tpcomm-rank{r}",
+                    args=(r, world_size, port, prefix, child, timeout, cpu),
+                    daemon=True,
+                )
                 p.start()
                 child.close()
                 self._procs.append(p)
@@ -173,8 +199,11 @@ class LocalGroup:
                 else:
                     proc.join(1)
                     code = proc.exitcode
-                    how = (f"killed by signal {signal.Signals(-code).name}" if code and code < 0
-                           else f"exited with code {code}")
+                    how = (
+                        f"killed by signal {signal.Signals(-code).name}"
+                        if code and code < 0
+                        else f"exited with code {code}"
+                    )
                     failures[r] = ("died", f"rank {r} {how} during {what}")
             if failures and grace_end is None:
                 # let the other ranks report too, to tell cause from consequence
@@ -184,14 +213,19 @@ class LocalGroup:
             if not failures:
                 raise LaunchError(
                     f"launch: {what} timed out after {timeout}s; ranks {sorted(pending)} did "
-                    f"not finish; every rank was ended", rank=min(pending))
+                    f"not finish; every rank was ended",
+                    rank=min(pending),
+                )
             # the root cause: a rank that did not merely see a peer fail
             consequences = {PeerFailedError.__name__}
             causes = [r for r, (exc, _) in sorted(failures.items()) if exc not in consequences]
             rank = causes[0] if causes else min(failures)
             exc, text = failures[rank]
-            raise LaunchError(f"launch: rank {rank} failed in {what} ({exc}):\n{text}",
-                              rank=rank, remote_traceback=text)
+            raise LaunchError(
+                f"launch: rank {rank} failed in {what} ({exc}):\n{text}",
+                rank=rank,
+                remote_traceback=text,
+            )
         return results
 
     def close(self) -> None:
@@ -224,8 +258,12 @@ class LocalGroup:
             self.close()
 
 
-def launch(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
-           timeout: Optional[float] = None) -> list:
+def launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any] = (),
+    timeout: Optional[float] = None,
+) -> list:
     """Spawn ``world_size`` local ranks and call ``fn(comm, *args)`` in each.
 
     ``fn`` and ``args`` must be picklable (a module-level function; in a

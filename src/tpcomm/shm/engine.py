@@ -46,8 +46,9 @@ def _describe_call(kind: int, dtype: int, op: int, count: int) -> str:
 class ShmEngine:
     """One communicator's segment and the native engine that drives it."""
 
-    def __init__(self, store: Any, rank: int, world: int, prefix: str, group_tag: str,
-                 timeout: float):
+    def __init__(
+        self, store: Any, rank: int, world: int, prefix: str, group_tag: str, timeout: float
+    ):
         self.rank = rank
         self.world = world
         self.timeout = timeout
@@ -77,8 +78,9 @@ class ShmEngine:
             if rank != 0:
                 fd = segment.open_existing(path, world, slot_bytes)
             size = segment.segment_size(world, slot_bytes)
-            self._native = _native.Engine(fd, size, rank, world, slot_bytes, rank == 0, timeout,
-                                          spin, _env.yield_us())
+            self._native = _native.Engine(
+                fd, size, rank, world, slot_bytes, rank == 0, timeout, spin, _env.yield_us()
+            )
             os.close(fd)
             fd = -1
             self._validate(slot_bytes, size)
@@ -124,8 +126,9 @@ class ShmEngine:
 
     # -- errors ---------------------------------------------------------------
 
-    def raise_status(self, status: int, fn: str, kind: int, dtype: int, op: int,
-                     count: int) -> None:
+    def raise_status(
+        self, status: int, fn: str, kind: int, dtype: int, op: int, count: int
+    ) -> None:
         """Raise the exception for a non-zero status of the native core."""
         info = self._native.error_info() if self._native is not None else {}
         peer = info.get("rank", -1)

@@ -19,8 +19,7 @@ import re
 import secrets
 import socket
 
-from .. import _env
-from .. import _native
+from .. import _env, _native
 from ..errors import CommError
 
 __all__ = ["PREFIX", "segment_size", "create", "open_existing", "unlink_quietly", "host_tag"]
@@ -83,7 +82,9 @@ def create(world: int, slot_bytes: int, group_tag: str) -> tuple[str, int]:
         if e.errno in (errno.ENOSPC, errno.ENOMEM):
             raise CommError(_space_message(directory, need, free)) from None
         if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-            raise CommError(f"tpcomm: cannot reserve {need} bytes in {path}: {e.strerror}") from None
+            raise CommError(
+                f"tpcomm: cannot reserve {need} bytes in {path}: {e.strerror}"
+            ) from None
         # A file system without fallocate: fall back to ftruncate (sparse).
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         os.ftruncate(fd, need)
