@@ -42,8 +42,14 @@ def _worker(
     conn: Any,
     timeout: Optional[float],
     cpu: Optional[int],
+    env: dict,
 ) -> None:
     _die_with_parent()
+    # The forkserver was started with the environment of its first use; give
+    # this rank the TPCOMM_* switches of the launching process as they are now.
+    for key in [k for k in os.environ if k.startswith("TPCOMM_")]:
+        del os.environ[key]
+    os.environ.update(env)
     if cpu is not None:
         with contextlib.suppress(OSError):
             os.sched_setaffinity(0, {cpu})
@@ -133,6 +139,7 @@ class LocalGroup:
             port = self._store.port
         prefix = f"tpcomm/launch/{os.getpid()}/{next(_ids)}"
         cpus = sorted(os.sched_getaffinity(0))
+        env = {k: v for k, v in os.environ.items() if k.startswith("TPCOMM_")}
         try:
             for r in range(world_size):
                 parent, child = ctx.Pipe()
@@ -140,7 +147,7 @@ class LocalGroup:
                 p = ctx.Process(
                     target=_worker,
                     name=f"tpcomm-rank{r}",
-                    args=(r, world_size, port, prefix, child, timeout, cpu),
+                    args=(r, world_size, port, prefix, child, timeout, cpu, env),
                     daemon=True,
                 )
                 p.start()

@@ -57,43 +57,41 @@ class ShmEngine:
         # wait for needs the core.  (Pinned ranks see one CPU; count the host's.)
         oversubscribed = world > max(local_cpu_count(), os.cpu_count() or 1)
         spin = 0.0 if oversubscribed else _env.spin_us()
-        # Every rank must agree on the layout: rank 0 decides and publishes it.
-        path = None
-        fd = -1
-        if rank == 0:
-            try:
-                path, fd = segment.create(world, slot_bytes, group_tag)
-                value = f"{slot_bytes}:{path}"
-            except CommError as e:
-                broadcast_from_rank0(store, prefix, 0, "segment", "!" + str(e), timeout)
-                raise
-        else:
-            value = None
-        value = broadcast_from_rank0(store, prefix, rank, "segment", value, timeout)
-        slot_text, path = value.split(":", 1)
-        slot_bytes = int(slot_text)
-        self.path = path
+        # Every rank must agree on the layout: rank 0 decides it, writes the
+        # header, and only then publishes the path (with the slot size).
+        self.path = ""
         self._native = None
+        fd = -1
         try:
-            if rank != 0:
-                fd = segment.open_existing(path, world, slot_bytes)
-            size = segment.segment_size(world, slot_bytes)
-            self._native = _native.Engine(
-                fd, size, rank, world, slot_bytes, rank == 0, timeout, spin, _env.yield_us()
-            )
+            if rank == 0:
+                try:
+                    self.path, fd = segment.create(world, slot_bytes, group_tag)
+                    self._map(fd, world, slot_bytes, spin, timeout)
+                except CommError as e:
+                    broadcast_from_rank0(store, prefix, 0, "segment", "!" + str(e), timeout)
+                    raise
+                broadcast_from_rank0(
+                    store, prefix, 0, "segment", f"{slot_bytes}:{self.path}", timeout
+                )
+            else:
+                value = broadcast_from_rank0(store, prefix, rank, "segment", None, timeout)
+                slot_text, self.path = value.split(":", 1)
+                slot_bytes = int(slot_text)
+                fd = segment.open_existing(self.path, world, slot_bytes)
+                self._map(fd, world, slot_bytes, spin, timeout)
             os.close(fd)
             fd = -1
-            self._validate(slot_bytes, size)
             self._native.attach()
             ok = self._native.wait_attached(timeout)
         except BaseException:
             if fd >= 0:
                 os.close(fd)
-            segment.unlink_quietly(path)
+            if self.path:
+                segment.unlink_quietly(self.path)
             self.close()
             raise
         # All ranks mapped it (or the wait gave up): nobody needs the name now.
-        segment.unlink_quietly(path)
+        segment.unlink_quietly(self.path)
         if not ok:
             self.close()
             raise CommTimeoutError(
@@ -106,6 +104,13 @@ class ShmEngine:
         self.barrier = self._native.barrier
         # exchange nothing more through the store: drop the reference
         del store
+
+    def _map(self, fd: int, world: int, slot_bytes: int, spin: float, timeout: float) -> None:
+        size = segment.segment_size(world, slot_bytes)
+        self._native = _native.Engine(
+            fd, size, self.rank, world, slot_bytes, self.rank == 0, timeout, spin, _env.yield_us()
+        )
+        self._validate(slot_bytes, size)
 
     def _validate(self, slot_bytes: int, size: int) -> None:
         h = self._native.header()

@@ -1,0 +1,188 @@
+"""all_reduce: every dtype x op x size x world size against independent references.
+
+Guards the contract of the foundation: results equal a torch single-process
+reference (float32 accumulation in rank order, one rounding; integers exact),
+are bitwise identical on every rank and on every repetition, hold for sizes
+0, 1, odd, unaligned and larger than the shared buffer (chunked), for
+non-contiguous tensors, and cost one round (one wait) per small call.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tpcomm
+from tpcomm import _env
+
+from ._ref import DTYPES, FLOATS, OPS, digest, make, reference, reference_f64
+
+WORLDS = [1, 2, 3, 4, 8]
+SLOT = _env.DEFAULT_SLOT_BYTES
+SMALL = [0, 1, 7, 1024 + 3]  # 1027 elements: 4 KiB of float32 plus 3, unaligned tail
+LARGE = [SLOT // 4, 3 * SLOT // 4 + 5]  # 1 MiB of float32; larger than a slot (chunked)
+
+
+def _cases(world: int):
+    cases = []
+    seed = 0
+    for dtype in DTYPES:
+        for op in OPS:
+            if op is tpcomm.ReduceOp.AVG and dtype not in FLOATS:
+                continue
+            for n in SMALL:
+                cases.append((seed, dtype, op, n))
+                seed += 1
+            # large sizes: every dtype with SUM, MAX also for float32 (keeps 8 oversubscribed
+            # ranks fast; the kernels are shared between ops)
+            if op is tpcomm.ReduceOp.SUM or (op is tpcomm.ReduceOp.MAX and dtype is torch.float32):
+                for n in LARGE:
+                    cases.append((seed, dtype, op, n))
+                    seed += 1
+    return cases
+
+
+def _check_case(rank, world, seed, dtype, op, n):
+    """Rank 0 checks against the references; every rank returns a digest."""
+    x = make(rank, n, dtype, seed)
+    before = x.data_ptr()
+    out = tpcomm_all_reduce(x, op)
+    assert out is x and x.data_ptr() == before, "all_reduce must work in place"
+    problems = []
+    if rank == 0:
+        inputs = [make(r, n, dtype, seed) for r in range(world)]
+        ref = reference(inputs, op)
+        if not torch.equal(x, ref):
+            bad = (x != ref).nonzero()[:3].flatten().tolist()
+            problems.append(f"{dtype} {op.name} n={n}: differs from reference at {bad}")
+        f64 = reference_f64(inputs, op)
+        if dtype in FLOATS:
+            eps = torch.finfo(dtype).eps
+            mag = torch.stack([i.double().abs() for i in inputs]).sum(0) if inputs[0].numel() else f64
+            tol = eps * (mag + f64.abs()) * 2 + 1e-30
+            if not bool(((x.double() - f64).abs() <= tol).all()):
+                problems.append(f"{dtype} {op.name} n={n}: beyond float64 tolerance")
+        elif not torch.equal(x.double(), f64):
+            problems.append(f"{dtype} {op.name} n={n}: integer result not exact")
+    return digest(x), problems
+
+
+_comm = None
+
+
+def tpcomm_all_reduce(x, op):
+    return _comm.all_reduce(x, op)
+
+
+def run_matrix(comm, cases):
+    global _comm
+    _comm = comm
+    digests, problems = [], []
+    for seed, dtype, op, n in cases:
+        d, p = _check_case(comm.rank, comm.world_size, seed, dtype, op, n)
+        digests.append(d)
+        problems += p
+    return digests, problems
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_matrix(pools, world):
+    """Every dtype x op x size: equals the reference, bitwise equal across ranks."""
+    cases = _cases(world)
+    results = pools.run(world, run_matrix, cases)
+    problems = [p for _, ps in results for p in ps]
+    assert not problems, problems[:10]
+    for r in range(1, world):
+        for i, case in enumerate(cases):
+            assert results[r][0][i] == results[0][0][i], f"rank {r} differs from rank 0 on {case}"
+
+
+def repeat_and_rounds(comm):
+    x0 = make(comm.rank, 1027, torch.bfloat16, 99)
+    outs = []
+    for _ in range(3):
+        x = x0.clone()
+        comm.all_reduce(x)
+        outs.append(digest(x))
+    eng = comm._engine._native
+    r0 = eng.round
+    comm.all_reduce(torch.ones(1000))
+    small_rounds = eng.round - r0
+    r0 = eng.round
+    big = torch.ones(3 * SLOT // 4 + 5)  # 3 full slots + 5 elements
+    comm.all_reduce(big)
+    big_rounds = eng.round - r0
+    return outs, small_rounds, big_rounds, float(big[0])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_repeatable_and_one_round(pools, world):
+    """Repeating a call gives the same bits; a small call is one round, a large one a
+    round per slot-sized chunk."""
+    results = pools.run(world, repeat_and_rounds)
+    for outs, small_rounds, big_rounds, value in results:
+        assert len(set(outs)) == 1
+        assert outs == results[0][0]
+        assert small_rounds == 1
+        assert big_rounds == 4
+        assert value == world
+
+
+def non_contiguous(comm):
+    r = comm.rank
+    base = torch.arange(60, dtype=torch.float32).reshape(6, 10) + 100 * r
+    view = base[:, ::3]  # not contiguous
+    assert not view.is_contiguous()
+    untouched = base[:, 1].clone()
+    comm.all_reduce(view, tpcomm.ReduceOp.MAX)
+    t = (torch.arange(24, dtype=torch.int64).reshape(4, 6) + r).t()
+    comm.all_reduce(t)
+    return base.clone(), untouched, t.clone()
+
+
+def test_non_contiguous(pools):
+    """A strided view is reduced in place; the elements around it are untouched."""
+    world = 3
+    results = pools.run(world, non_contiguous)
+    expect_view = (torch.arange(60, dtype=torch.float32).reshape(6, 10) + 100 * (world - 1))[:, ::3]
+    expect_t = sum((torch.arange(24, dtype=torch.int64).reshape(4, 6) + r).t() for r in range(world))
+    for r, (base, untouched, t) in enumerate(results):
+        assert torch.equal(base[:, ::3], expect_view)
+        assert torch.equal(base[:, 1], untouched)
+        assert torch.equal(t, expect_t)
+
+
+def shapes_and_kwargs(comm):
+    out = []
+    x = torch.full((3, 4, 5), float(comm.rank + 1))
+    out.append(comm.all_reduce(tensor=x, op=tpcomm.ReduceOp.AVG).clone())
+    s = torch.tensor(float(comm.rank))  # 0-d
+    comm.all_reduce(s, op=tpcomm.ReduceOp.MIN)
+    out.append(s.clone())
+    import torch.distributed as dist
+
+    y = torch.full((5,), comm.rank + 1, dtype=torch.int32)
+    comm.all_reduce(y, dist.ReduceOp.MAX)  # torch.distributed's ops are accepted
+    out.append(y.clone())
+    return out
+
+
+def test_shapes_kwargs_and_dist_ops(pools):
+    world = 2
+    for avg, mn, mx in pools.run(world, shapes_and_kwargs):
+        assert torch.equal(avg, torch.full((3, 4, 5), 1.5))
+        assert mn.item() == 0.0 and mn.dim() == 0
+        assert torch.equal(mx, torch.full((5,), 2, dtype=torch.int32))
+
+
+def int_wrap(comm):
+    x = torch.full((9,), 2**31 - 1, dtype=torch.int32)
+    comm.all_reduce(x)
+    return x
+
+
+def test_int32_sum_wraps_like_torch(pools):
+    world = 2
+    expect = torch.full((9,), 2**31 - 1, dtype=torch.int32) * 2  # torch wraps too
+    for x in pools.run(world, int_wrap):
+        assert torch.equal(x, expect)
