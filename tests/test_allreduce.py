@@ -58,7 +58,9 @@ def _check_case(rank, world, seed, dtype, op, n):
         f64 = reference_f64(inputs, op)
         if dtype in FLOATS:
             eps = torch.finfo(dtype).eps
-            mag = torch.stack([i.double().abs() for i in inputs]).sum(0) if inputs[0].numel() else f64
+            mag = (
+                torch.stack([i.double().abs() for i in inputs]).sum(0) if inputs[0].numel() else f64
+            )
             tol = eps * (mag + f64.abs()) * 2 + 1e-30
             if not bool(((x.double() - f64).abs() <= tol).all()):
                 problems.append(f"{dtype} {op.name} n={n}: beyond float64 tolerance")
@@ -145,8 +147,10 @@ def test_non_contiguous(pools):
     world = 3
     results = pools.run(world, non_contiguous)
     expect_view = (torch.arange(60, dtype=torch.float32).reshape(6, 10) + 100 * (world - 1))[:, ::3]
-    expect_t = sum((torch.arange(24, dtype=torch.int64).reshape(4, 6) + r).t() for r in range(world))
-    for r, (base, untouched, t) in enumerate(results):
+    expect_t = sum(
+        (torch.arange(24, dtype=torch.int64).reshape(4, 6) + r).t() for r in range(world)
+    )
+    for base, untouched, t in results:
         assert torch.equal(base[:, ::3], expect_view)
         assert torch.equal(base[:, 1], untouched)
         assert torch.equal(t, expect_t)

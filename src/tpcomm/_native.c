@@ -812,7 +812,6 @@ static PyObject *eng_attach(Engine *e, PyObject *unused)
     (void)unused;
     if (!e->base)
         return eng_closed_error();
-    *(uint64_t *)ctrl_of(e, e->rank) = (uint64_t)getpid();
     uint32_t n = atomic_fetch_add(&HDR(e)->attached, 1) + 1;
     return PyLong_FromUnsignedLong(n);
 }
@@ -1002,7 +1001,19 @@ static int eng_init(Engine *e, PyObject *args, PyObject *kw)
         atomic_thread_fence(memory_order_release);
         h->magic = MAGIC;
     }
+    /* who maps it, for `tpcomm doctor` to tell stale segments from live ones */
+    *(uint64_t *)ctrl_of(e, rank) = (uint64_t)getpid();
     return 0;
+}
+
+static PyObject *eng_new(PyTypeObject *type, PyObject *args, PyObject *kw)
+{
+    (void)args;
+    (void)kw;
+    Engine *e = (Engine *)type->tp_alloc(type, 0);
+    if (e)
+        e->fd = -1; /* 0 is stdin: never close it by mistake */
+    return (PyObject *)e;
 }
 
 static void eng_dealloc(Engine *e)
@@ -1070,7 +1081,7 @@ static PyTypeObject EngineType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tpcomm._native.Engine",
     .tp_basicsize = sizeof(Engine),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_new = PyType_GenericNew,
+    .tp_new = eng_new,
     .tp_init = (initproc)eng_init,
     .tp_dealloc = (destructor)eng_dealloc,
     .tp_methods = eng_methods,

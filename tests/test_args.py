@@ -1,0 +1,185 @@
+"""Bad arguments and mismatched calls.
+
+Bad arguments raise TypeError/ValueError/CommError with the function name and the
+values in the message, before the shared memory is touched (the round counter does
+not move, the communicator stays usable).  Ranks that call with a different op,
+dtype or element count all get a ValueError naming both sides, and no tensor is
+written.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tpcomm
+
+
+class NotATensor:
+    pass
+
+
+class MyTensor(torch.Tensor):
+    pass
+
+
+def bad_arguments(comm):
+    cases = [
+        ((NotATensor(),), TypeError, "expected a torch.Tensor"),
+        (([1.0, 2.0],), TypeError, "expected a torch.Tensor"),
+        ((torch.ones(3, dtype=torch.complex64),), TypeError, "unsupported dtype torch.complex64"),
+        ((torch.ones(3, dtype=torch.float64),), TypeError, "unsupported dtype torch.float64"),
+        ((torch.ones(3, dtype=torch.bool),), TypeError, "unsupported dtype torch.bool"),
+        (
+            (torch.ones(3, dtype=torch.int32), tpcomm.ReduceOp.AVG),
+            TypeError,
+            "AVG needs a floating",
+        ),
+        ((torch.ones(3), "sum"), TypeError, "op must be a tpcomm.ReduceOp"),
+        ((torch.ones(3), 0), TypeError, "op must be a tpcomm.ReduceOp"),
+        ((torch.ones(3), torch.distributed.ReduceOp.PRODUCT), ValueError, "PRODUCT"),
+        ((torch.ones(3, device="meta"),), ValueError, "expected a CPU tensor"),
+        ((torch.ones(3).to_sparse(),), ValueError, "dense"),
+    ]
+    out = []
+    eng = comm._engine._native if comm._engine else None
+    for args, exc, text in cases:
+        r0 = eng.round if eng else 0
+        try:
+            comm.all_reduce(*args)
+            out.append(f"{text}: no error")
+        except exc as e:
+            msg = str(e)
+            if "all_reduce" not in msg or text not in msg:
+                out.append(f"bad message for {text}: {msg}")
+        except Exception as e:  # wrong type
+            out.append(f"{text}: raised {type(e).__name__}: {e}")
+        if eng and eng.round != r0:
+            out.append(f"{text}: touched shared memory")
+    try:
+        comm.all_reduce()
+        out.append("no-arg: no error")
+    except TypeError:
+        pass
+    # a Tensor subclass takes the checked path and works
+    x = torch.ones(4).as_subclass(MyTensor)
+    comm.all_reduce(x)
+    if not torch.equal(torch.Tensor(x), torch.full((4,), float(comm.world_size))):
+        out.append("subclass result wrong")
+    # still usable
+    y = torch.ones(5)
+    comm.all_reduce(y)
+    if not torch.equal(y, torch.full((5,), float(comm.world_size))):
+        out.append("unusable after errors")
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_bad_arguments(pools, world):
+    for problems in pools.run(world, bad_arguments):
+        assert problems == []
+
+
+def mismatched(comm, what):
+    r = comm.rank
+    if what == "numel":
+        x = torch.full((10 + (r == 1),), float(r + 1))
+        op = tpcomm.ReduceOp.SUM
+    elif what == "dtype":
+        x = torch.full((10,), r + 1, dtype=torch.float32 if r != 1 else torch.int32)
+        op = tpcomm.ReduceOp.SUM
+    elif what == "op":
+        x = torch.full((10,), float(r + 1))
+        op = tpcomm.ReduceOp.MAX if r == 1 else tpcomm.ReduceOp.SUM
+    elif what == "large":  # a chunked call against a small one
+        x = torch.full(((3 << 20) if r == 1 else 5,), float(r + 1))
+        op = tpcomm.ReduceOp.SUM
+    before = x.clone()
+    try:
+        comm.all_reduce(x, op)
+        result = "no error"
+    except ValueError as e:
+        result = str(e)
+    untouched = torch.equal(x, before)
+    # the communicator is still in step afterwards
+    y = torch.ones(3)
+    comm.all_reduce(y)
+    return result, untouched, y.tolist()
+
+
+@pytest.mark.parametrize("what", ["numel", "dtype", "op", "large"])
+def test_mismatch_raises_on_every_rank(pools, what):
+    world = 3
+    results = pools.run(world, mismatched, what)
+    for r, (msg, untouched, y) in enumerate(results):
+        assert msg.startswith("all_reduce: mismatched collective"), msg
+        assert "rank 1 called" in msg or (r == 1 and "rank 1 called" in msg), msg
+        assert untouched, f"rank {r}: tensor written despite the mismatch"
+        assert y == [world] * 3
+    # rank 0 names its own call and rank 1's
+    msg0 = results[0][0]
+    if what == "numel":
+        assert "numel=10" in msg0 and "numel=11" in msg0
+    elif what == "dtype":
+        assert "torch.float32" in msg0 and "torch.int32" in msg0
+    elif what == "op":
+        assert "op=SUM" in msg0 and "op=MAX" in msg0
+
+
+def barrier_vs_all_reduce(comm):
+    try:
+        if comm.rank == 0:
+            comm.barrier()
+        else:
+            comm.all_reduce(torch.ones(2))
+        return "no error"
+    except ValueError as e:
+        return str(e)
+
+
+def test_different_collectives_are_a_mismatch(pools):
+    for msg in pools.run(2, barrier_vs_all_reduce):
+        assert "mismatched collective" in msg and "barrier()" in msg and "all_reduce(" in msg
+
+
+def closed_use(comm):
+    comm.close()
+    out = []
+    for call in (lambda: comm.all_reduce(torch.ones(2)), comm.barrier):
+        try:
+            call()
+            out.append("no error")
+        except tpcomm.CommError as e:
+            out.append(str(e))
+    return out
+
+
+def test_closed_communicator():
+    for msgs in tpcomm.launch(closed_use, 2, timeout=60):
+        assert msgs[0] == "all_reduce: the Communicator is closed"
+        assert msgs[1] == "barrier: the Communicator is closed"
+
+
+def test_launch_arguments():
+    with pytest.raises(ValueError, match="world_size must be >= 1, got 0"):
+        tpcomm.launch(closed_use, 0)
+    with pytest.raises(TypeError, match="world_size must be an int"):
+        tpcomm.launch(closed_use, 2.0)
+
+
+def test_timeout_argument_checked():
+    with pytest.raises(ValueError, match="timeout must be positive"):
+        tpcomm.Communicator(timeout=-1)
+    with pytest.raises(TypeError, match="timeout must be seconds"):
+        tpcomm.Communicator(timeout="soon")
+
+
+def test_no_torch_distributed_is_a_clear_error():
+    with pytest.raises(tpcomm.CommError, match="torch.distributed is not initialized"):
+        tpcomm.Communicator()
+
+
+def test_from_env_needs_the_variables(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ValueError, match="RANK is not set"):
+        tpcomm.Communicator.from_env()

@@ -1,0 +1,80 @@
+"""Ways in: inside a torch.distributed job (world and sub-groups, several
+communicators in one process), and from torchrun-style environment variables.
+Results are compared with gloo on the same data."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+import tpcomm
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def in_dist_job(comm, port):
+    rank, world = comm.rank, comm.world_size
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    try:
+        out = {}
+        g01 = dist.new_group([0, 1])
+        g23 = dist.new_group([2, 3])
+        mine = g01 if rank < 2 else g23
+        with tpcomm.Communicator() as cw, tpcomm.Communicator(mine, timeout=30) as cs:
+            out["world"] = (cw.rank, cw.world_size, cs.rank, cs.world_size)
+            x = torch.arange(1000, dtype=torch.float32) * (rank + 1)
+            y = x.clone()
+            cw.all_reduce(x)
+            dist.all_reduce(y)
+            out["world_equal"] = torch.equal(x, y)
+            # interleave the two communicators
+            for k in range(3):
+                a = torch.full((77,), float(rank + k), dtype=torch.float32)
+                b = a.clone()
+                cs.all_reduce(a, tpcomm.ReduceOp.MAX)
+                dist.all_reduce(b, op=dist.ReduceOp.MAX, group=mine)
+                c = torch.full((5,), rank + k, dtype=torch.int64)
+                cw.all_reduce(c)
+                out.setdefault("sub_equal", []).append(torch.equal(a, b))
+                out.setdefault("world_ints", []).append(c.tolist())
+            cw.barrier()
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+def test_communicator_in_torch_distributed_job():
+    world = 4
+    res = tpcomm.launch(in_dist_job, world, args=(free_port(),), timeout=120)
+    for r, out in enumerate(res):
+        assert out["world"] == (r, 4, r % 2, 2)
+        assert out["world_equal"]
+        assert out["sub_equal"] == [True] * 3
+        assert out["world_ints"] == [[6 + 4 * k] * 5 for k in range(3)]
+
+
+def from_env(comm, port):
+    os.environ.update(
+        RANK=str(comm.rank),
+        WORLD_SIZE=str(comm.world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    with tpcomm.Communicator.from_env(timeout=30) as c:
+        x = torch.full((1000,), float(c.rank))
+        c.all_reduce(x, tpcomm.ReduceOp.AVG)
+        return c.rank, c.world_size, x[0].item()
+
+
+def test_from_env():
+    res = tpcomm.launch(from_env, 3, args=(free_port(),), timeout=120)
+    assert res == [(r, 3, 1.0) for r in range(3)]

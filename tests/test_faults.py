@@ -1,0 +1,181 @@
+"""Failures: a dead peer gives PeerFailedError on every survivor within 2 s, never a
+hang; a live peer that never joins gives CommTimeoutError; nothing is left in the shm
+directory, even after SIGKILL in the middle of a collective."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+import tpcomm
+from tpcomm.launch import LocalGroup
+
+
+def _write(path, obj):
+    with open(path, "w") as f:
+        json.dump(obj, f)
+
+
+def kill_mid_all_reduce(comm, victim, outdir, numel):
+    """The victim SIGKILLs itself from another thread while inside large all-reduces."""
+    x = torch.ones(numel)
+    if comm.rank == victim:
+
+        def die():
+            time.sleep(0.3)
+            _write(os.path.join(outdir, "killed"), {"t": time.time()})
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        threading.Thread(target=die, daemon=True).start()
+    calls = 0
+    try:
+        while True:
+            comm.all_reduce(x)
+            calls += 1
+    except tpcomm.PeerFailedError as e:
+        _write(
+            os.path.join(outdir, f"rank{comm.rank}"),
+            {"t": time.time(), "rank": e.rank, "calls": calls, "msg": str(e)},
+        )
+        # the communicator stays failed: the next call raises at once
+        try:
+            comm.all_reduce(torch.ones(4))
+        except tpcomm.PeerFailedError as again:
+            return again.rank
+        return None
+
+
+@pytest.mark.parametrize("world,victim,numel", [(2, 1, 3 << 20), (3, 0, 1000), (4, 2, 1 << 20)])
+def test_sigkill_mid_all_reduce(tmp_path, world, victim, numel):
+    with LocalGroup(world, timeout=60) as g, pytest.raises(tpcomm.LaunchError) as info:
+        g.run(kill_mid_all_reduce, victim, str(tmp_path), numel, timeout=60)
+    assert info.value.rank == victim, info.value
+    assert "SIGKILL" in str(info.value)
+    killed = json.loads((tmp_path / "killed").read_text())["t"]
+    for r in range(world):
+        if r == victim:
+            continue
+        rec = json.loads((tmp_path / f"rank{r}").read_text())
+        assert rec["rank"] == victim, rec
+        assert rec["calls"] > 0, "the kill should land in the middle of the loop"
+        assert rec["t"] - killed < 2.0, f"rank {r} took {rec['t'] - killed:.2f}s to notice"
+        assert f"rank {victim}" in rec["msg"]
+
+
+def dies_before_calling(comm):
+    if comm.rank == 1:
+        os._exit(3)  # leaves without calling the collective at all
+    t0 = time.monotonic()
+    try:
+        comm.all_reduce(torch.ones(10))
+    except tpcomm.PeerFailedError as e:
+        return e.rank, time.monotonic() - t0
+    return None
+
+
+def test_peer_exits_while_others_wait(tmp_path):
+    with LocalGroup(3, timeout=60) as g, pytest.raises(tpcomm.LaunchError) as info:
+        g.run(dies_before_calling, timeout=60)
+    assert info.value.rank == 1
+    assert "exited with code 3" in str(info.value)
+
+
+def survivors_report(comm, outdir):
+    if comm.rank == 1:
+        os._exit(3)
+    t0 = time.monotonic()
+    try:
+        comm.all_reduce(torch.ones(10))
+        res = "no error"
+    except tpcomm.PeerFailedError as e:
+        res = [e.rank, time.monotonic() - t0]
+    _write(os.path.join(outdir, f"rank{comm.rank}"), res)
+    return res
+
+
+def test_survivors_see_peer_failed(tmp_path):
+    with LocalGroup(4, timeout=60) as g, pytest.raises(tpcomm.LaunchError):
+        g.run(survivors_report, str(tmp_path), timeout=60)
+    for r in (0, 2, 3):
+        peer, took = json.loads((tmp_path / f"rank{r}").read_text())
+        assert peer == 1
+        assert took < 2.0
+
+
+def one_rank_stays_away(comm):
+    if comm.rank == 2:
+        time.sleep(3.0)  # alive, but never joins the collective
+        return "slept"
+    t0 = time.monotonic()
+    try:
+        comm.all_reduce(torch.ones(10))
+    except tpcomm.CommTimeoutError as e:
+        return ["timeout", time.monotonic() - t0, str(e)]
+    return "finished"
+
+
+def test_live_peer_that_never_joins_times_out():
+    with LocalGroup(3, timeout=1.0) as g:
+        res = g.run(one_rank_stays_away, timeout=60)
+    assert res[2] == "slept"
+    for r in (0, 1):
+        kind, took, msg = res[r]
+        assert kind == "timeout"
+        assert 0.9 < took < 2.5, took
+        assert "timed out" in msg or "waited" in msg
+
+
+def close_then_peer_waits(comm):
+    if comm.rank == 0:
+        comm.close()
+        comm.close()  # idempotent
+        try:
+            comm.all_reduce(torch.ones(3))
+        except tpcomm.CommError as e:
+            return ["closed", str(e)]
+        return "no error"
+    try:
+        comm.all_reduce(torch.ones(3))
+    except tpcomm.PeerFailedError as e:
+        return ["peer", e.rank]
+    return "no error"
+
+
+def test_closed_peer_is_reported_not_waited_for():
+    with LocalGroup(2, timeout=60) as g:
+        res = g.run(close_then_peer_waits, timeout=60)
+    assert res[0][0] == "closed" and "all_reduce" in res[0][1] and "closed" in res[0][1]
+    assert res[1] == ["peer", 0]
+
+
+def raises_on_rank(comm, bad):
+    if comm.rank == bad:
+        raise KeyError("boom from the user's function")
+    comm.all_reduce(torch.ones(3))  # blocks: the bad rank never joins
+    return comm.rank
+
+
+def _rank_processes():
+    import multiprocessing
+
+    return {p.pid for p in multiprocessing.active_children() if p.name.startswith("tpcomm-rank")}
+
+
+def test_launch_reports_the_failing_rank_and_ends_the_others():
+    before = _rank_processes()  # the session's worker pools
+    t0 = time.monotonic()
+    with pytest.raises(tpcomm.LaunchError) as info:
+        tpcomm.launch(raises_on_rank, 3, args=(2,), timeout=60)
+    assert time.monotonic() - t0 < 30
+    err = info.value
+    assert err.rank == 2
+    assert "KeyError" in err.remote_traceback and "boom" in err.remote_traceback
+    assert "rank 2" in str(err)
+    # nothing left running
+    assert _rank_processes() == before

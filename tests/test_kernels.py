@@ -1,0 +1,74 @@
+"""The native reduce kernels alone: every dtype x op x world against the torch
+reference, with the last element right before a PROT_NONE guard page (vLLM's copy
+read up to 63 bytes past its source), for lengths that exercise every vector tail."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+
+import pytest
+import torch
+
+from tpcomm import _native
+from tpcomm.ops import DTYPE_CODES, FLOAT_DTYPES, ReduceOp
+
+from ._ref import DTYPES, make, reference
+
+PAGE = mmap.PAGESIZE
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class Guarded:
+    """n elements ending exactly at a PROT_NONE page."""
+
+    def __init__(self, n: int, dtype: torch.dtype):
+        es = torch.empty(0, dtype=dtype).element_size()
+        self.nbytes = n * es
+        data_pages = (self.nbytes + PAGE - 1) // PAGE or 1
+        self.map = mmap.mmap(-1, (data_pages + 1) * PAGE)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
+        self.guard = base + data_pages * PAGE
+        self.addr = self.guard - self.nbytes
+        view = memoryview(self.map)[data_pages * PAGE - self.nbytes : data_pages * PAGE]
+        self.tensor = torch.frombuffer(view, dtype=dtype) if n else torch.empty(0, dtype=dtype)
+        assert _libc.mprotect(ctypes.c_void_p(self.guard), PAGE, 0) == 0
+
+    def release(self):
+        _libc.mprotect(ctypes.c_void_p(self.guard), PAGE, 3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_kernels_match_reference_at_page_edge(dtype, world):
+    keep = []
+    for n in (1, 3, 15, 17, 63, 255, 511, 513, 1029):
+        for op in ReduceOp:
+            if op is ReduceOp.AVG and dtype not in FLOAT_DTYPES:
+                continue
+            inputs = [make(r, n, dtype, seed=n) for r in range(world)]
+            bufs = [Guarded(n, dtype) for _ in range(world + 1)]
+            keep += bufs
+            for b, x in zip(bufs, inputs):
+                b.tensor.copy_(x)
+            out = bufs[-1]
+            _native.reduce(DTYPE_CODES[dtype], op.value, out.addr, [b.addr for b in bufs[:-1]], n)
+            ref = reference(inputs, op)
+            assert torch.equal(out.tensor, ref), (dtype, op, n, world)
+            # in place, as all_reduce uses it: the destination is rank 0's source
+            _native.reduce(
+                DTYPE_CODES[dtype], op.value, bufs[0].addr, [b.addr for b in bufs[:-1]], n
+            )
+            assert torch.equal(bufs[0].tensor, ref)
+    for b in keep:
+        b.release()
+
+
+def test_nan_propagates_through_max_and_min():
+    a = torch.tensor([float("nan"), 1.0, 2.0])
+    b = torch.tensor([0.0, float("nan"), 5.0])
+    out = torch.empty(3)
+    for op, fn in ((ReduceOp.MAX, torch.maximum), (ReduceOp.MIN, torch.minimum)):
+        _native.reduce(0, op.value, out.data_ptr(), [a.data_ptr(), b.data_ptr()], 3)
+        ref = fn(a, b)
+        assert torch.equal(out.isnan(), ref.isnan()) and out[2] == ref[2]
