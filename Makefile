@@ -20,8 +20,8 @@ $(VENV)/.installed: pyproject.toml setup.py src/tpcomm/_native.c
 install: $(VENV)/.installed
 
 lint: install
-	$(VENV)/bin/ruff check src tests benchmarks
-	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff format --check src tests
 
 test: install lint
 	$(PY) -m pytest -q tests

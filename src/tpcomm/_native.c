@@ -1098,6 +1098,32 @@ static PyObject *mod_segment_size(PyObject *self, PyObject *args)
     return PyLong_FromUnsignedLongLong(seg_size(world, slot_bytes));
 }
 
+/* time_memcpy(dst, src, nbytes, iters) -> seconds per copy: the physical bound
+ * `tpcomm perf` prints next to every row (no Python overhead inside). */
+static PyObject *mod_time_memcpy(PyObject *self, PyObject *args)
+{
+    (void)self;
+    unsigned long long dst, src, n;
+    long iters;
+    if (!PyArg_ParseTuple(args, "KKKl", &dst, &src, &n, &iters))
+        return NULL;
+    if (iters < 1) {
+        PyErr_SetString(PyExc_ValueError, "time_memcpy: iters must be >= 1");
+        return NULL;
+    }
+    uint64_t t0, t1;
+    Py_BEGIN_ALLOW_THREADS
+    memcpy((void *)(uintptr_t)dst, (void *)(uintptr_t)src, (size_t)n); /* warm */
+    t0 = now_ns();
+    for (long i = 0; i < iters; i++) {
+        memcpy((void *)(uintptr_t)dst, (void *)(uintptr_t)src, (size_t)n);
+        __asm__ __volatile__("" ::: "memory"); /* keep every copy */
+    }
+    t1 = now_ns();
+    Py_END_ALLOW_THREADS
+    return PyFloat_FromDouble((double)(t1 - t0) / 1e9 / (double)iters);
+}
+
 static PyObject *mod_isa(PyObject *self, PyObject *unused)
 {
     (void)self;
@@ -1120,6 +1146,7 @@ static PyMethodDef mod_methods[] = {
     {"segment_size", mod_segment_size, METH_VARARGS, NULL},
     {"reduce", eng_reduce_kernel, METH_VARARGS, NULL},
     {"isa", mod_isa, METH_NOARGS, NULL},
+    {"time_memcpy", mod_time_memcpy, METH_VARARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,0 +1,7 @@
+"""``python -m tpcomm ...`` is the ``tpcomm`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

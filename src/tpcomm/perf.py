@@ -1,0 +1,292 @@
+"""``tpcomm perf``: nccl-tests-style benchmarks of the shared-memory engine.
+
+One table row per size: tpcomm's time and bandwidths, the number of wrong
+values (checked outside the timed loop, on fresh data), and, in the same
+run, gloo's time for the same call and a single-thread memcpy of the same
+bytes (the physical bound of any shared-memory collective).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import re
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from .ops import FLOAT_DTYPES, ReduceOp
+
+__all__ = ["main", "parse_size"]
+
+_DTYPES = {
+    "float": torch.float32,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "half": torch.float16,
+    "float16": torch.float16,
+    "int32": torch.int32,
+    "int": torch.int32,
+    "int64": torch.int64,
+}
+_TYPE_NAMES = {
+    torch.float32: "float",
+    torch.bfloat16: "bfloat16",
+    torch.float16: "half",
+    torch.int32: "int32",
+    torch.int64: "int64",
+}
+
+
+def parse_size(text: str) -> int:
+    """'1K' -> 1024, '64M' -> 67108864, '3' -> 3 (binary suffixes, like nccl-tests)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([KMGkmg]?)[Bb]?\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"bad size {text!r} (use e.g. 8, 1K, 64M, 1G)")
+    return int(m.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[m.group(2).upper()]
+
+
+@dataclass
+class Collective:
+    """One entry of the vtable: how to run and check a collective."""
+
+    name: str
+    busbw_factor: Callable[[int], float]
+    run: Callable[..., Any]
+    run_dist: Callable[..., Any]
+
+
+def _ar_run(comm, x, op):
+    comm.all_reduce(x, op)
+
+
+def _ar_dist(x, op):
+    import torch.distributed as dist
+
+    dist.all_reduce(x, op=getattr(dist.ReduceOp, op.name))
+
+
+COLLECTIVES = {
+    "all_reduce": Collective("all_reduce", lambda n: 2 * (n - 1) / n, _ar_run, _ar_dist),
+}
+
+
+def _data(rank: int, count: int, dtype: torch.dtype, salt: int) -> torch.Tensor:
+    """Small integers: exact in every dtype, different per rank and per element."""
+    base = (torch.arange(count, dtype=torch.int64) * 7 + rank * 3 + salt) % 13
+    return base.to(dtype)
+
+
+def _expected(world: int, count: int, dtype: torch.dtype, op: ReduceOp, salt: int) -> torch.Tensor:
+    acc_dtype = torch.float32 if dtype in FLOAT_DTYPES else dtype
+    acc = _data(0, count, dtype, salt).to(acc_dtype)
+    for r in range(1, world):
+        x = _data(r, count, dtype, salt).to(acc_dtype)
+        if op in (ReduceOp.SUM, ReduceOp.AVG):
+            acc = acc + x
+        elif op is ReduceOp.MAX:
+            acc = torch.maximum(acc, x)
+        else:
+            acc = torch.minimum(acc, x)
+    if op is ReduceOp.AVG:
+        acc = acc / world
+    return acc.to(dtype)
+
+
+def _timed(fn: Callable[[], Any], iters: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - t0) / iters
+
+
+def _agree(comm, value: int) -> int:
+    """The largest of every rank's value (so all ranks loop the same count)."""
+    t = torch.tensor([value], dtype=torch.int64)
+    comm.all_reduce(t, ReduceOp.MAX)
+    return int(t.item())
+
+
+def _worker(comm, cfg: dict) -> list[dict]:
+    from . import _native
+
+    torch.set_num_threads(1)
+    coll = COLLECTIVES[cfg["collective"]]
+    dtype, op = cfg["dtype"], ReduceOp[cfg["op"]]
+    es = torch.empty(0, dtype=dtype).element_size()
+    rank, world = comm.rank, comm.world_size
+    gloo = cfg["compare"] == "gloo"
+    if gloo:
+        import torch.distributed as dist
+
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{cfg['port']}", rank=rank, world_size=world
+        )
+    rows = []
+    try:
+        for size in cfg["sizes"]:
+            count = max(1, size // es)
+            row = {"size": count * es, "count": count}
+            x = _data(rank, count, dtype, 0)
+            for _ in range(cfg["warmup"]):
+                coll.run(comm, x, op)
+            iters = cfg["iters"]
+            if iters <= 0:  # auto: about target seconds per size, at least 20
+                probe = _timed(lambda x=x: coll.run(comm, x, op), 5)
+                iters = _agree(comm, int(min(200000, max(20, cfg["target"] / max(probe, 1e-7)))))
+            comm.barrier()
+            row["time"] = _timed(lambda x=x: coll.run(comm, x, op), iters)
+            row["iters"] = iters
+            if cfg["check"]:
+                wrong = 0
+                for salt in range(cfg["check"]):
+                    y = _data(rank, count, dtype, salt + 1)
+                    coll.run(comm, y, op)
+                    wrong += int((y != _expected(world, count, dtype, op, salt + 1)).sum())
+                row["wrong"] = wrong
+            if gloo:
+                g = _data(rank, count, dtype, 0)
+                coll.run_dist(g, op)
+                giters = max(3, min(iters, int(cfg["target"] / 2 / max(row["time"] * 50, 1e-6))))
+                giters = _agree(comm, giters)
+                dist.barrier()
+                row["gloo"] = _timed(lambda g=g: coll.run_dist(g, op), giters)
+            comm.barrier()
+            if rank == 0:
+                src = torch.ones(count, dtype=dtype)
+                dst = torch.empty_like(src)
+                miters = max(10, min(100000, int(0.05 / max(row["time"], 1e-7))))
+                row["memcpy"] = _native.time_memcpy(
+                    dst.data_ptr(), src.data_ptr(), row["size"], miters
+                )
+            comm.barrier()
+            rows.append(row)
+    finally:
+        if gloo:
+            dist.destroy_process_group()
+    return rows
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("collective", choices=sorted(COLLECTIVES), help="which collective")
+    p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("1K"))
+    p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("64M"))
+    p.add_argument("-f", "--stepfactor", type=int, default=2, help="multiply size by this")
+    p.add_argument(
+        "-n",
+        "--iters",
+        type=int,
+        default=0,
+        help="timed iterations per size (0 = auto, about --target seconds)",
+    )
+    p.add_argument("-w", "--warmup_iters", type=int, default=5)
+    p.add_argument("-c", "--check", type=int, default=1, help="check results N times (0: no)")
+    p.add_argument("-d", "--datatype", default="float", choices=sorted(_DTYPES))
+    p.add_argument("-o", "--op", default="sum", choices=["sum", "avg", "max", "min"])
+    p.add_argument("-N", "--nranks", type=int, default=2, help="local ranks to launch")
+    p.add_argument(
+        "--compare",
+        choices=["none", "gloo"],
+        default="none",
+        help="also time torch.distributed gloo on the same data",
+    )
+    p.add_argument("--target", type=float, default=0.3, help="seconds per size with -n 0")
+    p.add_argument("--no-pin", action="store_true", help="do not pin rank r to CPU r")
+
+
+def run(args: argparse.Namespace, out=sys.stdout) -> int:
+    from . import _native
+    from .launch import LocalGroup
+
+    if args.minbytes > args.maxbytes or args.stepfactor < 2 and args.minbytes != args.maxbytes:
+        print("# error: need -b <= -e and -f >= 2", file=sys.stderr)
+        return 2
+    sizes = []
+    s = args.minbytes
+    while s <= args.maxbytes:
+        sizes.append(s)
+        s *= args.stepfactor
+    dtype = _DTYPES[args.datatype]
+    op = args.op.upper()
+    if op == "AVG" and dtype not in FLOAT_DTYPES:
+        print("# error: avg needs a floating datatype", file=sys.stderr)
+        return 2
+    cfg = {
+        "collective": args.collective,
+        "sizes": sizes,
+        "dtype": dtype,
+        "op": op,
+        "iters": args.iters,
+        "warmup": args.warmup_iters,
+        "check": args.check,
+        "compare": args.compare,
+        "target": args.target,
+        "port": _free_port(),
+    }
+    coll = COLLECTIVES[args.collective]
+    n = args.nranks
+    w = out.write
+    w(
+        f"# tpcomm perf {args.collective}: nranks {n}, type {_TYPE_NAMES[dtype]}, op {args.op}, "
+        f"iters {'auto' if args.iters <= 0 else args.iters}, warmup {args.warmup_iters}, "
+        f"check {args.check}, pinned {not args.no_pin}\n"
+    )
+    w(
+        f"# host {socket.gethostname()}: {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} cpus, torch {torch.__version__}, tpcomm kernels {_native.isa()}\n"
+    )
+    w("# time: per op, in place, the slowest rank's average; memcpy: one thread, same bytes\n")
+    hdr = (
+        f"#{'size':>11} {'count':>10} {'type':>8} {'redop':>5} {'root':>4}  "
+        f"{'time(us)':>9} {'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'#wrong':>6}"
+    )
+    if args.compare == "gloo":
+        hdr += f"  {'gloo(us)':>9} {'speedup':>7}"
+    hdr += f"  {'memcpy(us)':>10} {'GB/s':>6}"
+    w(hdr + "\n")
+    out.flush()
+    t0 = time.monotonic()
+    with LocalGroup(n, pin=not args.no_pin) as group:
+        results = group.run(_worker, cfg)
+    wrong_total = 0
+    bus = []
+    for i, row in enumerate(results[0]):
+        t = max(r[i]["time"] for r in results)
+        wrong = sum(r[i].get("wrong", 0) for r in results) if args.check else "N/A"
+        if args.check:
+            wrong_total += wrong
+        algbw = row["size"] / t / 1e9
+        busbw = algbw * coll.busbw_factor(n)
+        bus.append(busbw)
+        line = (
+            f" {row['size']:>11} {row['count']:>10} {_TYPE_NAMES[dtype]:>8} {args.op:>5} "
+            f"{-1:>4}  {t * 1e6:>9.2f} {algbw:>11.2f} {busbw:>11.2f} {wrong:>6}"
+        )
+        if args.compare == "gloo":
+            g = max(r[i]["gloo"] for r in results)
+            line += f"  {g * 1e6:>9.1f} {g / t:>6.1f}x"
+        m = row["memcpy"]
+        line += f"  {m * 1e6:>10.2f} {row['size'] / m / 1e9:>6.1f}"
+        w(line + "\n")
+    w(f"# Out of bounds values : {wrong_total} {'OK' if wrong_total == 0 else 'FAILED'}\n")
+    w(f"# Avg bus bandwidth    : {sum(bus) / len(bus):.3f}\n")
+    w(f"# elapsed {time.monotonic() - t0:.1f}s\n")
+    return 0 if wrong_total == 0 else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="tpcomm perf", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
