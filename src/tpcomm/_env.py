@@ -8,7 +8,15 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["timeout", "shm_dir", "slot_bytes", "spin_us", "yield_us", "host_id_override"]
+__all__ = [
+    "timeout",
+    "shm_dir",
+    "slot_bytes",
+    "spin_us",
+    "yield_us",
+    "nt_min_bytes",
+    "host_id_override",
+]
 
 # Seconds any single wait may last while every peer is alive.  Dead peers are
 # detected in milliseconds whatever this says; this only bounds a live but
@@ -19,6 +27,9 @@ DEFAULT_SHM_DIR = "/dev/shm"
 # Bytes of one rank's slot (two per rank).  1 MiB keeps a round's working set
 # in L2 on current x86 parts and makes a world-8 segment 16 MiB.
 DEFAULT_SLOT_BYTES = 1 << 20
+# Copies into a slot of at least this many bytes use non-temporal stores
+# (-1: never).  See docs/PERFORMANCE.md for how it was chosen.
+DEFAULT_NT_MIN_BYTES = -1
 # Spin this long (with pause) before yielding the CPU; 0 when the ranks
 # outnumber the cores (then spinning only steals the core a peer needs).
 DEFAULT_SPIN_US = 5.0
@@ -68,6 +79,17 @@ def spin_us() -> float:
 def yield_us() -> float:
     """TPCOMM_YIELD_US (default 1000)."""
     return _float("TPCOMM_YIELD_US", DEFAULT_YIELD_US)
+
+
+def nt_min_bytes() -> int:
+    """TPCOMM_NT_MIN_BYTES (default -1: never)."""
+    raw = os.environ.get("TPCOMM_NT_MIN_BYTES")
+    if raw is None or raw == "":
+        return DEFAULT_NT_MIN_BYTES
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"TPCOMM_NT_MIN_BYTES={raw!r} is not an integer") from None
 
 
 def host_id_override() -> str | None:

@@ -54,6 +54,7 @@
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
@@ -272,8 +273,259 @@ KERNEL static void sum2_bf16(uint16_t *d, const uint16_t *a, const uint16_t *b, 
         d[i] = f32_to_bf16(bf16_to_f32(a[i]) + bf16_to_f32(b[i]));
 }
 
+/*
+ * Copy into this rank's slot.  Above nt_min bytes the copy uses non-temporal
+ * stores: the lines go to memory/L3 instead of this core's L2, so the peers
+ * read them without snooping a modified line out of another core, and the
+ * stores need no read-for-ownership of lines the peers still hold shared.
+ * The slot is page aligned; the source may be anything.  The caller fences
+ * (sfence) before it publishes.
+ */
+#if defined(__x86_64__)
+__attribute__((target("avx512f"))) static void copy_nt_avx512(char *dst, const char *src, size_t n)
+{
+    size_t i = 0;
+    for (; i + 256 <= n; i += 256) {
+        __m512i a = _mm512_loadu_si512((const void *)(src + i));
+        __m512i b = _mm512_loadu_si512((const void *)(src + i + 64));
+        __m512i c = _mm512_loadu_si512((const void *)(src + i + 128));
+        __m512i d = _mm512_loadu_si512((const void *)(src + i + 192));
+        _mm512_stream_si512((void *)(dst + i), a);
+        _mm512_stream_si512((void *)(dst + i + 64), b);
+        _mm512_stream_si512((void *)(dst + i + 128), c);
+        _mm512_stream_si512((void *)(dst + i + 192), d);
+    }
+    for (; i + 64 <= n; i += 64)
+        _mm512_stream_si512((void *)(dst + i), _mm512_loadu_si512((const void *)(src + i)));
+    if (i < n)
+        memcpy(dst + i, src + i, n - i);
+}
+
+__attribute__((target("avx2"))) static void copy_nt_avx2(char *dst, const char *src, size_t n)
+{
+    size_t i = 0;
+    for (; i + 128 <= n; i += 128) {
+        __m256i a = _mm256_loadu_si256((const __m256i *)(src + i));
+        __m256i b = _mm256_loadu_si256((const __m256i *)(src + i + 32));
+        __m256i c = _mm256_loadu_si256((const __m256i *)(src + i + 64));
+        __m256i d = _mm256_loadu_si256((const __m256i *)(src + i + 96));
+        _mm256_stream_si256((__m256i *)(dst + i), a);
+        _mm256_stream_si256((__m256i *)(dst + i + 32), b);
+        _mm256_stream_si256((__m256i *)(dst + i + 64), c);
+        _mm256_stream_si256((__m256i *)(dst + i + 96), d);
+    }
+    if (i < n)
+        memcpy(dst + i, src + i, n - i);
+}
+
+static int nt_level(void)
+{
+    static int level = -1;
+    if (level < 0) {
+        __builtin_cpu_init();
+        level = __builtin_cpu_supports("avx512f") ? 2 : __builtin_cpu_supports("avx2") ? 1 : 0;
+    }
+    return level;
+}
+#endif
+
+static size_t nt_min = (size_t)-1; /* set by set_tuning(); (size_t)-1 = never */
+
+static void copy_in(char *dst, const char *src, size_t n)
+{
+#if defined(__x86_64__)
+    if (n >= nt_min) {
+        int lv = nt_level();
+        if (lv == 2) {
+            copy_nt_avx512(dst, src, n);
+            _mm_sfence();
+            return;
+        }
+        if (lv == 1) {
+            copy_nt_avx2(dst, src, n);
+            _mm_sfence();
+            return;
+        }
+    }
+#endif
+    memcpy(dst, src, n);
+}
+
+#if defined(__x86_64__)
+/*
+ * AVX-512 kernels for the float family, written with intrinsics because gcc
+ * does not vectorise the _Float16 conversions and keeps the bfloat16 rounding
+ * partly scalar.  Same arithmetic as the portable kernels above, lane by lane:
+ * load as float32, combine in rank order, round once (bfloat16: integer
+ * round-to-nearest-even, NaN quieted, denormals kept, exactly like torch and
+ * f32_to_bf16; float16: vcvtps2ph with round-to-nearest-even).  Tails use
+ * masked loads and stores, which never touch memory past the end.
+ */
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,f16c")))
+
+AVX512 static inline __m512 ld16(int dtype, const void *p, size_t i, __mmask16 k)
+{
+    if (dtype == DT_F32)
+        return _mm512_maskz_loadu_ps(k, (const float *)p + i);
+    __m256i h = _mm256_maskz_loadu_epi16(k, (const uint16_t *)p + i);
+    if (dtype == DT_BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+}
+
+AVX512 static inline void st16(int dtype, void *p, size_t i, __m512 x, __mmask16 k)
+{
+    if (dtype == DT_F32) {
+        _mm512_mask_storeu_ps((float *)p + i, k, x);
+        return;
+    }
+    __m256i h;
+    if (dtype == DT_BF16) {
+        __m512i u = _mm512_castps_si512(x);
+        __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+        __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+        __m512i nan = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+        __mmask16 isnan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+        r = _mm512_mask_blend_epi32(isnan, _mm512_srli_epi32(r, 16), nan);
+        h = _mm512_cvtepi32_epi16(r);
+    } else {
+        h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    }
+    _mm256_mask_storeu_epi16((uint16_t *)p + i, k, h);
+}
+
+AVX512 static inline __m512 vmax(__m512 a, __m512 b)
+{
+    __mmask16 take_b = _mm512_cmp_ps_mask(b, a, _CMP_GT_OQ) | _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q);
+    __m512 r = _mm512_mask_blend_ps(take_b, a, b);
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q), r, a);
+}
+
+AVX512 static inline __m512 vmin(__m512 a, __m512 b)
+{
+    __mmask16 take_b = _mm512_cmp_ps_mask(b, a, _CMP_LT_OQ) | _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q);
+    __m512 r = _mm512_mask_blend_ps(take_b, a, b);
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q), r, a);
+}
+
+AVX512 static inline __m512 combine16(int dtype, int op, void *const *srcs, int w, size_t i,
+                                      __mmask16 k)
+{
+    __m512 acc = ld16(dtype, srcs[0], i, k);
+    for (int r = 1; r < w; r++) {
+        __m512 b = ld16(dtype, srcs[r], i, k);
+        if (op == OP_SUM || op == OP_AVG)
+            acc = _mm512_add_ps(acc, b);
+        else if (op == OP_MAX)
+            acc = vmax(acc, b);
+        else
+            acc = vmin(acc, b);
+    }
+    if (op == OP_AVG)
+        acc = _mm512_div_ps(acc, _mm512_set1_ps((float)w));
+    return acc;
+}
+
+/* bfloat16 round-to-nearest-even of two vectors at once: the rounded
+ * high halves are packed with one vpackusdw and put back in order with one
+ * vpermq (cheaper than two vpmovdw). */
+AVX512 static inline __m512i bf16_round32(__m512 x)
+{
+    __m512i u = _mm512_castps_si512(x);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    __m512i nan = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), r, nan);
+}
+
+/* With AVX512_BF16, vcvtne2ps2bf16 rounds two vectors in one instruction; it
+ * flushes denormal inputs to zero, so a vector holding any falls back to the
+ * integer rounding (torch keeps denormals). */
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) static inline int
+st32_bf16_native(void *p, size_t i, __m512 a, __m512 b)
+{
+    const __m512 tiny = _mm512_set1_ps(1.17549435e-38f);
+    const __m512i absmask = _mm512_set1_epi32(0x7fffffff);
+    __m512 aa = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(a), absmask));
+    __m512 ab = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(b), absmask));
+    __mmask16 da = _mm512_cmp_ps_mask(aa, tiny, _CMP_LT_OQ) & _mm512_cmp_ps_mask(aa, _mm512_setzero_ps(), _CMP_NEQ_OQ);
+    __mmask16 db = _mm512_cmp_ps_mask(ab, tiny, _CMP_LT_OQ) & _mm512_cmp_ps_mask(ab, _mm512_setzero_ps(), _CMP_NEQ_OQ);
+    if (da | db)
+        return 0;
+    __m512bh h = _mm512_cvtne2ps_pbh(b, a);
+    _mm512_storeu_si512((void *)((uint16_t *)p + i), (__m512i)h);
+    return 1;
+}
+
+static int have_bf16_insn = -1;
+
+AVX512 static inline void st32_bf16(void *p, size_t i, __m512 a, __m512 b)
+{
+    if (have_bf16_insn && st32_bf16_native(p, i, a, b))
+        return;
+    __m512i packed = _mm512_packus_epi32(bf16_round32(a), bf16_round32(b));
+    packed = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), packed);
+    _mm512_storeu_si512((void *)((uint16_t *)p + i), packed);
+}
+
+/* One instance per (dtype, op) so the branches above fold away. */
+#define DEF_AVX512(NAME, DT, OP)                                                                \
+    AVX512 static void NAME(void *dst, void *const *srcs, int w, size_t n)                      \
+    {                                                                                           \
+        size_t i = 0;                                                                           \
+        for (; i + 32 <= n; i += 32) {                                                          \
+            __m512 a = combine16(DT, OP, srcs, w, i, 0xffff);                                   \
+            __m512 b = combine16(DT, OP, srcs, w, i + 16, 0xffff);                              \
+            if (DT == DT_BF16) {                                                                \
+                st32_bf16(dst, i, a, b);                                                        \
+            } else {                                                                            \
+                st16(DT, dst, i, a, 0xffff);                                                    \
+                st16(DT, dst, i + 16, b, 0xffff);                                               \
+            }                                                                                   \
+        }                                                                                       \
+        for (; i < n; i += 16) {                                                                \
+            __mmask16 k = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);             \
+            st16(DT, dst, i, combine16(DT, OP, srcs, w, i, k), k);                              \
+        }                                                                                       \
+    }
+#define DEF_AVX512_OPS(D, DT)                                                                   \
+    DEF_AVX512(avx512_##D##_sum, DT, OP_SUM)                                                    \
+    DEF_AVX512(avx512_##D##_avg, DT, OP_AVG)                                                    \
+    DEF_AVX512(avx512_##D##_max, DT, OP_MAX)                                                    \
+    DEF_AVX512(avx512_##D##_min, DT, OP_MIN)
+DEF_AVX512_OPS(f32, DT_F32)
+DEF_AVX512_OPS(bf16, DT_BF16)
+DEF_AVX512_OPS(f16, DT_F16)
+
+typedef void (*avx512_fn)(void *, void *const *, int, size_t);
+static const avx512_fn avx512_kernels[3][OP_COUNT] = {
+    {avx512_f32_sum, avx512_f32_avg, avx512_f32_max, avx512_f32_min},
+    {avx512_bf16_sum, avx512_bf16_avg, avx512_bf16_max, avx512_bf16_min},
+    {avx512_f16_sum, avx512_f16_avg, avx512_f16_max, avx512_f16_min},
+};
+
+static int have_avx512(void)
+{
+    static int v = -1;
+    if (v < 0) {
+        __builtin_cpu_init();
+        v = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c") &&
+            !getenv("TPCOMM_NO_AVX512");
+        have_bf16_insn = __builtin_cpu_supports("avx512bf16") && !getenv("TPCOMM_NO_AVX512BF16");
+    }
+    return v;
+}
+#endif
+
 static void do_reduce(int dtype, int op, void *dst, void *const *srcs, int w, size_t n)
 {
+#if defined(__x86_64__)
+    if (dtype <= DT_F16 && have_avx512()) {
+        avx512_kernels[dtype][op](dst, srcs, w, n);
+        return;
+    }
+#endif
     if (w == 2 && op == OP_SUM) {
         if (dtype == DT_F32) {
             sum2_f32(dst, srcs[0], srcs[1], n);
@@ -316,6 +568,7 @@ typedef struct {
     PyObject *ops[OP_COUNT];
     PyObject *dtypes[DT_COUNT];
     PyObject *fallback;
+    PyObject *d_dtype, *d_is_cpu, *d_is_contiguous, *d_data_ptr, *d_numel;
     uint32_t kind_all_reduce;
 } Engine;
 
@@ -545,7 +798,7 @@ static int run_all_reduce(Engine *e, char *t, size_t count, int dtype, int op, u
         size_t m = count - done < chunk ? count - done : chunk;
         int p = (int)((e->round + 1) & 1);
         char *src = t + done * es;
-        memcpy(slot_of(e, e->rank, p), src, m * es);
+        copy_in(slot_of(e, e->rank, p), src, m * es);
         st = round_sync(e, kind, (uint32_t)dtype, (uint32_t)op, (uint64_t)count, 0, &ts);
         if (st != ST_OK)
             break;
@@ -599,6 +852,18 @@ static PyObject *eng_all_reduce(Engine *e, PyObject *const *args, Py_ssize_t nar
  */
 static PyObject *S_dtype, *S_is_cpu, *S_is_contiguous, *S_data_ptr, *S_numel;
 
+/* Call a descriptor resolved on the tensor type once (see set_fast_path):
+ * skips the per-call attribute lookup and bound-method object. */
+static inline PyObject *descr_get(PyObject *descr, PyObject *t)
+{
+    return Py_TYPE(descr)->tp_descr_get(descr, t, (PyObject *)Py_TYPE(t));
+}
+
+static inline PyObject *descr_call(PyObject *descr, PyObject *t)
+{
+    return PyObject_Vectorcall(descr, &t, 1, NULL);
+}
+
 static PyObject *call_fallback(Engine *e, PyObject *t, PyObject *op, int status)
 {
     if (!e->fallback) {
@@ -620,9 +885,9 @@ static PyObject *call_fallback(Engine *e, PyObject *t, PyObject *op, int status)
     return res;
 }
 
-static int is_true_attr(PyObject *t, PyObject *name, int call)
+static int is_true_attr(PyObject *t, PyObject *descr, int call)
 {
-    PyObject *v = call ? PyObject_CallMethodNoArgs(t, name) : PyObject_GetAttr(t, name);
+    PyObject *v = call ? descr_call(descr, t) : descr_get(descr, t);
     if (!v) {
         PyErr_Clear();
         return 0;
@@ -666,20 +931,20 @@ static PyObject *eng_fast_all_reduce(Engine *e, PyObject *const *args, Py_ssize_
     for (int i = 0; i < OP_COUNT; i++)
         if (op == e->ops[i])
             opc = i;
-    PyObject *dt = PyObject_GetAttr(t, S_dtype);
+    PyObject *dt = descr_get(e->d_dtype, t);
     if (!dt)
         return NULL;
     for (int i = 0; i < DT_COUNT; i++)
         if (dt == e->dtypes[i])
             dtc = i;
     Py_DECREF(dt);
-    if (opc < 0 || dtc < 0 || (opc == OP_AVG && dtc >= DT_I32) || !is_true_attr(t, S_is_cpu, 0) ||
-        !is_true_attr(t, S_is_contiguous, 1))
+    if (opc < 0 || dtc < 0 || (opc == OP_AVG && dtc >= DT_I32) ||
+        !is_true_attr(t, e->d_is_cpu, 0) || !is_true_attr(t, e->d_is_contiguous, 1))
         return call_fallback(e, t, op, 0);
-    PyObject *pv = PyObject_CallMethodNoArgs(t, S_data_ptr);
+    PyObject *pv = descr_call(e->d_data_ptr, t);
     if (!pv)
         return NULL;
-    PyObject *nv = PyObject_CallMethodNoArgs(t, S_numel);
+    PyObject *nv = descr_call(e->d_numel, t);
     if (!nv) {
         Py_DECREF(pv);
         return NULL;
@@ -723,6 +988,21 @@ static PyObject *eng_set_fast_path(Engine *e, PyObject *args)
     }
     Py_INCREF(fb);
     Py_XSETREF(e->fallback, fb);
+    /* Resolve the tensor type's accessors once; only C descriptors qualify
+     * (a Python override would need the ordinary lookup). */
+    PyObject *names[5] = {S_dtype, S_is_cpu, S_is_contiguous, S_data_ptr, S_numel};
+    PyObject **slots[5] = {&e->d_dtype, &e->d_is_cpu, &e->d_is_contiguous, &e->d_data_ptr,
+                           &e->d_numel};
+    for (int i = 0; i < 5; i++) {
+        PyObject *d = _PyType_Lookup((PyTypeObject *)tt, names[i]);
+        if (!d || !(Py_IS_TYPE(d, &PyGetSetDescr_Type) || Py_IS_TYPE(d, &PyMethodDescr_Type))) {
+            PyErr_Format(PyExc_TypeError, "set_fast_path: %R.%U is not a C accessor", tt,
+                         names[i]);
+            return NULL;
+        }
+        Py_INCREF(d);
+        Py_XSETREF(*slots[i], d);
+    }
     e->kind_all_reduce = kind;
     Py_RETURN_NONE;
 }
@@ -1022,6 +1302,11 @@ static void eng_dealloc(Engine *e)
     PyMem_Free(e->srcs);
     Py_CLEAR(e->tensor_type);
     Py_CLEAR(e->fallback);
+    Py_CLEAR(e->d_dtype);
+    Py_CLEAR(e->d_is_cpu);
+    Py_CLEAR(e->d_is_contiguous);
+    Py_CLEAR(e->d_data_ptr);
+    Py_CLEAR(e->d_numel);
     for (int i = 0; i < OP_COUNT; i++)
         Py_CLEAR(e->ops[i]);
     for (int i = 0; i < DT_COUNT; i++)
@@ -1124,6 +1409,18 @@ static PyObject *mod_time_memcpy(PyObject *self, PyObject *args)
     return PyFloat_FromDouble((double)(t1 - t0) / 1e9 / (double)iters);
 }
 
+/* set_tuning(nt_min_bytes): copies into a slot of at least this many bytes use
+ * non-temporal stores (-1: never). */
+static PyObject *mod_set_tuning(PyObject *self, PyObject *args)
+{
+    (void)self;
+    long long v;
+    if (!PyArg_ParseTuple(args, "L", &v))
+        return NULL;
+    nt_min = v < 0 ? (size_t)-1 : (size_t)v;
+    Py_RETURN_NONE;
+}
+
 static PyObject *mod_isa(PyObject *self, PyObject *unused)
 {
     (void)self;
@@ -1146,6 +1443,7 @@ static PyMethodDef mod_methods[] = {
     {"segment_size", mod_segment_size, METH_VARARGS, NULL},
     {"reduce", eng_reduce_kernel, METH_VARARGS, NULL},
     {"isa", mod_isa, METH_NOARGS, NULL},
+    {"set_tuning", mod_set_tuning, METH_VARARGS, NULL},
     {"time_memcpy", mod_time_memcpy, METH_VARARGS, NULL},
     {NULL, NULL, 0, NULL},
 };

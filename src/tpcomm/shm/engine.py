@@ -107,6 +107,7 @@ class ShmEngine:
 
     def _map(self, fd: int, world: int, slot_bytes: int, spin: float, timeout: float) -> None:
         size = segment.segment_size(world, slot_bytes)
+        _native.set_tuning(_env.nt_min_bytes())
         self._native = _native.Engine(
             fd, size, self.rank, world, slot_bytes, self.rank == 0, timeout, spin, _env.yield_us()
         )
