@@ -92,6 +92,31 @@ def nt_min_bytes() -> int:
         raise ValueError(f"TPCOMM_NT_MIN_BYTES={raw!r} is not an integer") from None
 
 
+def allreduce_algo() -> str:
+    """TPCOMM_ALLREDUCE_ALGO: oneshot, twoshot or auto (default)."""
+    value = (os.environ.get("TPCOMM_ALLREDUCE_ALGO") or "auto").lower()
+    if value not in ("oneshot", "twoshot", "auto"):
+        raise ValueError(f"TPCOMM_ALLREDUCE_ALGO={value!r}: expected oneshot, twoshot or auto")
+    return value
+
+
+# auto: all-reduces of at least this many bytes go two-shot, by world size
+# (measured on the development machine, see docs/PERFORMANCE.md); worlds
+# not listed use the entry of the largest listed world below them.
+TWOSHOT_MIN_BYTES = {2: 256 << 10}
+
+
+def twoshot_min_bytes(world: int) -> int:
+    """Bytes from which all_reduce goes two-shot at this world size (-1: never)."""
+    algo = allreduce_algo()
+    if algo == "oneshot":
+        return -1
+    if algo == "twoshot":
+        return 0
+    key = max(k for k in TWOSHOT_MIN_BYTES if k <= max(world, 2))
+    return TWOSHOT_MIN_BYTES[key]
+
+
 def host_id_override() -> str | None:
     """TPCOMM_HOST_ID: pretend to be on this host (tests of multi-host paths)."""
     return os.environ.get("TPCOMM_HOST_ID") or None

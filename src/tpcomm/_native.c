@@ -560,7 +560,7 @@ typedef struct {
     /* details of the last error, for Python's message */
     int err_rank;
     uint32_t err_kind, err_dtype, err_op;
-    uint64_t err_count, err_arg;
+    uint64_t err_count, err_arg, err_my_arg;
     uint64_t err_reason;
     void **srcs; /* scratch: world source pointers */
     /* fast path (see fast_all_reduce) */
@@ -570,6 +570,7 @@ typedef struct {
     PyObject *fallback;
     PyObject *d_dtype, *d_is_cpu, *d_is_contiguous, *d_data_ptr, *d_numel;
     uint32_t kind_all_reduce;
+    uint64_t twoshot_min; /* all-reduces of at least this many bytes go two-shot */
 } Engine;
 
 static inline hdr_t *HDR(Engine *e) { return (hdr_t *)e->base; }
@@ -748,6 +749,7 @@ static int round_sync(Engine *e, uint32_t kind, uint32_t dtype, uint32_t op, uin
             e->err_op = l->op;
             e->err_count = l->count;
             e->err_arg = l->arg;
+            e->err_my_arg = arg;
         }
     }
     return mismatch >= 0 ? ST_MISMATCH : ST_OK;
@@ -783,11 +785,60 @@ static int enter(Engine *e)
     return 0;
 }
 
-/* The chunked one-shot all-reduce of `count` elements at t, in place. */
+/*
+ * Two-shot step for one chunk of m elements at src: the chunk is cut into W
+ * shards (32-element aligned); rank r reduces shard r only.
+ *   round n   (slot p):   every rank copies in all shards but its own, publishes;
+ *                         rank r reduces shard r from everyone's slot p (its own
+ *                         part from src) into src, and copies it to its slot 1-p
+ *   round n+1 (slot 1-p): publish; every rank copies the other shards' results
+ *                         from their owners' slot 1-p into src.
+ * Slot 1-p is free when it is written: it was last read in round n-1, and every
+ * peer published round n, so every peer is done with n-1.  Each rank reads
+ * 2(W-1)/W of the chunk from its peers instead of (W-1), and reduces 1/W.
+ */
+static int twoshot_chunk(Engine *e, char *src, size_t m, int dtype, int op, uint32_t kind,
+                         uint64_t count, PyThreadState **ts)
+{
+    const size_t es = dt_size[dtype];
+    const int w = e->world, me = e->rank;
+    size_t shard = ((m + (size_t)w - 1) / (size_t)w + 31) & ~(size_t)31;
+#define SHARD_LO(j) ((size_t)(j) * shard < m ? (size_t)(j) * shard : m)
+    const size_t lo = SHARD_LO(me), hi = SHARD_LO(me + 1);
+    int p = (int)((e->round + 1) & 1);
+    char *in = slot_of(e, me, p);
+    copy_in(in, src, lo * es);
+    copy_in(in + hi * es, src + hi * es, (m - hi) * es);
+    int st = round_sync(e, kind, (uint32_t)dtype, (uint32_t)op, count, 2, ts);
+    if (st != ST_OK)
+        return st;
+    for (int r = 0; r < w; r++)
+        e->srcs[r] = r == me ? (void *)(src + lo * es) : (void *)(slot_of(e, r, p) + lo * es);
+    do_reduce(dtype, op, src + lo * es, e->srcs, w, hi - lo);
+    memcpy(slot_of(e, me, 1 - p) + lo * es, src + lo * es, (hi - lo) * es);
+    st = round_sync(e, kind, (uint32_t)dtype, (uint32_t)op, count, 2, ts);
+    if (st != ST_OK)
+        return st;
+    for (int i = 1; i < w; i++) {
+        int j = (me + i) % w;
+        size_t jlo = SHARD_LO(j), jhi = SHARD_LO(j + 1);
+        memcpy(src + jlo * es, slot_of(e, j, 1 - p) + jlo * es, (jhi - jlo) * es);
+    }
+#undef SHARD_LO
+    return ST_OK;
+}
+
+/*
+ * The chunked all-reduce of `count` elements at t, in place: one-shot (every
+ * rank reduces the whole chunk: one round) below twoshot_min bytes, two-shot
+ * (two rounds) from there.  The choice travels in the metadata (arg 1 or 2),
+ * so ranks configured differently get a mismatch error, not garbage.
+ */
 static int run_all_reduce(Engine *e, char *t, size_t count, int dtype, int op, uint32_t kind)
 {
     const size_t es = dt_size[dtype];
     const size_t chunk = e->slot_bytes / es;
+    const int two = count * es >= e->twoshot_min;
     PyThreadState *ts = NULL;
     if (count * es >= GIL_RELEASE_BYTES)
         ts = PyEval_SaveThread();
@@ -796,15 +847,21 @@ static int run_all_reduce(Engine *e, char *t, size_t count, int dtype, int op, u
     e->busy = 1;
     do {
         size_t m = count - done < chunk ? count - done : chunk;
-        int p = (int)((e->round + 1) & 1);
         char *src = t + done * es;
-        copy_in(slot_of(e, e->rank, p), src, m * es);
-        st = round_sync(e, kind, (uint32_t)dtype, (uint32_t)op, (uint64_t)count, 0, &ts);
+        if (two) {
+            st = twoshot_chunk(e, src, m, dtype, op, kind, (uint64_t)count, &ts);
+        } else {
+            int p = (int)((e->round + 1) & 1);
+            copy_in(slot_of(e, e->rank, p), src, m * es);
+            st = round_sync(e, kind, (uint32_t)dtype, (uint32_t)op, (uint64_t)count, 1, &ts);
+            if (st == ST_OK) {
+                for (int r = 0; r < e->world; r++)
+                    e->srcs[r] = r == e->rank ? (void *)src : (void *)slot_of(e, r, p);
+                do_reduce(dtype, op, src, e->srcs, e->world, m);
+            }
+        }
         if (st != ST_OK)
             break;
-        for (int r = 0; r < e->world; r++)
-            e->srcs[r] = r == e->rank ? (void *)src : (void *)slot_of(e, r, p);
-        do_reduce(dtype, op, src, e->srcs, e->world, m);
         done += m;
     } while (done < count);
     if (ts)
@@ -1065,10 +1122,11 @@ static PyObject *eng_reduce_kernel(PyObject *self, PyObject *args)
 static PyObject *eng_error_info(Engine *e, PyObject *unused)
 {
     (void)unused;
-    return Py_BuildValue("{s:i,s:I,s:I,s:I,s:K,s:K,s:K}", "rank", e->err_rank, "kind",
+    return Py_BuildValue("{s:i,s:I,s:I,s:I,s:K,s:K,s:K,s:K}", "rank", e->err_rank, "kind",
                          e->err_kind, "dtype", e->err_dtype, "op", e->err_op, "count",
                          (unsigned long long)e->err_count, "arg", (unsigned long long)e->err_arg,
-                         "reason", (unsigned long long)e->err_reason);
+                         "my_arg", (unsigned long long)e->err_my_arg, "reason",
+                         (unsigned long long)e->err_reason);
 }
 
 static PyObject *eng_header(Engine *e, PyObject *unused)
@@ -1266,6 +1324,7 @@ static int eng_init(Engine *e, PyObject *args, PyObject *kw)
     e->yield_ns = (uint64_t)(yield_us * 1e3);
     e->busy = 0;
     e->failed = 0;
+    e->twoshot_min = UINT64_MAX;
     if (create) {
         hdr_t *h = HDR(e);
         h->version = VERSION;
@@ -1328,6 +1387,16 @@ static PyObject *eng_get_failed(Engine *e, void *c)
     return PyBool_FromLong(e->failed);
 }
 
+/* set_twoshot_min(bytes): -1 = never two-shot */
+static PyObject *eng_set_twoshot_min(Engine *e, PyObject *arg)
+{
+    long long v = PyLong_AsLongLong(arg);
+    if (v == -1 && PyErr_Occurred())
+        return NULL;
+    e->twoshot_min = v < 0 ? UINT64_MAX : (uint64_t)v;
+    Py_RETURN_NONE;
+}
+
 static PyObject *eng_set_timeout(Engine *e, PyObject *arg)
 {
     double t = PyFloat_AsDouble(arg);
@@ -1353,6 +1422,7 @@ static PyMethodDef eng_methods[] = {
     {"close", (PyCFunction)eng_close, METH_NOARGS, NULL},
     {"address", (PyCFunction)eng_address, METH_NOARGS, NULL},
     {"set_timeout", (PyCFunction)eng_set_timeout, METH_O, NULL},
+    {"set_twoshot_min", (PyCFunction)eng_set_twoshot_min, METH_O, NULL},
     {NULL, NULL, 0, NULL},
 };
 

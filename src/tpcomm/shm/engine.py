@@ -31,10 +31,15 @@ ST_MISMATCH = _native.ST_MISMATCH
 ST_ABORTED = _native.ST_ABORTED
 
 
-def _describe_call(kind: int, dtype: int, op: int, count: int) -> str:
+_ALGOS = {1: "one-shot", 2: "two-shot"}
+
+
+def _describe_call(kind: int, dtype: int, op: int, count: int, arg: int | None = None) -> str:
     name = KIND_NAMES.get(kind, f"op kind {kind}")
     if kind == KIND_BARRIER:
         return "barrier()"
+    if arg is not None and kind == KIND_ALL_REDUCE:
+        return f"{_describe_call(kind, dtype, op, count)[:-1]}, algorithm={_ALGOS.get(arg, arg)})"
     dt = CODE_DTYPES.get(dtype, f"dtype code {dtype}")
     try:
         opname = ReduceOp(op).name
@@ -112,6 +117,8 @@ class ShmEngine:
             fd, size, self.rank, world, slot_bytes, self.rank == 0, timeout, spin, _env.yield_us()
         )
         self._validate(slot_bytes, size)
+        self.twoshot_min = _env.twoshot_min_bytes(world)
+        self._native.set_twoshot_min(self.twoshot_min)
 
     def _validate(self, slot_bytes: int, size: int) -> None:
         h = self._native.header()
@@ -141,6 +148,11 @@ class ShmEngine:
         if status == ST_MISMATCH:
             mine = _describe_call(kind, dtype, op, count)
             theirs = _describe_call(info["kind"], info["dtype"], info["op"], info["count"])
+            if mine == theirs:  # they differ only in the algorithm: say so
+                mine = _describe_call(kind, dtype, op, count, info["my_arg"])
+                theirs = _describe_call(
+                    info["kind"], info["dtype"], info["op"], info["count"], info["arg"]
+                )
             raise ValueError(
                 f"{fn}: mismatched collective: rank {self.rank} called {mine} but rank {peer} "
                 f"called {theirs}; every rank must call the same collective with the same "
