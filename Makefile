@@ -26,8 +26,16 @@ lint: install
 test: install lint
 	$(PY) -m pytest -q tests
 
-bench: install
+bench: install build/handoff
 	$(VENV)/bin/tpcomm perf all_reduce $(BENCH_ARGS)
+	$(VENV)/bin/tpcomm perf all_reduce $(BENCH_ARGS) -d bfloat16
+	@echo "# handoff bound (benchmarks/handoff.c): producer copies N bytes on CPU 0, consumer reads them on CPU 1"
+	@echo "#    bytes   round(us)  copy(us)  read(us)  read GB/s"
+	@for n in 4096 65536 262144 1048576 4194304 16777216; do build/handoff $$n; done
+
+build/handoff: benchmarks/handoff.c
+	mkdir -p build
+	$(CC) -O3 -mavx2 -pthread -o $@ $<
 
 clean:
 	rm -rf build src/*.egg-info src/tpcomm/*.so
