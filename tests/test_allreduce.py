@@ -228,3 +228,26 @@ def test_ranks_disagreeing_on_the_algorithm_are_told(pools):
     for msg in msgs:
         assert "mismatched collective" in msg
         assert "algorithm=one-shot" in msg and "algorithm=two-shot" in msg, msg
+
+
+def world16(comm):
+    out = []
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        for n in (1, 1027, 300_000):
+            x = make(comm.rank, n, dtype, 7)
+            comm.all_reduce(x)
+            if comm.rank == 0:
+                ref = reference(
+                    [make(r, n, dtype, 7) for r in range(comm.world_size)], tpcomm.ReduceOp.SUM
+                )
+                out.append(bool(torch.equal(x, ref)))
+            out.append(digest(x))
+    return out
+
+
+def test_world_16(pools):
+    """No fixed list of world sizes: 16 ranks (8 per core here) work too."""
+    res = pools.run(16, world16)
+    assert all(v is True for v in res[0] if isinstance(v, bool))
+    digests = [[v for v in r if isinstance(v, str)] for r in res]
+    assert all(d == digests[0] for d in digests)

@@ -1,0 +1,86 @@
+"""`tpcomm perf`: nccl-tests flags, columns and footer; a non-zero exit on wrong values."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from tpcomm.perf import parse_size
+
+
+def test_parse_size():
+    assert parse_size("8") == 8
+    assert parse_size("1K") == 1024
+    assert parse_size("64M") == 64 << 20
+    assert parse_size("1G") == 1 << 30
+    assert parse_size("4kB") == 4096
+    with pytest.raises(argparse.ArgumentTypeError, match="bad size"):
+        parse_size("lots")
+
+
+def test_perf_all_reduce_table():
+    cmd = [
+        sys.executable,
+        "-m",
+        "tpcomm",
+        "perf",
+        "all_reduce",
+        "-b",
+        "1K",
+        "-e",
+        "8K",
+        "-f",
+        "2",
+        "-n",
+        "20",
+        "-w",
+        "2",
+        "-c",
+        "2",
+        "-d",
+        "bfloat16",
+        "-o",
+        "max",
+        "--compare",
+        "gloo",
+    ]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    header = next(line for line in lines if "time(us)" in line)
+    for col in (
+        "size",
+        "count",
+        "type",
+        "redop",
+        "root",
+        "algbw(GB/s)",
+        "busbw(GB/s)",
+        "#wrong",
+        "gloo(us)",
+        "speedup",
+        "memcpy(us)",
+    ):
+        assert col in header
+    rows = [line.split() for line in lines if line and not line.startswith("#")]
+    assert [int(row[0]) for row in rows] == [1024, 2048, 4096, 8192]
+    for row in rows:
+        assert row[1] == str(int(row[0]) // 2) and row[2] == "bfloat16" and row[3] == "max"
+        assert row[4] == "-1" and row[8] == "0"
+        # nranks 2: busbw = algbw * 2(n-1)/n = algbw
+        assert float(row[6]) == pytest.approx(float(row[7]), rel=0.02)
+    assert "# Out of bounds values : 0 OK" in r.stdout
+    assert "# Avg bus bandwidth" in r.stdout
+
+
+def test_perf_rejects_bad_flags():
+    r = subprocess.run(
+        [sys.executable, "-m", "tpcomm", "perf", "all_reduce", "-d", "int32", "-o", "avg"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and "avg needs a floating datatype" in r.stderr
