@@ -77,12 +77,15 @@
 #endif
 
 #define MAGIC 0x314d4d4f43505454ULL /* "TTPCOMM1" little endian */
-#define VERSION 1u
+#define VERSION 2u
 #define PAGE 4096u
 #define LINE 64u
 #define NCHAN 1          /* channels per rank: 0 = collectives */
-#define CTRL_BYTES PAGE  /* per-rank control block: 64 lines */
 #define MAX_WORLD 4096   /* OFD lock bytes and futex fan-out stay cheap up to here */
+/* per-rank control block: pid line, 2 lines per channel, then one "sent to d"
+ * and one "consumed from s" line per peer (point-to-point), page rounded */
+#define P2P_SENT_LINE(d) (1 + 2 * NCHAN + (d))
+#define P2P_DONE_LINE(w, s) (1 + 2 * NCHAN + (w) + (s))
 
 /* status codes returned to Python (see shm/engine.py) */
 enum { ST_OK = 0, ST_TIMEOUT = 1, ST_PEER_DEAD = 2, ST_MISMATCH = 3, ST_ABORTED = 4 };
@@ -101,13 +104,11 @@ typedef struct {
     uint64_t ctrl_off;
     uint64_t slot_off;
     uint64_t nchan;
-    char _pad0[LINE - 7 * 8];
-    _Atomic uint32_t attached; /* ranks that mapped the segment */
-    char _pad1[LINE - 4];
-    _Atomic uint32_t sleepers; /* ranks asleep in futex_wait */
-    char _pad2[LINE - 4];
-    _Atomic uint64_t abort_word; /* (reason << 32) | (rank + 1), 0 = fine */
-    char _pad3[LINE - 8];
+    uint64_t p2p_bytes;
+    _Alignas(64) _Atomic uint32_t attached; /* ranks that mapped the segment */
+    _Alignas(64) _Atomic uint32_t sleepers; /* ranks asleep in futex_wait */
+    _Alignas(64) _Atomic uint64_t abort_word; /* (reason << 32) | (rank + 1), 0 = fine */
+    _Alignas(64) char _end;
 } hdr_t;
 
 typedef struct {
@@ -120,9 +121,24 @@ typedef struct {
 _Static_assert(sizeof(line_t) == LINE, "line_t must be one cache line");
 _Static_assert(sizeof(hdr_t) <= PAGE, "header must fit one page");
 
+static uint64_t round_page(uint64_t n) { return (n + PAGE - 1) / PAGE * PAGE; }
+
+static uint64_t ctrl_size(uint32_t world) { return round_page((uint64_t)(1 + 2 * NCHAN + 2 * world) * LINE); }
+
+/* point-to-point slots: a share of the collective slot, at least 64 KiB, so a
+ * world of 16 does not reserve 16 x 15 full slots */
+static uint64_t p2p_size(uint32_t world, uint64_t slot_bytes)
+{
+    uint64_t b = round_page(slot_bytes / (world ? world : 1));
+    if (b < 65536)
+        b = 65536;
+    return b > slot_bytes ? slot_bytes : b;
+}
+
 static uint64_t seg_size(uint32_t world, uint64_t slot_bytes)
 {
-    return PAGE + (uint64_t)world * CTRL_BYTES + (uint64_t)world * 2 * slot_bytes;
+    return PAGE + (uint64_t)world * ctrl_size(world) + (uint64_t)world * 2 * slot_bytes +
+           (uint64_t)world * (world - 1) * 2 * p2p_size(world, slot_bytes);
 }
 
 static inline uint64_t now_ns(void)
@@ -539,6 +555,41 @@ static void do_reduce(int dtype, int op, void *dst, void *const *srcs, int w, si
     reducers[dtype](dst, srcs, w, n, op);
 }
 
+/*
+ * Mapping owns the mmap of a segment: it unmaps in its destructor.  The
+ * engine holds one reference, and torch.frombuffer(mapping) tensors hold
+ * others, so memory a tensor views stays mapped as long as the tensor lives,
+ * even after close() (which drops the engine's reference and the liveness
+ * lock).
+ */
+typedef struct {
+    PyObject_HEAD
+    char *base;
+    size_t size;
+} Mapping;
+
+static int map_getbuffer(Mapping *m, Py_buffer *view, int flags)
+{
+    return PyBuffer_FillInfo(view, (PyObject *)m, m->base, (Py_ssize_t)m->size, 0, flags);
+}
+
+static PyBufferProcs map_as_buffer = {(getbufferproc)map_getbuffer, NULL};
+
+static void map_dealloc(Mapping *m)
+{
+    if (m->base)
+        munmap(m->base, m->size);
+    Py_TYPE(m)->tp_free((PyObject *)m);
+}
+
+static PyTypeObject MappingType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tpcomm._native.Mapping",
+    .tp_basicsize = sizeof(Mapping),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_dealloc = (destructor)map_dealloc,
+    .tp_as_buffer = &map_as_buffer,
+};
+
 /* ------------------------------------------------------------------------ */
 /* the engine object                                                         */
 /* ------------------------------------------------------------------------ */
@@ -551,6 +602,7 @@ typedef struct {
     int rank;
     int world;
     uint64_t slot_bytes;
+    size_t ctrl_bytes, slot_off, p2p_off, p2p_bytes;
     uint64_t round;   /* last collective round this rank published */
     uint64_t timeout_ns;
     uint64_t spin_ns;  /* spin with pause this long before yielding */
@@ -570,12 +622,13 @@ typedef struct {
     PyObject *fallback;
     PyObject *d_dtype, *d_is_cpu, *d_is_contiguous, *d_data_ptr, *d_numel;
     uint32_t kind_all_reduce;
+    PyObject *mapping; /* the Mapping that owns base */
     uint64_t twoshot_min; /* all-reduces of at least this many bytes go two-shot */
 } Engine;
 
 static inline hdr_t *HDR(Engine *e) { return (hdr_t *)e->base; }
 
-static inline char *ctrl_of(Engine *e, int r) { return e->base + PAGE + (size_t)r * CTRL_BYTES; }
+static inline char *ctrl_of(Engine *e, int r) { return e->base + PAGE + (size_t)r * e->ctrl_bytes; }
 
 static inline line_t *line_of(Engine *e, int r, int chan, int parity)
 {
@@ -584,8 +637,14 @@ static inline line_t *line_of(Engine *e, int r, int chan, int parity)
 
 static inline char *slot_of(Engine *e, int r, int parity)
 {
-    size_t off = PAGE + (size_t)e->world * CTRL_BYTES + ((size_t)r * 2 + parity) * e->slot_bytes;
-    return e->base + off;
+    return e->base + e->slot_off + ((size_t)r * 2 + parity) * e->slot_bytes;
+}
+
+/* slot `parity` of the channel from rank s to rank d */
+static inline char *p2p_slot_of(Engine *e, int s, int d, int parity)
+{
+    size_t pair = (size_t)s * (size_t)(e->world - 1) + (size_t)(d < s ? d : d - 1);
+    return e->base + e->p2p_off + (pair * 2 + (size_t)parity) * e->p2p_bytes;
 }
 
 static inline uint32_t *futex_word(_Atomic uint64_t *p)
@@ -1083,6 +1142,111 @@ static PyObject *eng_barrier(Engine *e, PyObject *arg)
     return PyLong_FromLong(st);
 }
 
+/*
+ * sync(kind, dtype, op, count, arg) -> status: one collective round for the
+ * protocols written in Python (all_gather, reduce_scatter, broadcast, ...):
+ * publish this rank's metadata, wait for every peer, compare.  The caller
+ * wrote its slot for parity (round + 1) & 1 before, and reads the peers'
+ * slots of that parity after.
+ */
+static PyObject *eng_sync(Engine *e, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "sync expects 5 arguments");
+        return NULL;
+    }
+    unsigned long kind = PyLong_AsUnsignedLong(args[0]);
+    unsigned long dtype = PyLong_AsUnsignedLong(args[1]);
+    unsigned long op = PyLong_AsUnsignedLong(args[2]);
+    unsigned long long count = PyLong_AsUnsignedLongLong(args[3]);
+    unsigned long long arg = PyLong_AsUnsignedLongLong(args[4]);
+    if (PyErr_Occurred())
+        return NULL;
+    int en = enter(e);
+    if (en < 0)
+        return NULL;
+    if (en > 0)
+        return PyLong_FromLong(ST_ABORTED);
+    PyThreadState *ts = NULL;
+    int st = round_sync(e, (uint32_t)kind, (uint32_t)dtype, (uint32_t)op, count, arg, &ts);
+    if (ts)
+        PyEval_RestoreThread(ts);
+    e->busy = 0;
+    return PyLong_FromLong(st);
+}
+
+static line_t *ctrl_line(Engine *e, int owner, long line)
+{
+    return (line_t *)(ctrl_of(e, owner) + LINE * (size_t)line);
+}
+
+static int check_line(Engine *e, long owner, long line)
+{
+    if (!e->base) {
+        eng_closed_error();
+        return -1;
+    }
+    if (owner < 0 || owner >= e->world || line < 1 ||
+        (size_t)(line + 1) * LINE > e->ctrl_bytes) {
+        PyErr_Format(PyExc_ValueError, "line %ld of rank %ld is out of range", line, owner);
+        return -1;
+    }
+    return 0;
+}
+
+/* wait_line(owner, line, n) -> status: wait until rank owner's control line
+ * holds a value >= n (point-to-point: "sent" and "consumed" counters). */
+static PyObject *eng_wait_line(Engine *e, PyObject *args)
+{
+    long owner, line;
+    unsigned long long n;
+    if (!PyArg_ParseTuple(args, "llK", &owner, &line, &n) || check_line(e, owner, line) < 0)
+        return NULL;
+    if (e->failed || take_abort(e))
+        return PyLong_FromLong(ST_ABORTED);
+    PyThreadState *ts = NULL;
+    int st = wait_seq(e, &ctrl_line(e, (int)owner, line)->seq, n, (int)owner, &ts);
+    if (ts)
+        PyEval_RestoreThread(ts);
+    return PyLong_FromLong(st);
+}
+
+/* publish_line(line, n): store n (release) into this rank's control line. */
+static PyObject *eng_publish_line(Engine *e, PyObject *args)
+{
+    long line;
+    unsigned long long n;
+    if (!PyArg_ParseTuple(args, "lK", &line, &n) || check_line(e, e->rank, line) < 0)
+        return NULL;
+    publish(e, ctrl_line(e, e->rank, line), n);
+    Py_RETURN_NONE;
+}
+
+/* read_line(owner, line) -> the value (acquire), for diagnostics */
+static PyObject *eng_read_line(Engine *e, PyObject *args)
+{
+    long owner, line;
+    if (!PyArg_ParseTuple(args, "ll", &owner, &line) || check_line(e, owner, line) < 0)
+        return NULL;
+    return PyLong_FromUnsignedLongLong(
+        atomic_load_explicit(&ctrl_line(e, (int)owner, line)->seq, memory_order_acquire));
+}
+
+/* layout() -> offsets the Python protocols need */
+static PyObject *eng_layout(Engine *e, PyObject *unused)
+{
+    (void)unused;
+    if (!e->base)
+        return eng_closed_error();
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:i,s:i}", "slot_off",
+                         (unsigned long long)e->slot_off, "slot_bytes",
+                         (unsigned long long)e->slot_bytes, "p2p_off",
+                         (unsigned long long)e->p2p_off, "p2p_bytes",
+                         (unsigned long long)e->p2p_bytes, "size", (unsigned long long)e->size,
+                         "p2p_sent_line", P2P_SENT_LINE(0), "p2p_done_line",
+                         P2P_DONE_LINE(e->world, 0));
+}
+
 /* reduce(dtype, op, dst, [src addresses], count): the kernel alone, for tests and perf */
 static PyObject *eng_reduce_kernel(PyObject *self, PyObject *args)
 {
@@ -1135,7 +1299,8 @@ static PyObject *eng_header(Engine *e, PyObject *unused)
     if (!e->base)
         return eng_closed_error();
     hdr_t *h = HDR(e);
-    return Py_BuildValue("{s:K,s:I,s:I,s:K,s:K,s:K,s:K,s:K,s:I}", "magic",
+    return Py_BuildValue("{s:K,s:K,s:I,s:I,s:K,s:K,s:K,s:K,s:K,s:I}", "p2p_bytes",
+                         (unsigned long long)h->p2p_bytes, "magic",
                          (unsigned long long)h->magic, "version", h->version, "world", h->world,
                          "slot_bytes", (unsigned long long)h->slot_bytes, "total_bytes",
                          (unsigned long long)h->total_bytes, "ctrl_off",
@@ -1219,10 +1384,8 @@ static PyObject *eng_abort(Engine *e, PyObject *arg)
 
 static void eng_unmap(Engine *e)
 {
-    if (e->base) {
-        munmap(e->base, e->size);
-        e->base = NULL;
-    }
+    e->base = NULL;
+    Py_CLEAR(e->mapping); /* unmaps once no tensor views it */
     if (e->fd >= 0) {
         close(e->fd); /* drops the liveness lock */
         e->fd = -1;
@@ -1238,6 +1401,15 @@ static PyObject *eng_close(Engine *e, PyObject *unused)
     }
     eng_unmap(e);
     Py_RETURN_NONE;
+}
+
+static PyObject *eng_get_mapping(Engine *e, PyObject *unused)
+{
+    (void)unused;
+    if (!e->mapping)
+        return eng_closed_error();
+    Py_INCREF(e->mapping);
+    return e->mapping;
 }
 
 static PyObject *eng_address(Engine *e, PyObject *unused)
@@ -1303,21 +1475,34 @@ static int eng_init(Engine *e, PyObject *args, PyObject *kw)
         close(myfd);
         return -1;
     }
+    Mapping *mp = PyObject_New(Mapping, &MappingType);
+    if (!mp) {
+        munmap(p, (size_t)size);
+        close(myfd);
+        return -1;
+    }
+    mp->base = p;
+    mp->size = (size_t)size;
     eng_unmap(e);
     PyMem_Free(e->srcs);
     e->srcs = PyMem_Calloc((size_t)world, sizeof(void *));
     if (!e->srcs) {
-        munmap(p, (size_t)size);
+        Py_DECREF(mp);
         close(myfd);
         PyErr_NoMemory();
         return -1;
     }
+    e->mapping = (PyObject *)mp;
     e->base = p;
     e->size = (size_t)size;
     e->fd = myfd;
     e->rank = rank;
     e->world = world;
     e->slot_bytes = slot_bytes;
+    e->ctrl_bytes = (size_t)ctrl_size((uint32_t)world);
+    e->slot_off = PAGE + (size_t)world * e->ctrl_bytes;
+    e->p2p_bytes = (size_t)p2p_size((uint32_t)world, slot_bytes);
+    e->p2p_off = e->slot_off + (size_t)world * 2 * slot_bytes;
     e->round = 0;
     e->timeout_ns = (uint64_t)(timeout * 1e9);
     e->spin_ns = (uint64_t)(spin_us * 1e3);
@@ -1332,8 +1517,9 @@ static int eng_init(Engine *e, PyObject *args, PyObject *kw)
         h->slot_bytes = slot_bytes;
         h->total_bytes = need;
         h->ctrl_off = PAGE;
-        h->slot_off = PAGE + (uint64_t)world * CTRL_BYTES;
+        h->slot_off = e->slot_off;
         h->nchan = NCHAN;
+        h->p2p_bytes = e->p2p_bytes;
         atomic_store(&h->attached, 0);
         atomic_store(&h->sleepers, 0);
         atomic_store(&h->abort_word, 0);
@@ -1344,6 +1530,7 @@ static int eng_init(Engine *e, PyObject *args, PyObject *kw)
     *(uint64_t *)ctrl_of(e, rank) = (uint64_t)getpid();
     return 0;
 }
+
 
 static PyObject *eng_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 {
@@ -1421,8 +1608,14 @@ static PyMethodDef eng_methods[] = {
     {"abort", (PyCFunction)eng_abort, METH_O, NULL},
     {"close", (PyCFunction)eng_close, METH_NOARGS, NULL},
     {"address", (PyCFunction)eng_address, METH_NOARGS, NULL},
+    {"mapping", (PyCFunction)eng_get_mapping, METH_NOARGS, NULL},
     {"set_timeout", (PyCFunction)eng_set_timeout, METH_O, NULL},
     {"set_twoshot_min", (PyCFunction)eng_set_twoshot_min, METH_O, NULL},
+    {"sync", (PyCFunction)(void (*)(void))eng_sync, METH_FASTCALL, NULL},
+    {"wait_line", (PyCFunction)eng_wait_line, METH_VARARGS, NULL},
+    {"publish_line", (PyCFunction)eng_publish_line, METH_VARARGS, NULL},
+    {"read_line", (PyCFunction)eng_read_line, METH_VARARGS, NULL},
+    {"layout", (PyCFunction)eng_layout, METH_NOARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1523,7 +1716,7 @@ static struct PyModuleDef mod = {PyModuleDef_HEAD_INIT, "tpcomm._native", NULL, 
 
 PyMODINIT_FUNC PyInit__native(void)
 {
-    if (PyType_Ready(&EngineType) < 0)
+    if (PyType_Ready(&EngineType) < 0 || PyType_Ready(&MappingType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&mod);
     if (!m)

@@ -129,6 +129,7 @@ class ShmEngine:
             "slot_bytes": slot_bytes,
             "total_bytes": size,
             "nchan": _native.NCHAN,
+            "p2p_bytes": self._native.layout()["p2p_bytes"],
         }
         for key, want in expect.items():
             if h[key] != want:
