@@ -12,8 +12,9 @@ import collections
 import datetime
 import hashlib
 import os
+import pickle
 import weakref
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
@@ -21,7 +22,14 @@ from . import _env
 from .bootstrap import exchange, host_identity
 from .errors import CommError
 from .ops import CODE_DTYPES, DTYPE_CODES, FLOAT_DTYPES, ReduceOp, as_reduce_op
-from .shm.engine import KIND_ALL_REDUCE, KIND_BARRIER, ShmEngine
+from .shm import protocols
+from .shm.engine import (
+    KIND_ALL_GATHER,
+    KIND_ALL_REDUCE,
+    KIND_BARRIER,
+    KIND_GATHER,
+    ShmEngine,
+)
 
 __all__ = ["Communicator"]
 
@@ -313,6 +321,316 @@ class Communicator:
             tensor.copy_(work)
         return tensor
 
+    # -- data-moving collectives -----------------------------------------------
+
+    def _check_any(self, fn: str, tensor: Any, name: str = "tensor") -> None:
+        """Checks for collectives that move any dtype (no arithmetic)."""
+        if not isinstance(tensor, _Tensor):
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.device.type != "cpu":
+            raise ValueError(f"{fn}: {name} must be a CPU tensor, got one on {tensor.device}")
+        if tensor.layout != torch.strided:
+            raise ValueError(f"{fn}: {name} must be dense (strided), got layout {tensor.layout}")
+
+    def _check_rank(self, fn: str, name: str, value: Any, allow_self: bool = True) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{fn}: {name} must be an int rank, got {type(value).__name__}")
+        if not 0 <= value < self._world:
+            raise ValueError(f"{fn}: {name}={value} is out of range [0, {self._world})")
+        if not allow_self and value == self._rank:
+            raise ValueError(f"{fn}: {name}={value} is this rank; send to another rank")
+        return value
+
+    def _check_dim(self, fn: str, tensor: _Tensor, dim: Any) -> int:
+        if isinstance(dim, bool) or not isinstance(dim, int):
+            raise TypeError(f"{fn}: dim must be an int, got {type(dim).__name__}")
+        nd = tensor.dim()
+        if not -nd <= dim < nd:
+            raise ValueError(
+                f"{fn}: dim {dim} is out of range for a {nd}-d tensor "
+                f"(expected {-nd} <= dim < {nd})"
+                if nd
+                else f"{fn}: a 0-d tensor has no dim {dim}"
+            )
+        return dim % nd
+
+    def _check_sizes(self, fn: str, sizes: Any) -> list[int]:
+        if not isinstance(sizes, (list, tuple)) or len(sizes) != self._world:
+            raise ValueError(
+                f"{fn}: sizes must be a list of {self._world} ints (one per rank), got {sizes!r}"
+            )
+        if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in sizes):
+            raise ValueError(f"{fn}: sizes must be non-negative ints, got {list(sizes)}")
+        return [int(s) for s in sizes]
+
+    def all_gather(self, tensor: _Tensor, dim: int = 0) -> _Tensor:
+        """All ranks' ``tensor`` concatenated along ``dim`` (same shape on every rank).
+
+        Returns:
+            A new tensor, bitwise identical on every rank.
+        """
+        fn = "all_gather"
+        self._check_open(fn)
+        self._check_any(fn, tensor)
+        d = self._check_dim(fn, tensor, dim)
+        return self._gather(fn, KIND_ALL_GATHER, tensor, [tensor.shape[d]] * self._world, d, None)
+
+    def all_gatherv(self, tensor: _Tensor, sizes: Sequence[int], dim: int = 0) -> _Tensor:
+        """Like all_gather, but rank r contributes ``sizes[r]`` entries along ``dim``
+        (any of them may be 0); the other dims must agree."""
+        fn = "all_gatherv"
+        self._check_open(fn)
+        self._check_any(fn, tensor)
+        d = self._check_dim(fn, tensor, dim)
+        sizes = self._check_sizes(fn, sizes)
+        if tensor.shape[d] != sizes[self._rank]:
+            raise ValueError(
+                f"{fn}: rank {self._rank} has size {tensor.shape[d]} along dim {d} "
+                f"but sizes[{self._rank}] = {sizes[self._rank]}"
+            )
+        return self._gather(fn, KIND_ALL_GATHER, tensor, sizes, d, None)
+
+    def gather(self, tensor: _Tensor, dst: int = 0, dim: int = 0) -> Optional[_Tensor]:
+        """All ranks' ``tensor`` concatenated along ``dim`` on rank ``dst``; None elsewhere."""
+        fn = "gather"
+        self._check_open(fn)
+        self._check_any(fn, tensor)
+        dst = self._check_rank(fn, "dst", dst)
+        d = self._check_dim(fn, tensor, dim)
+        out = self._gather(fn, KIND_GATHER, tensor, [tensor.shape[d]] * self._world, d, dst)
+        return out if self._rank == dst else None
+
+    def all_gather_into_tensor(self, output: _Tensor, input: _Tensor) -> _Tensor:
+        """torch-style: ``output`` (world_size x input's elements, same dtype) gets every
+        rank's ``input`` in rank order, flattened along dim 0.  Returns ``output``."""
+        fn = "all_gather_into_tensor"
+        self._check_open(fn)
+        self._check_any(fn, output, "output")
+        self._check_any(fn, input, "input")
+        if output.dtype != input.dtype:
+            raise TypeError(
+                f"{fn}: output dtype {output.dtype} differs from input dtype {input.dtype}"
+            )
+        if output.numel() != self._world * input.numel():
+            raise ValueError(
+                f"{fn}: output has {output.numel()} elements, expected world_size "
+                f"x input = {self._world} x {input.numel()}"
+            )
+        flat = input.reshape(-1)
+        res = self._gather(
+            fn,
+            KIND_ALL_GATHER,
+            flat,
+            [flat.numel()] * self._world,
+            0,
+            None,
+            out=output if output.is_contiguous() else None,
+        )
+        if res is not output:
+            output.copy_(res.view(output.shape))
+        return output
+
+    def _gather(
+        self,
+        fn: str,
+        kind: int,
+        tensor: _Tensor,
+        sizes: list[int],
+        d: int,
+        root: Optional[int],
+        out: Optional[_Tensor] = None,
+    ) -> _Tensor:
+        moved = (tensor.movedim(d, 0) if d else tensor).contiguous()
+        rest = tuple(moved.shape[1:])
+        shape = (sum(sizes), *rest)
+        if self._engine is None:  # world size 1: a copy, like every other rank count
+            res = moved.clone() if out is None else out.view(shape).copy_(moved)
+            return res.movedim(0, d).contiguous() if d else res
+        want = root is None or root == self._rank
+        if want:
+            res = out.view(shape) if out is not None else torch.empty(shape, dtype=tensor.dtype)
+        else:
+            res = None
+        inner = _prod(rest) * tensor.element_size()
+        key = protocols.layout_key(kind, rest, d, tuple(sizes), root)
+        numel = sum(sizes) * _prod(rest)
+        protocols.gatherv(
+            self._engine,
+            fn,
+            kind,
+            protocols.as_bytes(moved),
+            [s * inner for s in sizes],
+            protocols.as_bytes(res) if res is not None else None,
+            protocols.dtype_code_any(tensor.dtype),
+            numel,
+            key,
+        )
+        if res is None:
+            return None
+        if out is not None:
+            return out
+        return res.movedim(0, d).contiguous() if d else res
+
+    def reduce_scatter(self, tensor: _Tensor, dim: int = 0, op: ReduceOp = ReduceOp.SUM) -> _Tensor:
+        """This rank's shard of the reduction: the reduction of every rank's
+        ``tensor``, split in world_size equal parts along ``dim``, part ``rank``."""
+        fn = "reduce_scatter"
+        self._check_open(fn)
+        self._check_tensor(fn, tensor)
+        op = self._check_op(fn, tensor, op)
+        d = self._check_dim(fn, tensor, dim)
+        size = tensor.shape[d]
+        if size % self._world:
+            raise ValueError(
+                f"{fn}: dim {d} has size {size}, which world size {self._world} "
+                f"does not divide; use reduce_scatterv with explicit sizes"
+            )
+        return self._reduce_scatter(fn, tensor, [size // self._world] * self._world, d, op)
+
+    def reduce_scatterv(
+        self, tensor: _Tensor, sizes: Sequence[int], dim: int = 0, op: ReduceOp = ReduceOp.SUM
+    ) -> _Tensor:
+        """Like reduce_scatter with uneven parts: rank r gets ``sizes[r]`` entries along
+        ``dim`` (any may be 0; they must add up to the tensor's size)."""
+        fn = "reduce_scatterv"
+        self._check_open(fn)
+        self._check_tensor(fn, tensor)
+        op = self._check_op(fn, tensor, op)
+        d = self._check_dim(fn, tensor, dim)
+        sizes = self._check_sizes(fn, sizes)
+        if sum(sizes) != tensor.shape[d]:
+            raise ValueError(
+                f"{fn}: sizes add up to {sum(sizes)} but dim {d} has size {tensor.shape[d]}"
+            )
+        return self._reduce_scatter(fn, tensor, sizes, d, op)
+
+    def reduce_scatter_tensor(
+        self, output: _Tensor, input: _Tensor, op: ReduceOp = ReduceOp.SUM
+    ) -> _Tensor:
+        """torch-style: ``output`` gets this rank's part of the reduction of every rank's
+        ``input`` (world_size x output's elements, flattened).  Returns ``output``."""
+        fn = "reduce_scatter_tensor"
+        self._check_open(fn)
+        self._check_tensor(fn, input)
+        self._check_any(fn, output, "output")
+        op = self._check_op(fn, input, op)
+        if output.dtype != input.dtype:
+            raise TypeError(
+                f"{fn}: output dtype {output.dtype} differs from input dtype {input.dtype}"
+            )
+        if input.numel() != self._world * output.numel():
+            raise ValueError(
+                f"{fn}: input has {input.numel()} elements, expected world_size "
+                f"x output = {self._world} x {output.numel()}"
+            )
+        res = self._reduce_scatter(fn, input.reshape(-1), [output.numel()] * self._world, 0, op)
+        output.copy_(res.view(output.shape))
+        return output
+
+    def _reduce_scatter(
+        self, fn: str, tensor: _Tensor, sizes: list[int], d: int, op: ReduceOp
+    ) -> _Tensor:
+        moved = (tensor.movedim(d, 0) if d else tensor).contiguous()
+        rest = tuple(moved.shape[1:])
+        inner = _prod(rest)
+        if self._engine is None:
+            res = moved.clone()
+        else:
+            res = torch.empty((sizes[self._rank], *rest), dtype=tensor.dtype)
+            key = protocols.layout_key(rest, d, tuple(sizes))
+            protocols.reduce_scatterv(
+                self._engine,
+                fn,
+                moved.reshape(-1),
+                [s * inner for s in sizes],
+                res.reshape(-1),
+                op.value,
+                key,
+            )
+        return res.movedim(0, d).contiguous() if d else res
+
+    def broadcast(self, tensor: _Tensor, src: int = 0) -> _Tensor:
+        """Overwrite ``tensor`` with rank ``src``'s, in place; returns it."""
+        fn = "broadcast"
+        self._check_open(fn)
+        self._check_any(fn, tensor)
+        src = self._check_rank(fn, "src", src)
+        if self._engine is None:
+            return tensor
+        work = tensor if tensor.is_contiguous() else tensor.contiguous()
+        protocols.broadcast(
+            self._engine,
+            fn,
+            protocols.as_bytes(work),
+            src,
+            protocols.dtype_code_any(tensor.dtype),
+            tensor.numel(),
+        )
+        if work is not tensor:
+            tensor.copy_(work)
+        return tensor
+
+    # -- point to point --------------------------------------------------------
+
+    def _check_list(self, fn: str, tensors: Any) -> list[_Tensor]:
+        if not isinstance(tensors, (list, tuple)):
+            raise TypeError(
+                f"{fn}: tensors must be a list or tuple of tensors, got {type(tensors).__name__}"
+            )
+        for i, t in enumerate(tensors):
+            self._check_any(fn, t, f"tensors[{i}]")
+        return list(tensors)
+
+    def send(self, tensors: Sequence[_Tensor], dst: int) -> None:
+        """Send a list of tensors (any count, shapes and dtypes) to rank ``dst``.
+
+        Not collective: only ``dst`` calls ``recv(src=this rank)``.  Messages from one
+        rank to another arrive in order; ``send`` returns as soon as the data is in
+        shared memory (it waits only when the receiver is two chunks behind).
+        """
+        fn = "send"
+        self._check_open(fn)
+        tensors = self._check_list(fn, tensors)
+        dst = self._check_rank(fn, "dst", dst, allow_self=False)
+        protocols.send(self._engine, fn, dst, tensors, None)
+
+    def recv(self, src: int) -> list[_Tensor]:
+        """Receive the next list of tensors rank ``src`` sent to this rank."""
+        fn = "recv"
+        self._check_open(fn)
+        src = self._check_rank(fn, "src", src, allow_self=False)
+        return protocols.recv(self._engine, fn, src)[0]
+
+    def send_tensor_dict(self, data: dict, dst: int) -> None:
+        """Send a dict whose values are tensors or any picklable Python values."""
+        fn = "send_tensor_dict"
+        self._check_open(fn)
+        if not isinstance(data, dict):
+            raise TypeError(f"{fn}: data must be a dict, got {type(data).__name__}")
+        dst = self._check_rank(fn, "dst", dst, allow_self=False)
+        tensors, layout = [], []
+        for key, value in data.items():
+            if isinstance(value, _Tensor):
+                self._check_any(fn, value, f"data[{key!r}]")
+                layout.append((key, len(tensors), None))
+                tensors.append(value)
+            else:
+                layout.append((key, None, value))
+        try:
+            protocols.send(self._engine, fn, dst, tensors, layout)
+        except (pickle.PicklingError, TypeError, AttributeError) as e:
+            raise TypeError(f"{fn}: a non-tensor value cannot be pickled: {e}") from None
+
+    def recv_tensor_dict(self, src: int) -> dict:
+        """Receive the next dict sent with send_tensor_dict by rank ``src``."""
+        fn = "recv_tensor_dict"
+        self._check_open(fn)
+        src = self._check_rank(fn, "src", src, allow_self=False)
+        tensors, layout = protocols.recv(self._engine, fn, src)
+        if not isinstance(layout, list):
+            raise CommError(f"{fn}: rank {src} sent a tensor list, not a dict (use recv)")
+        return {key: tensors[i] if i is not None else value for key, i, value in layout}
+
     def barrier(self) -> None:
         """Return once every rank has called barrier()."""
         self._check_open("barrier")
@@ -326,3 +644,10 @@ class Communicator:
         if self._engine is None:
             self._check_open(fn)
         self._engine.raise_status(status, fn, kind, codes[0], codes[1], count)
+
+
+def _prod(shape: Any) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n

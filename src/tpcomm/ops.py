@@ -70,3 +70,26 @@ AR_CODES = {
     for op in ReduceOp
     if not (op is ReduceOp.AVG and dt not in FLOAT_DTYPES)
 }
+
+
+# Every dtype the data-moving collectives (all_gather, broadcast, gather,
+# send/recv) carry; the code only identifies the dtype in a round's metadata.
+ALL_DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.complex64,
+    torch.complex128,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+]
+for _name in ("uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2", "complex32"):
+    if hasattr(torch, _name):
+        ALL_DTYPES.append(getattr(torch, _name))
+ANY_DTYPE_CODES = {dt: i for i, dt in enumerate(ALL_DTYPES)}
+ANY_CODE_DTYPES = {i: dt for dt, i in ANY_DTYPE_CODES.items()}

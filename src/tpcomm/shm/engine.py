@@ -10,10 +10,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch
+
 from .. import _env, _native
 from ..bootstrap import broadcast_from_rank0, local_cpu_count
 from ..errors import CommError, CommTimeoutError, PeerFailedError
-from ..ops import CODE_DTYPES, ReduceOp
+from ..ops import ANY_CODE_DTYPES, CODE_DTYPES, ReduceOp
 from . import segment
 
 __all__ = ["ShmEngine", "KIND_NAMES", "KIND_ALL_REDUCE", "KIND_BARRIER"]
@@ -22,7 +24,19 @@ __all__ = ["ShmEngine", "KIND_NAMES", "KIND_ALL_REDUCE", "KIND_BARRIER"]
 # collectives are told so instead of corrupting each other
 KIND_ALL_REDUCE = 1
 KIND_BARRIER = 2
-KIND_NAMES = {KIND_ALL_REDUCE: "all_reduce", KIND_BARRIER: "barrier"}
+KIND_ALL_GATHER = 3
+KIND_REDUCE_SCATTER = 4
+KIND_BROADCAST = 5
+KIND_GATHER = 6
+KIND_NAMES = {
+    KIND_ALL_REDUCE: "all_reduce",
+    KIND_BARRIER: "barrier",
+    KIND_ALL_GATHER: "all_gather",
+    KIND_REDUCE_SCATTER: "reduce_scatter",
+    KIND_BROADCAST: "broadcast",
+    KIND_GATHER: "gather",
+}
+_REDUCING = (KIND_ALL_REDUCE, KIND_REDUCE_SCATTER)
 
 ST_OK = _native.ST_OK
 ST_TIMEOUT = _native.ST_TIMEOUT
@@ -38,14 +52,23 @@ def _describe_call(kind: int, dtype: int, op: int, count: int, arg: int | None =
     name = KIND_NAMES.get(kind, f"op kind {kind}")
     if kind == KIND_BARRIER:
         return "barrier()"
-    if arg is not None and kind == KIND_ALL_REDUCE:
-        return f"{_describe_call(kind, dtype, op, count)[:-1]}, algorithm={_ALGOS.get(arg, arg)})"
-    dt = CODE_DTYPES.get(dtype, f"dtype code {dtype}")
-    try:
-        opname = ReduceOp(op).name
-    except ValueError:
-        opname = str(op)
-    return f"{name}(dtype={dt}, op={opname}, numel={count})"
+    if kind in _REDUCING:
+        dt = CODE_DTYPES.get(dtype, f"dtype code {dtype}")
+        try:
+            opname = ReduceOp(op).name
+        except ValueError:
+            opname = str(op)
+        text = f"{name}(dtype={dt}, op={opname}, numel={count}"
+    else:
+        dt = ANY_CODE_DTYPES.get(dtype, f"dtype code {dtype}")
+        text = f"{name}(dtype={dt}, numel={count}"
+    if arg is None:
+        return text + ")"
+    if kind == KIND_ALL_REDUCE:
+        return f"{text}, algorithm={_ALGOS.get(arg, arg)})"
+    if kind == KIND_BROADCAST:
+        return f"{text}, src={arg})"
+    return f"{text}, layout #{arg:016x})"
 
 
 class ShmEngine:
@@ -104,6 +127,16 @@ class ShmEngine:
                 f"{timeout:g}s; the others are missing or were started with a different world size"
             )
         self.slot_bytes = slot_bytes
+        lay = self._native.layout()
+        self._seg = torch.frombuffer(self._native.mapping(), dtype=torch.uint8)
+        self._base = self._native.address()
+        self._slot_off = lay["slot_off"]
+        self._p2p_off = lay["p2p_off"]
+        self.p2p_bytes = lay["p2p_bytes"]
+        self.p2p_sent_line = lay["p2p_sent_line"]
+        self.p2p_done_line = lay["p2p_done_line"]
+        self.sent = [0] * world  # chunks sent to each rank
+        self.recvd = [0] * world  # chunks received from each rank
         # the pre-bound hot path
         self.all_reduce = self._native.all_reduce
         self.barrier = self._native.barrier
@@ -141,7 +174,7 @@ class ShmEngine:
     # -- errors ---------------------------------------------------------------
 
     def raise_status(
-        self, status: int, fn: str, kind: int, dtype: int, op: int, count: int
+        self, status: int, fn: str, kind: int, dtype: int, op: int, count: int, arg: int = 0
     ) -> None:
         """Raise the exception for a non-zero status of the native core."""
         info = self._native.error_info() if self._native is not None else {}
@@ -149,7 +182,7 @@ class ShmEngine:
         if status == ST_MISMATCH:
             mine = _describe_call(kind, dtype, op, count)
             theirs = _describe_call(info["kind"], info["dtype"], info["op"], info["count"])
-            if mine == theirs:  # they differ only in the algorithm: say so
+            if mine == theirs:  # they differ in the algorithm, root or layout: say so
                 mine = _describe_call(kind, dtype, op, count, info["my_arg"])
                 theirs = _describe_call(
                     info["kind"], info["dtype"], info["op"], info["count"], info["arg"]
@@ -157,7 +190,7 @@ class ShmEngine:
             raise ValueError(
                 f"{fn}: mismatched collective: rank {self.rank} called {mine} but rank {peer} "
                 f"called {theirs}; every rank must call the same collective with the same "
-                f"dtype, op and element count"
+                f"dtype, op, element count, shape and root"
             )
         if status == ST_PEER_DEAD:
             raise PeerFailedError(
@@ -187,6 +220,23 @@ class ShmEngine:
             )
         raise CommError(f"{fn}: internal error, status {status}")
 
+    # -- views of the segment --------------------------------------------------
+
+    def slot_addr(self, rank: int, parity: int) -> int:
+        """Address of rank's collective slot of this parity."""
+        return self._base + self._slot_off + (rank * 2 + parity) * self.slot_bytes
+
+    def slot(self, rank: int, parity: int) -> torch.Tensor:
+        """rank's collective slot of this parity, as a uint8 tensor."""
+        off = self._slot_off + (rank * 2 + parity) * self.slot_bytes
+        return self._seg[off : off + self.slot_bytes]
+
+    def p2p_slot(self, src: int, dst: int, parity: int) -> torch.Tensor:
+        """Slot of this parity of the channel src -> dst, as a uint8 tensor."""
+        pair = src * (self.world - 1) + (dst if dst < src else dst - 1)
+        off = self._p2p_off + (pair * 2 + parity) * self.p2p_bytes
+        return self._seg[off : off + self.p2p_bytes]
+
     @property
     def failed(self) -> bool:
         return self._native is not None and self._native.failed
@@ -196,3 +246,4 @@ class ShmEngine:
             self._native.close()
             self._native = None
             self.all_reduce = self.barrier = None
+            self._seg = None

@@ -1,0 +1,274 @@
+"""The data-moving collectives and point-to-point messages, over the segment.
+
+Each collective is a sequence of rounds of the collective channel (see
+``_native.c``): before a round a rank writes its slot of parity
+``(round + 1) & 1``; ``sync`` publishes the round's metadata and waits for
+every peer; after it a rank reads the peers' slots of that parity.  A slot is
+rewritten two rounds later, by which time every peer has finished reading it,
+so one wait per round suffices.  Data larger than a slot takes several
+rounds.  Copies are torch copies between tensors and views of the segment;
+reductions go through the native kernels.
+
+Point-to-point messages use a channel per ordered pair (sender -> receiver):
+two slots, a "sent" counter in the sender's control block and a "consumed"
+counter in the receiver's.  Chunk k of the byte stream goes to slot k & 1
+once the receiver has consumed chunk k - 2, so ``send`` returns without
+waiting for the receiver whenever a slot is free.  A message is
+``[header length, data length] + pickled header + tensor bytes``; the header
+carries every tensor's dtype and shape (and, for tensor dicts, the rest of
+the dict).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+import struct
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+
+from .. import _native
+from ..errors import CommError
+from ..ops import ANY_DTYPE_CODES, DTYPE_CODES
+from .engine import KIND_BROADCAST, KIND_REDUCE_SCATTER
+
+if TYPE_CHECKING:
+    from .engine import ShmEngine
+
+__all__ = [
+    "layout_key",
+    "gatherv",
+    "reduce_scatterv",
+    "broadcast",
+    "send",
+    "recv",
+]
+
+_PREFIX = struct.Struct("<QQ")  # header bytes, data bytes
+
+
+def layout_key(*parts: Any) -> int:
+    """A 64-bit digest of shapes, dims, sizes, roots: the metadata's `arg`."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFFFFFFFFFF
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor (0-d and empty included)."""
+    flat = t.reshape(-1)
+    if flat.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return flat.view(torch.uint8)
+
+
+def _round(eng: ShmEngine, fn: str, kind: int, dtype: int, op: int, count: int, arg: int) -> int:
+    """Run one round; return the parity its slots used."""
+    status = eng._native.sync(kind, dtype, op, count, arg)
+    if status:
+        eng.raise_status(status, fn, kind, dtype, op, count, arg)
+    return eng._native.round & 1
+
+
+def _next_parity(eng: ShmEngine) -> int:
+    return (eng._native.round + 1) & 1
+
+
+def gatherv(
+    eng: ShmEngine,
+    fn: str,
+    kind: int,
+    mine: torch.Tensor,
+    counts: Sequence[int],
+    out: torch.Tensor | None,
+    dtype_code: int,
+    numel: int,
+    arg: int,
+) -> None:
+    """Every rank contributes ``counts[r]`` bytes (``mine`` here); ``out``
+    (None on ranks that receive nothing, as in gather) gets them all in rank
+    order."""
+    me, w, cap = eng.rank, eng.world, eng.slot_bytes
+    offsets = [0]
+    for c in counts:
+        offsets.append(offsets[-1] + c)
+    rounds = max(1, max((c + cap - 1) // cap for c in counts))
+    for k in range(rounds):
+        lo = k * cap
+        p = _next_parity(eng)
+        n = min(max(counts[me] - lo, 0), cap)
+        if n:
+            eng.slot(me, p)[:n].copy_(mine[lo : lo + n])
+        _round(eng, fn, kind, dtype_code, 0, numel, arg)
+        if out is None:
+            continue
+        for r in range(w):
+            n = min(max(counts[r] - lo, 0), cap)
+            if not n:
+                continue
+            dst = out[offsets[r] + lo : offsets[r] + lo + n]
+            dst.copy_(mine[lo : lo + n] if r == me else eng.slot(r, p)[:n])
+
+
+def reduce_scatterv(
+    eng: ShmEngine,
+    fn: str,
+    x: torch.Tensor,
+    sizes: Sequence[int],
+    out: torch.Tensor,
+    op: int,
+    arg: int,
+) -> None:
+    """``x`` (flat, contiguous) is the concatenation of W shards of ``sizes[j]``
+    elements; rank r gets the reduction of shard r into ``out`` (flat)."""
+    me, w = eng.rank, eng.world
+    dtype_code = DTYPE_CODES[x.dtype]
+    es = x.element_size()
+    per = max(1, eng.slot_bytes // es // w) // 32 * 32 or 1  # elements per shard per round
+    offsets = [0]
+    for c in sizes:
+        offsets.append(offsets[-1] + c)
+    rounds = max(1, max((c + per - 1) // per for c in sizes))
+    numel = x.numel()
+    for k in range(rounds):
+        lo = k * per
+        p = _next_parity(eng)
+        slot = eng.slot(me, p).view(x.dtype) if eng.slot_bytes % es == 0 else None
+        for j in range(w):
+            n = min(max(sizes[j] - lo, 0), per)
+            if n and j != me:
+                slot[j * per : j * per + n].copy_(x[offsets[j] + lo : offsets[j] + lo + n])
+        _round(eng, fn, KIND_REDUCE_SCATTER, dtype_code, op, numel, arg)
+        n = min(max(sizes[me] - lo, 0), per)
+        if not n:
+            continue
+        dst = out[lo : lo + n]
+        srcs = [
+            x[offsets[me] + lo :].data_ptr() if r == me else eng.slot_addr(r, p) + me * per * es
+            for r in range(w)
+        ]
+        _native.reduce(dtype_code, op, dst.data_ptr(), srcs, n)
+
+
+def broadcast(
+    eng: ShmEngine, fn: str, data: torch.Tensor, src: int, dtype_code: int, numel: int
+) -> None:
+    """Overwrite ``data`` (flat uint8) everywhere with ``src``'s bytes."""
+    me, cap = eng.rank, eng.slot_bytes
+    total = data.numel()
+    rounds = max(1, (total + cap - 1) // cap)
+    for k in range(rounds):
+        lo = k * cap
+        n = min(total - lo, cap)
+        p = _next_parity(eng)
+        if me == src and n > 0:
+            eng.slot(me, p)[:n].copy_(data[lo : lo + n])
+        _round(eng, fn, KIND_BROADCAST, dtype_code, 0, numel, src)
+        if me != src and n > 0:
+            data[lo : lo + n].copy_(eng.slot(src, p)[:n])
+
+
+# -- point to point ----------------------------------------------------------
+
+
+def send(eng: ShmEngine, fn: str, dst: int, tensors: Sequence[torch.Tensor], extra: Any) -> None:
+    """Stream the tensors (and a picklable ``extra``) to ``dst``."""
+    datas = [as_bytes(t.contiguous()) for t in tensors]
+    meta = ([(str(t.dtype).rsplit(".", 1)[-1], tuple(t.shape)) for t in tensors], extra)
+    header = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
+    data_bytes = sum(d.numel() for d in datas)
+    head = _PREFIX.pack(len(header), data_bytes) + header
+    pieces = [torch.frombuffer(bytearray(head), dtype=torch.uint8)]
+    pieces += [d for d in datas if d.numel()]
+    total = len(head) + data_bytes
+    me, cap = eng.rank, eng.p2p_bytes
+    sent_line = eng.p2p_sent_line + dst
+    done_line = eng.p2p_done_line + me
+    k = eng.sent[dst]
+    piece, off, pos = 0, 0, 0
+    while True:
+        k += 1
+        if k > 2:  # slot k & 1 is free once the receiver consumed chunk k - 2
+            status = eng._native.wait_line(dst, done_line, k - 2)
+            if status:
+                eng.raise_status(status, fn, 0, 0, 0, 0)
+        slot = eng.p2p_slot(me, dst, k & 1)
+        fill = 0
+        while fill < cap and piece < len(pieces):
+            src = pieces[piece]
+            n = min(cap - fill, src.numel() - off)
+            slot[fill : fill + n].copy_(src[off : off + n])
+            fill += n
+            off += n
+            if off == src.numel():
+                piece, off = piece + 1, 0
+        eng._native.publish_line(sent_line, k)
+        pos += fill
+        if pos >= total:
+            break
+    eng.sent[dst] = k
+
+
+def recv(eng: ShmEngine, fn: str, src: int) -> tuple[list[torch.Tensor], Any]:
+    """Receive the next message from ``src``: (tensors, extra)."""
+    me, cap = eng.rank, eng.p2p_bytes
+    sent_line = eng.p2p_sent_line + me
+    done_line = eng.p2p_done_line + src
+    k = eng.recvd[src]
+
+    def next_chunk(k: int) -> torch.Tensor:
+        status = eng._native.wait_line(src, sent_line, k)
+        if status:
+            eng.raise_status(status, fn, 0, 0, 0, 0)
+        return eng.p2p_slot(src, me, k & 1)
+
+    k += 1
+    slot = next_chunk(k)
+    # the prefix always fits the first chunk (a p2p slot is >= 64 KiB)
+    hlen, dlen = _PREFIX.unpack(slot[: _PREFIX.size].numpy().tobytes())
+    total = _PREFIX.size + hlen + dlen
+    header = torch.empty(hlen, dtype=torch.uint8)
+    dests = [header]
+    tensors: list[torch.Tensor] = []
+    extra = None
+    parsed = False
+
+    def parse() -> None:
+        nonlocal tensors, extra, parsed
+        specs, extra = pickle.loads(header.numpy().tobytes())
+        tensors = [torch.empty(shape, dtype=getattr(torch, name)) for name, shape in specs]
+        dests.extend(as_bytes(t) for t in tensors if t.numel())
+        parsed = True
+
+    piece = off = 0
+    pos, used, limit = 0, _PREFIX.size, min(cap, total)
+    while True:
+        while used < limit:
+            if piece == len(dests):
+                if parsed:
+                    raise CommError(f"{fn}: message from rank {src} is longer than it said")
+                parse()  # the header is complete; the tensors' bytes follow
+                continue
+            dst = dests[piece]
+            n = min(limit - used, dst.numel() - off)
+            dst[off : off + n].copy_(slot[used : used + n])
+            used += n
+            off += n
+            if off == dst.numel():
+                piece, off = piece + 1, 0
+        eng._native.publish_line(done_line, k)
+        pos += limit
+        if pos >= total:
+            break
+        k += 1
+        slot = next_chunk(k)
+        used, limit = 0, min(cap, total - pos)
+    if not parsed:
+        parse()
+    eng.recvd[src] = k
+    return tensors, extra
+
+
+def dtype_code_any(dtype: torch.dtype) -> int:
+    """The metadata code of any dtype (data-moving collectives)."""
+    return ANY_DTYPE_CODES.get(dtype, 255)
