@@ -13,12 +13,24 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def make(rank: int, numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    """Rank-specific data, reproducible on any rank."""
+MOVE_DTYPES = DTYPES + [torch.float64, torch.bool, torch.int8, torch.uint8, torch.complex64]
+
+
+def make(rank: int, numel, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Rank-specific data of any dtype (numel may be a shape), reproducible on any rank."""
+    shape = (numel,) if isinstance(numel, int) else tuple(numel)
     g = torch.Generator().manual_seed(seed * 1009 + rank)
-    if dtype in FLOATS:
-        return (torch.randn(numel, generator=g) * 4).to(dtype)
-    return torch.randint(-1000, 1000, (numel,), generator=g, dtype=dtype)
+    if dtype in FLOATS or dtype == torch.float64:
+        return (torch.randn(shape, generator=g, dtype=torch.float64) * 4).to(dtype)
+    if dtype.is_complex:
+        return torch.randn(shape, generator=g, dtype=dtype)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if dtype == torch.uint8:
+        return torch.randint(0, 256, shape, generator=g).to(dtype)
+    if dtype == torch.int8:
+        return torch.randint(-128, 128, shape, generator=g).to(dtype)
+    return torch.randint(-1000, 1000, shape, generator=g, dtype=dtype)
 
 
 def reference(inputs: list[torch.Tensor], op: tpcomm.ReduceOp) -> torch.Tensor:

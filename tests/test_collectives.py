@@ -1,0 +1,267 @@
+"""all_gather(v), gather, broadcast, reduce_scatter(v) and the torch-style *_tensor forms.
+
+Each collective is written once and run at world sizes 1, 2, 3, 4, 8 over dtypes,
+shapes (0 elements, unaligned, larger than a slot) and dims, against torch on one
+process (exact: these move or reduce data with the same float32 rule as all_reduce),
+and bitwise across ranks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tpcomm
+from tpcomm import _env
+
+from ._ref import DTYPES, FLOATS, MOVE_DTYPES, digest, make, reference
+
+WORLDS = [1, 2, 3, 4, 8]
+BIG = _env.DEFAULT_SLOT_BYTES // 4 + 37  # float32 elements: more than one slot
+
+SHAPES = [((0,), 0), ((1,), 0), ((7,), 0), ((3, 5), 1), ((3, 5), -2), ((2, 3, 4), 2), ((1027,), 0)]
+
+
+def gather_family(comm, dtypes, big):
+    r, w = comm.rank, comm.world_size
+    out, problems = {}, []
+
+    def check(name, got, want):
+        if want is None:
+            if got is not None:
+                problems.append(f"{name}: expected None")
+            return
+        if got is None or got.dtype != want.dtype or not torch.equal(got, want):
+            problems.append(f"{name}: differs from torch.cat")
+        out[name] = digest(got)
+
+    seed = 0
+    for dtype in dtypes:
+        shapes = SHAPES + ([((big,), 0)] if dtype in (torch.float32, torch.uint8) else [])
+        for shape, dim in shapes:
+            seed += 1
+            x = make(r, shape, dtype, seed)
+            parts = [make(q, shape, dtype, seed) for q in range(w)]
+            check(
+                f"all_gather {dtype} {shape} dim={dim}",
+                comm.all_gather(x, dim),
+                torch.cat(parts, dim),
+            )
+            dst = w - 1
+            check(
+                f"gather {dtype} {shape}",
+                comm.gather(x, dst=dst, dim=dim),
+                torch.cat(parts, dim) if r == dst else None,
+            )
+            b = x.clone()
+            src = w // 2
+            comm.broadcast(b, src=src)
+            check(f"broadcast {dtype} {shape}", b, parts[src])
+            # ragged: rank q contributes (2q + 1) % 4 rows (zero included)
+            if len(shape) >= 1:
+                d = dim % len(shape)
+                sizes = [(2 * q + 1) % 4 for q in range(w)]
+                vshape = lambda q: tuple(sizes[q] if i == d else s for i, s in enumerate(shape))  # noqa: E731
+                vparts = [make(q, vshape(q), dtype, seed + 500) for q in range(w)]
+                check(
+                    f"all_gatherv {dtype} {shape} dim={dim}",
+                    comm.all_gatherv(vparts[r], sizes, dim),
+                    torch.cat(vparts, d),
+                )
+            flat = x.reshape(-1)
+            o = torch.empty(w * flat.numel(), dtype=dtype)
+            comm.all_gather_into_tensor(o, flat)
+            check(
+                f"all_gather_into_tensor {dtype} {shape}",
+                o,
+                torch.cat([p.reshape(-1) for p in parts]),
+            )
+    return out, problems
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_gather_family(pools, world):
+    results = pools.run(world, gather_family, MOVE_DTYPES, BIG)
+    problems = [p for _, ps in results for p in ps]
+    assert not problems, problems[:10]
+    # the same bits on every rank (gather: only dst has a result)
+    for r in range(1, world):
+        mine, first = results[r][0], results[0][0]
+        common = set(mine) & set(first)
+        assert len(common) >= len(first) - len(SHAPES) * len(MOVE_DTYPES)
+        assert all(mine[k] == first[k] for k in common)
+
+
+def scatter_family(comm, big):
+    r, w = comm.rank, comm.world_size
+    out, problems = [], []
+    seed = 1000
+    for dtype in DTYPES:
+        for op in tpcomm.ReduceOp:
+            if op is tpcomm.ReduceOp.AVG and dtype not in FLOATS:
+                continue
+            shapes = [((0, 3), 0), ((w, 3), 0), ((5, 2 * w), 1), ((2, 3, w), -1), ((3 * w,), 0)]
+            if op is tpcomm.ReduceOp.SUM and dtype in (torch.float32, torch.bfloat16):
+                shapes.append(((w * (big // w + 3),), 0))
+            for shape, dim in shapes:
+                seed += 1
+                inputs = [make(q, shape, dtype, seed) for q in range(w)]
+                full = reference(inputs, op)
+                want = full.chunk(w, dim)[r] if full.numel() else full
+                got = comm.reduce_scatter(inputs[r], dim=dim, op=op)
+                if got.shape != want.shape or not torch.equal(got, want):
+                    problems.append(f"reduce_scatter {dtype} {op.name} {shape} dim={dim}")
+                out.append(digest(torch.cat([got.reshape(-1)])))
+                # uneven parts, zeros included
+                d = dim % len(shape)
+                sizes = [(q * 3 + 2) % 5 for q in range(w)]
+                vshape = tuple(sum(sizes) if i == d else s for i, s in enumerate(shape))
+                vin = [make(q, vshape, dtype, seed + 7) for q in range(w)]
+                vfull = reference(vin, op)
+                vwant = vfull.split(sizes, d)[r]
+                vgot = comm.reduce_scatterv(vin[r], sizes, dim=dim, op=op)
+                if vgot.shape != vwant.shape or not torch.equal(vgot, vwant):
+                    problems.append(f"reduce_scatterv {dtype} {op.name} {vshape} sizes={sizes}")
+                # torch-style
+                flat = inputs[r].reshape(-1)
+                if flat.numel() % w == 0:
+                    o = torch.empty(flat.numel() // w, dtype=dtype)
+                    comm.reduce_scatter_tensor(o, flat, op)
+                    fw = full.reshape(-1).chunk(w)[r] if flat.numel() else o
+                    if not torch.equal(o, fw):
+                        problems.append(f"reduce_scatter_tensor {dtype} {op.name} {shape}")
+    return out, problems
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_scatter_family(pools, world):
+    results = pools.run(world, scatter_family, BIG)
+    problems = [p for _, ps in results for p in ps]
+    assert not problems, problems[:10]
+
+
+def gather_bitwise(comm):
+    x = make(comm.rank, (33, 7), torch.bfloat16, 3)
+    a = comm.all_gather(x, dim=1)
+    rs = comm.reduce_scatter(torch.cat([x] * comm.world_size), op=tpcomm.ReduceOp.SUM)
+    # the reduce_scatter shards, gathered, are the all_reduce: same bits on every rank
+    full = comm.all_gather(rs)
+    y = torch.cat([x] * comm.world_size)
+    comm.all_reduce(y)
+    return digest(a), digest(full), torch.equal(full, y)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_bitwise_across_ranks_and_consistent_with_all_reduce(pools, world):
+    res = pools.run(world, gather_bitwise)
+    assert len({r[0] for r in res}) == 1
+    assert len({r[1] for r in res}) == 1
+    assert all(r[2] for r in res)
+
+
+def bad_collective_args(comm):
+    w = comm.world_size
+    cases = [
+        (lambda: comm.all_gather([1, 2]), TypeError, "all_gather: tensor must be a torch.Tensor"),
+        (
+            lambda: comm.all_gather(torch.ones(3), dim=1),
+            ValueError,
+            "all_gather: dim 1 is out of range",
+        ),
+        (lambda: comm.all_gather(torch.tensor(1.0)), ValueError, "0-d tensor has no dim"),
+        (lambda: comm.gather(torch.ones(3), dst=w), ValueError, f"gather: dst={w} is out of range"),
+        (
+            lambda: comm.broadcast(torch.ones(3), src=-1),
+            ValueError,
+            "broadcast: src=-1 is out of range",
+        ),
+        (
+            lambda: comm.broadcast(torch.ones(3), src="0"),
+            TypeError,
+            "broadcast: src must be an int",
+        ),
+        (
+            lambda: comm.reduce_scatter(torch.ones(w * 2 + 1)),
+            ValueError,
+            "does not divide" if w > 1 else "no error",
+        ),
+        (
+            lambda: comm.reduce_scatter(torch.ones(w, dtype=torch.bool)),
+            TypeError,
+            "reduce_scatter: unsupported dtype torch.bool",
+        ),
+        (lambda: comm.reduce_scatterv(torch.ones(5), [1] * w), ValueError, "sizes add up to"),
+        (
+            lambda: comm.reduce_scatterv(torch.ones(5), [5]),
+            ValueError if w > 1 else None,
+            "sizes must be a list of",
+        ),
+        (lambda: comm.all_gatherv(torch.ones(2), [3] * w), ValueError, "but sizes["),
+        (
+            lambda: comm.all_gather_into_tensor(torch.empty(3), torch.ones(2)),
+            ValueError,
+            "output has 3 elements",
+        ),
+        (
+            lambda: comm.all_gather_into_tensor(
+                torch.empty(2 * w, dtype=torch.int32), torch.ones(2)
+            ),
+            TypeError,
+            "differs from input dtype",
+        ),
+        (
+            lambda: comm.reduce_scatter_tensor(torch.empty(2), torch.ones(2 * w + 1)),
+            ValueError,
+            "input has",
+        ),
+    ]
+    problems = []
+    for call, exc, text in cases:
+        if exc is None or text == "no error":
+            continue
+        try:
+            call()
+            problems.append(f"{text}: no error")
+        except exc as e:
+            if text not in str(e):
+                problems.append(f"{text}: got {e}")
+        except Exception as e:
+            problems.append(f"{text}: raised {type(e).__name__}: {e}")
+    # still in step
+    g = comm.all_gather(torch.tensor([comm.rank]))
+    return problems, g.tolist()
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_bad_collective_arguments(pools, world):
+    for problems, g in pools.run(world, bad_collective_args):
+        assert problems == []
+        assert g == list(range(world))
+
+
+def mismatched_gathers(comm, what):
+    r = comm.rank
+    try:
+        if what == "shape":
+            comm.all_gather(torch.ones(2, 3 + (r == 1)))
+        elif what == "root":
+            comm.broadcast(torch.ones(4), src=r % 2)
+        elif what == "kind":
+            if r == 0:
+                comm.all_gather(torch.ones(4))
+            else:
+                comm.broadcast(torch.ones(4))
+        elif what == "op":
+            comm.reduce_scatter(torch.ones(4), op=tpcomm.ReduceOp.MAX if r else tpcomm.ReduceOp.SUM)
+        result = "no error"
+    except ValueError as e:
+        result = str(e)
+    ok = comm.all_gather(torch.tensor([r]))
+    return result, ok.tolist()
+
+
+@pytest.mark.parametrize("what", ["shape", "root", "kind", "op"])
+def test_mismatched_collectives(pools, what):
+    for msg, ok in pools.run(2, mismatched_gathers, what):
+        assert "mismatched collective" in msg, msg
+        assert ok == [0, 1]
