@@ -22,6 +22,10 @@ BIG = _env.DEFAULT_SLOT_BYTES // 4 + 37  # float32 elements: more than one slot
 SHAPES = [((0,), 0), ((1,), 0), ((7,), 0), ((3, 5), 1), ((3, 5), -2), ((2, 3, 4), 2), ((1027,), 0)]
 
 
+def _with_dim(shape, d, size):
+    return tuple(size if i == d else s for i, s in enumerate(shape))
+
+
 def gather_family(comm, dtypes, big):
     r, w = comm.rank, comm.world_size
     out, problems = {}, []
@@ -61,8 +65,9 @@ def gather_family(comm, dtypes, big):
             if len(shape) >= 1:
                 d = dim % len(shape)
                 sizes = [(2 * q + 1) % 4 for q in range(w)]
-                vshape = lambda q: tuple(sizes[q] if i == d else s for i, s in enumerate(shape))  # noqa: E731
-                vparts = [make(q, vshape(q), dtype, seed + 500) for q in range(w)]
+                vparts = [
+                    make(q, _with_dim(shape, d, sizes[q]), dtype, seed + 500) for q in range(w)
+                ]
                 check(
                     f"all_gatherv {dtype} {shape} dim={dim}",
                     comm.all_gatherv(vparts[r], sizes, dim),

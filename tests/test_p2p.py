@@ -1,0 +1,187 @@
+"""send/recv of tensor lists and tensor dicts.
+
+Guards: any count (0 .. hundreds), shapes (0-d, empty, non-contiguous, larger than
+the channel), dtypes (bool, int8, uint8, float64, complex); in-order delivery
+between a pair; send not waiting when a slot is free; several pairs at once; dicts
+with non-tensor values; a dead peer during recv -> PeerFailedError.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+import tpcomm
+from tpcomm.launch import LocalGroup
+
+from ._ref import MOVE_DTYPES, make
+
+
+def _payload(seed: int, big: int):
+    ts = [make(0, (3, 4), dt, seed + i) for i, dt in enumerate(MOVE_DTYPES)]
+    ts.append(torch.tensor(2.5, dtype=torch.float64))  # 0-d
+    ts.append(torch.empty(0, 7, dtype=torch.int16))  # empty
+    ts.append(make(0, (6, 8), torch.float32, seed)[:, ::3])  # non-contiguous
+    ts.append(make(0, (big,), torch.float32, seed + 99))  # larger than a channel slot
+    return ts
+
+
+def many_shapes(comm, big):
+    if comm.rank == 0:
+        comm.send(_payload(1, big), dst=1)
+        comm.send([], dst=1)
+        comm.send([torch.ones(1) * k for k in range(300)], dst=1)
+        return None
+    if comm.rank == 1:
+        a = comm.recv(src=0)
+        b = comm.recv(src=0)
+        c = comm.recv(src=0)
+        want = _payload(1, big)
+        ok = len(a) == len(want) and all(
+            x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, want)
+        )
+        return ok, b, len(c), [float(t.item()) for t in c] == [float(k) for k in range(300)]
+    return None
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_any_tensors_arrive_intact(pools, world):
+    from tpcomm import _env
+
+    big = 3 * _env.DEFAULT_SLOT_BYTES // 4 + 11
+    res = pools.run(world, many_shapes, big)
+    ok, empty, n, values = res[1]
+    assert ok and empty == [] and n == 300 and values
+
+
+def ordered_and_nonblocking(comm):
+    r, w = comm.rank, comm.world_size
+    # every rank sends 50 small messages to its right neighbour before receiving:
+    # send must not wait for the receiver while a slot is free... but with two slots
+    # per channel, the 3rd send waits; interleave to keep the ring moving
+    right, left = (r + 1) % w, (r - 1) % w
+    got = []
+    t0 = time.monotonic()
+    comm.send([torch.tensor([r, 0])], dst=right)  # returns at once: a slot is free
+    first_send = time.monotonic() - t0
+    got.append(comm.recv(src=left)[0].tolist())
+    for k in range(1, 50):
+        comm.send([torch.tensor([r, k])], dst=right)
+        got.append(comm.recv(src=left)[0].tolist())
+    return first_send, got
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_in_order(pools, world):
+    res = pools.run(world, ordered_and_nonblocking)
+    for r, (first_send, got) in enumerate(res):
+        left = (r - 1) % world
+        assert got == [[left, k] for k in range(50)]
+        assert first_send < 1.0
+
+
+def both_directions(comm):
+    other = 1 - comm.rank
+    comm.send([torch.full((100,), comm.rank)], dst=other)  # both send first
+    comm.send([torch.full((3,), comm.rank + 10)], dst=other)
+    a = comm.recv(src=other)[0]
+    b = comm.recv(src=other)[0]
+    return a.tolist() == [other] * 100 and b.tolist() == [other + 10] * 3
+
+
+def test_both_directions_at_once(pools):
+    assert pools.run(2, both_directions) == [True, True]
+
+
+def dicts(comm):
+    if comm.rank == 0:
+        comm.send_tensor_dict(
+            {
+                "h": torch.arange(6).reshape(2, 3),
+                "step": 3,
+                "names": ["a", "b"],
+                "mask": torch.tensor([True, False]),
+                "none": None,
+            },
+            dst=1,
+        )
+        comm.send_tensor_dict({}, dst=1)
+        return None
+    d = comm.recv_tensor_dict(src=0)
+    e = comm.recv_tensor_dict(src=0)
+    return (list(d), d["h"].tolist(), d["step"], d["names"], d["mask"].tolist(), d["none"], e)
+
+
+def test_tensor_dicts(pools):
+    keys, h, step, names, mask, none, empty = pools.run(2, dicts)[1]
+    assert keys == ["h", "step", "names", "mask", "none"]
+    assert h == [[0, 1, 2], [3, 4, 5]] and step == 3 and names == ["a", "b"]
+    assert mask == [True, False] and none is None and empty == {}
+
+
+def bad_p2p(comm):
+    out = []
+    for call, exc, text in [
+        (lambda: comm.send(torch.ones(2), dst=1 - comm.rank), TypeError, "must be a list or tuple"),
+        (lambda: comm.send([torch.ones(2), 3], dst=1 - comm.rank), TypeError, "tensors[1] must be"),
+        (lambda: comm.send([torch.ones(2)], dst=comm.rank), ValueError, "is this rank"),
+        (lambda: comm.send([torch.ones(2)], dst=5), ValueError, "dst=5 is out of range"),
+        (lambda: comm.recv(src=comm.rank), ValueError, "is this rank"),
+        (lambda: comm.send_tensor_dict([1], dst=1 - comm.rank), TypeError, "must be a dict"),
+    ]:
+        try:
+            call()
+            out.append(f"{text}: no error")
+        except exc as e:
+            if text not in str(e):
+                out.append(f"{text}: {e}")
+    return out
+
+
+def test_bad_p2p_arguments(pools):
+    assert pools.run(2, bad_p2p) == [[], []]
+
+
+def _write(path, obj):
+    with open(path, "w") as f:
+        json.dump(obj, f)
+
+
+def killed_while_others_wait(comm, where, outdir):
+    r = comm.rank
+    if r == 0:
+        time.sleep(0.2)
+        _write(os.path.join(outdir, "killed"), time.time())
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        if where == "recv":
+            comm.recv(src=0)
+        elif where == "gather":
+            comm.gather(torch.ones(10), dst=1)
+        elif where == "broadcast":
+            comm.broadcast(torch.ones(10), src=0)
+        elif where == "send":  # fill both slots, then wait for a receiver that is gone
+            for _ in range(3):
+                comm.send([torch.ones(10)], dst=0)
+        res = "no error"
+    except tpcomm.PeerFailedError as e:
+        res = [e.rank, time.time()]
+    _write(os.path.join(outdir, f"rank{r}"), res)
+    return res
+
+
+@pytest.mark.parametrize("where", ["recv", "gather", "broadcast", "send"])
+def test_dead_peer_during_p2p_and_rooted_collectives(tmp_path, where):
+    with LocalGroup(3, timeout=60) as g, pytest.raises(tpcomm.LaunchError) as info:
+        g.run(killed_while_others_wait, where, str(tmp_path), timeout=60)
+    assert info.value.rank == 0
+    killed = json.loads((tmp_path / "killed").read_text())
+    for r in (1, 2):
+        rank, t = json.loads((tmp_path / f"rank{r}").read_text())
+        assert rank == 0
+        assert t - killed < 2.0
