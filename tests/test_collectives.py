@@ -192,7 +192,7 @@ def bad_collective_args(comm):
         ),
         (
             lambda: comm.reduce_scatter(torch.ones(w, dtype=torch.bool)),
-            TypeError,
+            TypeError if w > 1 else None,
             "reduce_scatter: unsupported dtype torch.bool",
         ),
         (lambda: comm.reduce_scatterv(torch.ones(5), [1] * w), ValueError, "sizes add up to"),

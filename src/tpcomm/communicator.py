@@ -20,8 +20,9 @@ import torch
 
 from . import _env
 from .bootstrap import exchange, host_identity
+from .dist_fallback import DistPath
 from .errors import CommError
-from .ops import CODE_DTYPES, DTYPE_CODES, FLOAT_DTYPES, ReduceOp, as_reduce_op
+from .ops import CODE_DTYPES, DTYPE_CODES, FLOAT_DTYPES, ReduceOp, as_reduce_op, op_name
 from .shm import protocols
 from .shm.engine import (
     KIND_ALL_GATHER,
@@ -106,8 +107,7 @@ class Communicator:
         _created[tag] += 1
         prefix = f"tpcomm/g{tag}/{_created[tag]}"
         store = dist.distributed_c10d._get_default_store()
-        self._setup(store, rank, world, prefix, f"g{tag}", seconds)
-        self._group = group
+        self._setup(store, rank, world, prefix, f"g{tag}", seconds, group)
 
     @classmethod
     def from_env(cls, *, timeout: Timeout = None) -> Communicator:
@@ -152,7 +152,6 @@ class Communicator:
         _created["env"] += 1
         self = cls.__new__(cls)
         self._setup(store, rank, world, f"tpcomm/env/{_created['env']}", "env", seconds)
-        self._group = None
         return self
 
     @classmethod
@@ -162,17 +161,28 @@ class Communicator:
         """Create a communicator over an existing torch Store (the launcher's)."""
         self = cls.__new__(cls)
         self._setup(store, rank, world, prefix, tag, _timeout_seconds("Communicator", timeout))
-        self._group = None
         return self
 
     def _setup(
-        self, store: Any, rank: int, world: int, prefix: str, tag: str, timeout: float
+        self,
+        store: Any,
+        rank: int,
+        world: int,
+        prefix: str,
+        tag: str,
+        timeout: float,
+        group: Any = None,
     ) -> None:
         self._rank = rank
         self._world = world
         self._timeout = timeout
+        self._group = group
         self._engine: Optional[ShmEngine] = None
         self._closed = False
+        # the torch.distributed path: for what the engine does not do, or for
+        # everything when the group spans hosts (see dist_fallback.py)
+        self._dist = DistPath(group, rank, world) if group is not None and world > 1 else None
+        self._all_dist: Optional[str] = None
         if world == 1:
             return
         hosts = exchange(store, prefix, rank, world, "host", host_identity(), timeout)
@@ -180,11 +190,15 @@ class Communicator:
             groups = collections.defaultdict(list)
             for r, h in enumerate(hosts):
                 groups[h].append(r)
-            raise CommError(
-                f"Communicator: the group spans {len(groups)} hosts "
-                f"({'; '.join(f'{h}: ranks {rs}' for h, rs in groups.items())}); the "
-                f"shared-memory engine needs every rank on one host"
-            )
+            where = "; ".join(f"{h}: ranks {rs}" for h, rs in groups.items())
+            if self._dist is None:
+                raise CommError(
+                    f"Communicator: the ranks are on {len(groups)} hosts ({where}); shared "
+                    f"memory needs one host. Across hosts, create the Communicator on a "
+                    f"torch.distributed group (Communicator(group)), which then uses it"
+                )
+            self._all_dist = f"the group spans {len(groups)} hosts ({where})"
+            return
         self._engine = ShmEngine(store, rank, world, prefix, tag, timeout)
         native = self._engine._native
         native.set_fast_path(
@@ -255,27 +269,42 @@ class Communicator:
         if self._closed:
             raise CommError(f"{fn}: the Communicator is closed")
 
-    def _check_tensor(self, fn: str, tensor: Any) -> None:
-        if not isinstance(tensor, _Tensor):
-            raise TypeError(f"{fn}: expected a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.device.type != "cpu":
-            raise ValueError(
-                f"{fn}: expected a CPU tensor, got one on {tensor.device}; CUDA tensors go "
-                f"through tpcomm.cuda.CustomAllreduce or torch.distributed (NCCL)"
-            )
-        if tensor.is_sparse or tensor.layout != torch.strided:
-            raise ValueError(f"{fn}: expected a dense (strided) tensor, got layout {tensor.layout}")
-        if tensor.dtype not in DTYPE_CODES:
-            raise TypeError(f"{fn}: unsupported dtype {tensor.dtype}; supported: {_SUPPORTED}")
+    def _check_reduce(self, fn: str, tensor: Any, op: Any) -> tuple[Any, Optional[str]]:
+        """Check a reducing call's tensor and op.
 
-    def _check_op(self, fn: str, tensor: _Tensor, op: Any) -> ReduceOp:
+        Returns:
+            (op, reason): ``reason`` says why the engine cannot do this call (a
+            dtype or op it lacks), None when it can.
+        """
+        self._check_any(fn, tensor)
         op = as_reduce_op(fn, op)
-        if op is ReduceOp.AVG and tensor.dtype not in FLOAT_DTYPES:
+        if op is ReduceOp.AVG and not (tensor.is_floating_point() or tensor.is_complex()):
             raise TypeError(
                 f"{fn}: ReduceOp.AVG needs a floating dtype ({', '.join(map(str, FLOAT_DTYPES))}),"
                 f" got {tensor.dtype}; use ReduceOp.SUM and divide"
             )
-        return op
+        if tensor.dtype not in DTYPE_CODES:
+            return op, f"unsupported dtype {tensor.dtype} (the engine reduces {_SUPPORTED})"
+        if not isinstance(op, ReduceOp):
+            return op, (
+                f"op {op_name(op)} is not supported by the engine (it does "
+                f"{', '.join('ReduceOp.' + o.name for o in ReduceOp)})"
+            )
+        return op, None
+
+    def _via_dist(self, fn: str, reason: Optional[str], call: Any, local: Any) -> Any:
+        """Run ``call(DistPath)``; world size 1 returns ``local`` (the result of
+        any reduction over one rank) instead."""
+        if self._world == 1:
+            return local() if callable(local) else local
+        if self._dist is None:
+            exc = ValueError if reason and reason.startswith("op ") else TypeError
+            raise exc(
+                f"{fn}: {reason}; a Communicator created on a torch.distributed group "
+                f"(Communicator(group)) falls back to torch.distributed for it"
+            )
+        self._dist.note(fn, reason or self._all_dist)
+        return call(self._dist)
 
     # -- collectives ----------------------------------------------------------
 
@@ -306,8 +335,9 @@ class Communicator:
     def _all_reduce_checked(self, tensor: Any, op: Any) -> _Tensor:
         fn = "all_reduce"
         self._check_open(fn)
-        self._check_tensor(fn, tensor)
-        op = self._check_op(fn, tensor, op)
+        op, reason = self._check_reduce(fn, tensor, op)
+        if reason or self._all_dist:
+            return self._via_dist(fn, reason, lambda d: d.all_reduce(tensor, op), tensor)
         if self._engine is None:  # world size 1
             return tensor
         codes = (DTYPE_CODES[tensor.dtype], op.value)
@@ -443,6 +473,15 @@ class Communicator:
         moved = (tensor.movedim(d, 0) if d else tensor).contiguous()
         rest = tuple(moved.shape[1:])
         shape = (sum(sizes), *rest)
+        if self._all_dist:
+            if root is None:
+                got = self._via_dist(fn, None, lambda p: p.all_gatherv(moved, sizes), None)
+            else:
+                got = self._via_dist(fn, None, lambda p: p.gather(moved, root), None)
+            if got is None:
+                return None
+            res = got if out is None else out.view(shape).copy_(got)
+            return res.movedim(0, d).contiguous() if d and out is None else res
         if self._engine is None:  # world size 1: a copy, like every other rank count
             res = moved.clone() if out is None else out.view(shape).copy_(moved)
             return res.movedim(0, d).contiguous() if d else res
@@ -476,8 +515,7 @@ class Communicator:
         ``tensor``, split in world_size equal parts along ``dim``, part ``rank``."""
         fn = "reduce_scatter"
         self._check_open(fn)
-        self._check_tensor(fn, tensor)
-        op = self._check_op(fn, tensor, op)
+        op, reason = self._check_reduce(fn, tensor, op)
         d = self._check_dim(fn, tensor, dim)
         size = tensor.shape[d]
         if size % self._world:
@@ -485,7 +523,8 @@ class Communicator:
                 f"{fn}: dim {d} has size {size}, which world size {self._world} "
                 f"does not divide; use reduce_scatterv with explicit sizes"
             )
-        return self._reduce_scatter(fn, tensor, [size // self._world] * self._world, d, op)
+        sizes = [size // self._world] * self._world
+        return self._reduce_scatter(fn, tensor, sizes, d, op, reason)
 
     def reduce_scatterv(
         self, tensor: _Tensor, sizes: Sequence[int], dim: int = 0, op: ReduceOp = ReduceOp.SUM
@@ -494,15 +533,14 @@ class Communicator:
         ``dim`` (any may be 0; they must add up to the tensor's size)."""
         fn = "reduce_scatterv"
         self._check_open(fn)
-        self._check_tensor(fn, tensor)
-        op = self._check_op(fn, tensor, op)
+        op, reason = self._check_reduce(fn, tensor, op)
         d = self._check_dim(fn, tensor, dim)
         sizes = self._check_sizes(fn, sizes)
         if sum(sizes) != tensor.shape[d]:
             raise ValueError(
                 f"{fn}: sizes add up to {sum(sizes)} but dim {d} has size {tensor.shape[d]}"
             )
-        return self._reduce_scatter(fn, tensor, sizes, d, op)
+        return self._reduce_scatter(fn, tensor, sizes, d, op, reason)
 
     def reduce_scatter_tensor(
         self, output: _Tensor, input: _Tensor, op: ReduceOp = ReduceOp.SUM
@@ -511,9 +549,8 @@ class Communicator:
         ``input`` (world_size x output's elements, flattened).  Returns ``output``."""
         fn = "reduce_scatter_tensor"
         self._check_open(fn)
-        self._check_tensor(fn, input)
+        op, reason = self._check_reduce(fn, input, op)
         self._check_any(fn, output, "output")
-        op = self._check_op(fn, input, op)
         if output.dtype != input.dtype:
             raise TypeError(
                 f"{fn}: output dtype {output.dtype} differs from input dtype {input.dtype}"
@@ -523,17 +560,22 @@ class Communicator:
                 f"{fn}: input has {input.numel()} elements, expected world_size "
                 f"x output = {self._world} x {output.numel()}"
             )
-        res = self._reduce_scatter(fn, input.reshape(-1), [output.numel()] * self._world, 0, op)
+        sizes = [output.numel()] * self._world
+        res = self._reduce_scatter(fn, input.reshape(-1), sizes, 0, op, reason)
         output.copy_(res.view(output.shape))
         return output
 
     def _reduce_scatter(
-        self, fn: str, tensor: _Tensor, sizes: list[int], d: int, op: ReduceOp
+        self, fn: str, tensor: _Tensor, sizes: list[int], d: int, op: Any, reason: Optional[str]
     ) -> _Tensor:
         moved = (tensor.movedim(d, 0) if d else tensor).contiguous()
         rest = tuple(moved.shape[1:])
         inner = _prod(rest)
-        if self._engine is None:
+        if reason or self._all_dist:
+            res = self._via_dist(
+                fn, reason, lambda p: p.reduce_scatterv(moved, sizes, op), moved.clone
+            )
+        elif self._engine is None:
             res = moved.clone()
         else:
             res = torch.empty((sizes[self._rank], *rest), dtype=tensor.dtype)
@@ -555,6 +597,8 @@ class Communicator:
         self._check_open(fn)
         self._check_any(fn, tensor)
         src = self._check_rank(fn, "src", src)
+        if self._all_dist:
+            return self._via_dist(fn, None, lambda p: p.broadcast(tensor, src), tensor)
         if self._engine is None:
             return tensor
         work = tensor if tensor.is_contiguous() else tensor.contiguous()
@@ -592,14 +636,14 @@ class Communicator:
         self._check_open(fn)
         tensors = self._check_list(fn, tensors)
         dst = self._check_rank(fn, "dst", dst, allow_self=False)
-        protocols.send(self._engine, fn, dst, tensors, None)
+        self._send(fn, dst, tensors, None)
 
     def recv(self, src: int) -> list[_Tensor]:
         """Receive the next list of tensors rank ``src`` sent to this rank."""
         fn = "recv"
         self._check_open(fn)
         src = self._check_rank(fn, "src", src, allow_self=False)
-        return protocols.recv(self._engine, fn, src)[0]
+        return self._recv(fn, src)[0]
 
     def send_tensor_dict(self, data: dict, dst: int) -> None:
         """Send a dict whose values are tensors or any picklable Python values."""
@@ -617,7 +661,7 @@ class Communicator:
             else:
                 layout.append((key, None, value))
         try:
-            protocols.send(self._engine, fn, dst, tensors, layout)
+            self._send(fn, dst, tensors, layout)
         except (pickle.PicklingError, TypeError, AttributeError) as e:
             raise TypeError(f"{fn}: a non-tensor value cannot be pickled: {e}") from None
 
@@ -626,14 +670,28 @@ class Communicator:
         fn = "recv_tensor_dict"
         self._check_open(fn)
         src = self._check_rank(fn, "src", src, allow_self=False)
-        tensors, layout = protocols.recv(self._engine, fn, src)
+        tensors, layout = self._recv(fn, src)
         if not isinstance(layout, list):
             raise CommError(f"{fn}: rank {src} sent a tensor list, not a dict (use recv)")
         return {key: tensors[i] if i is not None else value for key, i, value in layout}
 
+    def _send(self, fn: str, dst: int, tensors: list, extra: Any) -> None:
+        if self._all_dist:
+            self._via_dist(fn, None, lambda p: p.send(tensors, dst, extra), None)
+        else:
+            protocols.send(self._engine, fn, dst, tensors, extra)
+
+    def _recv(self, fn: str, src: int) -> tuple[list, Any]:
+        if self._all_dist:
+            return self._via_dist(fn, None, lambda p: p.recv(src), None)
+        return protocols.recv(self._engine, fn, src)
+
     def barrier(self) -> None:
         """Return once every rank has called barrier()."""
         self._check_open("barrier")
+        if self._all_dist:
+            self._via_dist("barrier", None, lambda p: p.barrier(), None)
+            return
         if self._engine is None:
             return
         status = self._engine.barrier(KIND_BARRIER)

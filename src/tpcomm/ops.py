@@ -38,29 +38,26 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _DIST_OPS = {"SUM": ReduceOp.SUM, "AVG": ReduceOp.AVG, "MAX": ReduceOp.MAX, "MIN": ReduceOp.MIN}
 
 
-def as_reduce_op(fn: str, op) -> ReduceOp:
-    """Return ``op`` as a ReduceOp, accepting torch.distributed's too.
+def as_reduce_op(fn: str, op):
+    """Return ``op`` as a ReduceOp (torch.distributed's SUM/AVG/MAX/MIN too).
+
+    Other torch.distributed ops (PRODUCT, BAND, ...) come back as they are:
+    the engine does not implement them, the torch.distributed path may.
 
     Raises:
-        TypeError: ``op`` is no reduce op.
-        ValueError: ``op`` is a reduce op tpcomm does not implement.
+        TypeError: ``op`` is no reduce op at all.
     """
     if isinstance(op, ReduceOp):
         return op
-    name = getattr(op, "name", None)
-    if name is None:
-        # torch.distributed.ReduceOp.RedOpType members and ReduceOp instances
-        text = str(op).rsplit(".", 1)[-1]
-        if "ReduceOp" in type(op).__qualname__ or "RedOpType" in type(op).__qualname__:
-            name = text
-    if isinstance(name, str):
-        if name in _DIST_OPS:
-            return _DIST_OPS[name]
-        raise ValueError(
-            f"{fn}: op {name} is not supported; supported: "
-            f"{', '.join('ReduceOp.' + o.name for o in ReduceOp)}"
-        )
+    qual = type(op).__qualname__
+    if "ReduceOp" in qual or "RedOpType" in qual:
+        name = str(op).rsplit(".", 1)[-1]
+        return _DIST_OPS.get(name, op)
     raise TypeError(f"{fn}: op must be a tpcomm.ReduceOp, got {type(op).__name__} {op!r}")
+
+
+def op_name(op) -> str:
+    return op.name if isinstance(op, ReduceOp) else str(op).rsplit(".", 1)[-1]
 
 
 # (dtype, op) -> (dtype code, op code) for the fast path of all_reduce
