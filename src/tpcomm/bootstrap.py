@@ -13,6 +13,7 @@ import datetime
 import functools
 import os
 import socket
+import time
 from typing import Any
 
 from . import _env
@@ -50,11 +51,29 @@ def _wait(store: Any, keys: list[str], timeout: float, what: str) -> None:
 def exchange(
     store: Any, prefix: str, rank: int, world: int, name: str, value: str, timeout: float
 ) -> list[str]:
-    """Every rank publishes ``value``; returns all ranks' values in rank order."""
+    """Every rank publishes ``value``; returns all ranks' values in rank order.
+
+    Rank 0 returns only after every rank has read them all: under
+    ``from_env`` it hosts the store, and a rank 0 that raised right away (the
+    ranks span hosts, say) would take the store down under the others' reads.
+    """
     store.set(f"{prefix}/{name}/{rank}", value)
     keys = [f"{prefix}/{name}/{r}" for r in range(world)]
     _wait(store, keys, timeout, f"every rank's {name}")
-    return [store.get(k).decode() for k in keys]
+    values = [store.get(k).decode() for k in keys]
+    done = f"{prefix}/{name}/read"
+    count = store.add(done, 1)
+    if rank == 0:
+        deadline = time.monotonic() + timeout
+        while count < world:
+            if time.monotonic() > deadline:
+                raise CommTimeoutError(
+                    f"tpcomm: rendezvous timed out after {timeout:g}s "
+                    f"waiting for every rank to read the {name}s"
+                )
+            time.sleep(0.001)
+            count = store.add(done, 0)
+    return values
 
 
 def broadcast_from_rank0(
