@@ -35,6 +35,7 @@ from .shm.engine import (
 __all__ = ["Communicator"]
 
 _Tensor = torch.Tensor
+_STRIDED = torch.strided
 _SUPPORTED = ", ".join(str(d) for d in DTYPE_CODES)
 
 # Communicators created on the same ranks get the same sequence number on
@@ -357,9 +358,9 @@ class Communicator:
         """Checks for collectives that move any dtype (no arithmetic)."""
         if not isinstance(tensor, _Tensor):
             raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.device.type != "cpu":
+        if not tensor.is_cpu:
             raise ValueError(f"{fn}: {name} must be a CPU tensor, got one on {tensor.device}")
-        if tensor.layout != torch.strided:
+        if tensor.layout is not _STRIDED:
             raise ValueError(f"{fn}: {name} must be dense (strided), got layout {tensor.layout}")
 
     def _check_rank(self, fn: str, name: str, value: Any, allow_self: bool = True) -> int:
@@ -446,12 +447,28 @@ class Communicator:
                 f"{fn}: output has {output.numel()} elements, expected world_size "
                 f"x input = {self._world} x {input.numel()}"
             )
+        n = input.numel()
+        if self._engine is not None and input.is_contiguous() and output.is_contiguous():
+            # the common case, without a single tensor op (each costs microseconds)
+            nbytes = n * input.element_size()
+            protocols.gatherv(
+                self._engine,
+                fn,
+                KIND_ALL_GATHER,
+                input.data_ptr(),
+                [nbytes] * self._world,
+                output.data_ptr(),
+                protocols.dtype_code_any(input.dtype),
+                n * self._world,
+                protocols.layout_key(KIND_ALL_GATHER, (), 0, (n,) * self._world, None),
+            )
+            return output
         flat = input.reshape(-1)
         res = self._gather(
             fn,
             KIND_ALL_GATHER,
             flat,
-            [flat.numel()] * self._world,
+            [n] * self._world,
             0,
             None,
             out=output if output.is_contiguous() else None,
@@ -470,7 +487,9 @@ class Communicator:
         root: Optional[int],
         out: Optional[_Tensor] = None,
     ) -> _Tensor:
-        moved = (tensor.movedim(d, 0) if d else tensor).contiguous()
+        moved = tensor.movedim(d, 0).contiguous() if d else tensor
+        if not moved.is_contiguous():
+            moved = moved.contiguous()
         rest = tuple(moved.shape[1:])
         shape = (sum(sizes), *rest)
         if self._all_dist:
@@ -497,9 +516,9 @@ class Communicator:
             self._engine,
             fn,
             kind,
-            protocols.as_bytes(moved),
+            moved.data_ptr(),
             [s * inner for s in sizes],
-            protocols.as_bytes(res) if res is not None else None,
+            res.data_ptr() if res is not None else None,
             protocols.dtype_code_any(tensor.dtype),
             numel,
             key,
@@ -605,7 +624,8 @@ class Communicator:
         protocols.broadcast(
             self._engine,
             fn,
-            protocols.as_bytes(work),
+            work.data_ptr(),
+            work.numel() * work.element_size(),
             src,
             protocols.dtype_code_any(tensor.dtype),
             tensor.numel(),

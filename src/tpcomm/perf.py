@@ -54,27 +54,145 @@ def parse_size(text: str) -> int:
 
 @dataclass
 class Collective:
-    """One entry of the vtable: how to run and check a collective."""
+    """One entry of the vtable: sizes, data, the two implementations, the check.
+
+    ``parts`` is how many equal pieces the size splits into (all_gather,
+    reduce_scatter and gather move size/n per rank, like nccl-tests);
+    ``make(rank, world, count, dtype, op, salt)`` returns the call's state
+    (inputs and outputs), ``run(comm, st)`` and ``run_dist(st)`` perform it,
+    ``expect(world, count, dtype, op, salt, rank)`` is the output this rank
+    must hold afterwards (None: nothing to check), ``out(st)`` that output.
+    """
 
     name: str
     busbw_factor: Callable[[int], float]
+    parts: bool
+    root: int
+    make: Callable[..., dict]
     run: Callable[..., Any]
     run_dist: Callable[..., Any]
+    expect: Callable[..., Any]
+    out: Callable[[dict], Any]
 
 
-def _ar_run(comm, x, op):
-    comm.all_reduce(x, op)
-
-
-def _ar_dist(x, op):
+def _dist():
     import torch.distributed as dist
 
-    dist.all_reduce(x, op=getattr(dist.ReduceOp, op.name))
+    return dist
+
+
+def _dist_op(op: ReduceOp):
+    return getattr(_dist().ReduceOp, op.name)
+
+
+def _gloo_gather_into(out, x):
+    dist = _dist()
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, x)
+
+
+def _gloo_reduce_scatter(out, x, op):
+    dist = _dist()
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, x, op=_dist_op(op))
+
+
+def _sendrecv(comm, st):
+    n, r = comm.world_size, comm.rank
+    comm.send([st["x"]], (r + 1) % n)
+    st["y"] = comm.recv((r - 1) % n)[0]
+
+
+def _sendrecv_dist(st):
+    dist = _dist()
+    n, r = dist.get_world_size(), dist.get_rank()
+    req = dist.isend(st["x"], (r + 1) % n)
+    dist.recv(st["y"], (r - 1) % n)
+    req.wait()
+
+
+def _concat(world, count, dtype, salt):
+    return torch.cat([_data(q, count // world, dtype, salt) for q in range(world)])
 
 
 COLLECTIVES = {
-    "all_reduce": Collective("all_reduce", lambda n: 2 * (n - 1) / n, _ar_run, _ar_dist),
+    "all_reduce": Collective(
+        "all_reduce",
+        lambda n: 2 * (n - 1) / n,
+        False,
+        -1,
+        lambda r, w, c, dt, op, salt: {"x": _data(r, c, dt, salt)},
+        lambda comm, st, op: comm.all_reduce(st["x"], op),
+        lambda st, op: _dist().all_reduce(st["x"], op=_dist_op(op)),
+        lambda w, c, dt, op, salt, r: _expected(w, c, dt, op, salt),
+        lambda st: st["x"],
+    ),
+    "all_gather": Collective(
+        "all_gather",
+        lambda n: (n - 1) / n,
+        True,
+        -1,
+        lambda r, w, c, dt, op, salt: {
+            "x": _data(r, c // w, dt, salt),
+            "y": torch.empty(c, dtype=dt),
+        },
+        lambda comm, st, op: comm.all_gather_into_tensor(st["y"], st["x"]),
+        lambda st, op: _gloo_gather_into(st["y"], st["x"]),
+        lambda w, c, dt, op, salt, r: _concat(w, c, dt, salt),
+        lambda st: st["y"],
+    ),
+    "reduce_scatter": Collective(
+        "reduce_scatter",
+        lambda n: (n - 1) / n,
+        True,
+        -1,
+        lambda r, w, c, dt, op, salt: {
+            "x": _data(r, c, dt, salt),
+            "y": torch.empty(c // w, dtype=dt),
+        },
+        lambda comm, st, op: comm.reduce_scatter_tensor(st["y"], st["x"], op),
+        lambda st, op: _gloo_reduce_scatter(st["y"], st["x"], op),
+        lambda w, c, dt, op, salt, r: _expected(w, c, dt, op, salt).chunk(w)[r],
+        lambda st: st["y"],
+    ),
+    "broadcast": Collective(
+        "broadcast",
+        lambda n: 1.0,
+        False,
+        0,
+        lambda r, w, c, dt, op, salt: {"x": _data(r, c, dt, salt)},
+        lambda comm, st, op: comm.broadcast(st["x"], 0),
+        lambda st, op: _dist().broadcast(st["x"], 0),
+        lambda w, c, dt, op, salt, r: _data(0, c, dt, salt),
+        lambda st: st["x"],
+    ),
+    "gather": Collective(
+        "gather",
+        lambda n: (n - 1) / n,
+        True,
+        0,
+        lambda r, w, c, dt, op, salt: {
+            "x": _data(r, c // w, dt, salt),
+            "y": [torch.empty(c // w, dtype=dt) for _ in range(w)] if r == 0 else None,
+        },
+        lambda comm, st, op: st.__setitem__("g", comm.gather(st["x"], 0)),
+        lambda st, op: _dist().gather(st["x"], st["y"], dst=0),
+        lambda w, c, dt, op, salt, r: _concat(w, c, dt, salt) if r == 0 else None,
+        lambda st: st.get("g"),
+    ),
+    "sendrecv": Collective(
+        "sendrecv",
+        lambda n: 1.0,
+        False,
+        -1,
+        lambda r, w, c, dt, op, salt: {"x": _data(r, c, dt, salt), "y": torch.empty(c, dtype=dt)},
+        lambda comm, st, op: _sendrecv(comm, st),
+        lambda st, op: _sendrecv_dist(st),
+        lambda w, c, dt, op, salt, r: _data((r - 1) % w, c, dt, salt),
+        lambda st: st["y"],
+    ),
 }
+REDUCING = ("all_reduce", "reduce_scatter")
 
 
 def _data(rank: int, count: int, dtype: torch.dtype, salt: int) -> torch.Tensor:
@@ -123,39 +241,42 @@ def _worker(comm, cfg: dict) -> list[dict]:
     rank, world = comm.rank, comm.world_size
     gloo = cfg["compare"] == "gloo"
     if gloo:
-        import torch.distributed as dist
-
-        dist.init_process_group(
+        _dist().init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{cfg['port']}", rank=rank, world_size=world
         )
     rows = []
     try:
         for size in cfg["sizes"]:
             count = max(1, size // es)
+            if coll.parts:
+                count = max(world, count // world * world)
             row = {"size": count * es, "count": count}
-            x = _data(rank, count, dtype, 0)
+            st = coll.make(rank, world, count, dtype, op, 0)
             for _ in range(cfg["warmup"]):
-                coll.run(comm, x, op)
+                coll.run(comm, st, op)
             iters = cfg["iters"]
             if iters <= 0:  # auto: about target seconds per size, at least 20
-                probe = _timed(lambda x=x: coll.run(comm, x, op), 5)
+                probe = _timed(lambda st=st: coll.run(comm, st, op), 5)
                 iters = _agree(comm, int(min(200000, max(20, cfg["target"] / max(probe, 1e-7)))))
             comm.barrier()
-            row["time"] = _timed(lambda x=x: coll.run(comm, x, op), iters)
+            row["time"] = _timed(lambda st=st: coll.run(comm, st, op), iters)
             row["iters"] = iters
             if cfg["check"]:
                 wrong = 0
-                for salt in range(cfg["check"]):
-                    y = _data(rank, count, dtype, salt + 1)
-                    coll.run(comm, y, op)
-                    wrong += int((y != _expected(world, count, dtype, op, salt + 1)).sum())
+                for salt in range(1, cfg["check"] + 1):
+                    chk = coll.make(rank, world, count, dtype, op, salt)
+                    coll.run(comm, chk, op)
+                    want = coll.expect(world, count, dtype, op, salt, rank)
+                    if want is not None:
+                        got = coll.out(chk)
+                        wrong += int((got.reshape(-1) != want.reshape(-1)).sum())
                 row["wrong"] = wrong
             if gloo:
-                g = _data(rank, count, dtype, 0)
+                g = coll.make(rank, world, count, dtype, op, 0)
                 coll.run_dist(g, op)
                 giters = max(3, min(iters, int(cfg["target"] / 2 / max(row["time"] * 50, 1e-6))))
                 giters = _agree(comm, giters)
-                dist.barrier()
+                _dist().barrier()
                 row["gloo"] = _timed(lambda g=g: coll.run_dist(g, op), giters)
             comm.barrier()
             if rank == 0:
@@ -169,7 +290,7 @@ def _worker(comm, cfg: dict) -> list[dict]:
             rows.append(row)
     finally:
         if gloo:
-            dist.destroy_process_group()
+            _dist().destroy_process_group()
     return rows
 
 
@@ -220,6 +341,8 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
         s *= args.stepfactor
     dtype = _DTYPES[args.datatype]
     op = args.op.upper()
+    if args.collective not in REDUCING:
+        op = "SUM"  # unused: no reduction
     if op == "AVG" and dtype not in FLOAT_DTYPES:
         print("# error: avg needs a floating datatype", file=sys.stderr)
         return 2
@@ -262,6 +385,7 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
         results = group.run(_worker, cfg)
     wrong_total = 0
     bus = []
+    redop = args.op if args.collective in REDUCING else "none"
     for i, row in enumerate(results[0]):
         t = max(r[i]["time"] for r in results)
         wrong = sum(r[i].get("wrong", 0) for r in results) if args.check else "N/A"
@@ -271,8 +395,8 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
         busbw = algbw * coll.busbw_factor(n)
         bus.append(busbw)
         line = (
-            f" {row['size']:>11} {row['count']:>10} {_TYPE_NAMES[dtype]:>8} {args.op:>5} "
-            f"{-1:>4}  {t * 1e6:>9.2f} {algbw:>11.2f} {busbw:>11.2f} {wrong:>6}"
+            f" {row['size']:>11} {row['count']:>10} {_TYPE_NAMES[dtype]:>8} {redop:>5} "
+            f"{coll.root:>4}  {t * 1e6:>9.2f} {algbw:>11.2f} {busbw:>11.2f} {wrong:>6}"
         )
         if args.compare == "gloo":
             g = max(r[i]["gloo"] for r in results)

@@ -10,8 +10,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import torch
-
 from .. import _env, _native
 from ..bootstrap import broadcast_from_rank0, local_cpu_count
 from ..errors import CommError, CommTimeoutError, PeerFailedError
@@ -128,7 +126,6 @@ class ShmEngine:
             )
         self.slot_bytes = slot_bytes
         lay = self._native.layout()
-        self._seg = torch.frombuffer(self._native.mapping(), dtype=torch.uint8)
         self._base = self._native.address()
         self._slot_off = lay["slot_off"]
         self._p2p_off = lay["p2p_off"]
@@ -226,16 +223,10 @@ class ShmEngine:
         """Address of rank's collective slot of this parity."""
         return self._base + self._slot_off + (rank * 2 + parity) * self.slot_bytes
 
-    def slot(self, rank: int, parity: int) -> torch.Tensor:
-        """rank's collective slot of this parity, as a uint8 tensor."""
-        off = self._slot_off + (rank * 2 + parity) * self.slot_bytes
-        return self._seg[off : off + self.slot_bytes]
-
-    def p2p_slot(self, src: int, dst: int, parity: int) -> torch.Tensor:
-        """Slot of this parity of the channel src -> dst, as a uint8 tensor."""
+    def p2p_slot_addr(self, src: int, dst: int, parity: int) -> int:
+        """Address of the slot of this parity of the channel src -> dst."""
         pair = src * (self.world - 1) + (dst if dst < src else dst - 1)
-        off = self._p2p_off + (pair * 2 + parity) * self.p2p_bytes
-        return self._seg[off : off + self.p2p_bytes]
+        return self._base + self._p2p_off + (pair * 2 + parity) * self.p2p_bytes
 
     @property
     def failed(self) -> bool:
@@ -246,4 +237,3 @@ class ShmEngine:
             self._native.close()
             self._native = None
             self.all_reduce = self.barrier = None
-            self._seg = None

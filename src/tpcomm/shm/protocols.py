@@ -21,6 +21,8 @@ the dict).
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import hashlib
 import pickle
 import struct
@@ -48,18 +50,11 @@ __all__ = [
 _PREFIX = struct.Struct("<QQ")  # header bytes, data bytes
 
 
+@functools.lru_cache(maxsize=4096)
 def layout_key(*parts: Any) -> int:
     """A 64-bit digest of shapes, dims, sizes, roots: the metadata's `arg`."""
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & 0x7FFFFFFFFFFFFFFF
-
-
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous tensor (0-d and empty included)."""
-    flat = t.reshape(-1)
-    if flat.numel() == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    return flat.view(torch.uint8)
 
 
 def _round(eng: ShmEngine, fn: str, kind: int, dtype: int, op: int, count: int, arg: int) -> int:
@@ -78,17 +73,18 @@ def gatherv(
     eng: ShmEngine,
     fn: str,
     kind: int,
-    mine: torch.Tensor,
+    mine: int,
     counts: Sequence[int],
-    out: torch.Tensor | None,
+    out: int | None,
     dtype_code: int,
     numel: int,
     arg: int,
 ) -> None:
-    """Every rank contributes ``counts[r]`` bytes (``mine`` here); ``out``
-    (None on ranks that receive nothing, as in gather) gets them all in rank
-    order."""
+    """Every rank contributes ``counts[r]`` bytes (at address ``mine`` here);
+    the buffer at ``out`` (None on ranks that receive nothing, as in gather)
+    gets them all in rank order."""
     me, w, cap = eng.rank, eng.world, eng.slot_bytes
+    copy = _native.copy
     offsets = [0]
     for c in counts:
         offsets.append(offsets[-1] + c)
@@ -98,16 +94,15 @@ def gatherv(
         p = _next_parity(eng)
         n = min(max(counts[me] - lo, 0), cap)
         if n:
-            eng.slot(me, p)[:n].copy_(mine[lo : lo + n])
+            copy(eng.slot_addr(me, p), mine + lo, n)
         _round(eng, fn, kind, dtype_code, 0, numel, arg)
         if out is None:
             continue
         for r in range(w):
             n = min(max(counts[r] - lo, 0), cap)
-            if not n:
-                continue
-            dst = out[offsets[r] + lo : offsets[r] + lo + n]
-            dst.copy_(mine[lo : lo + n] if r == me else eng.slot(r, p)[:n])
+            if n:
+                src = mine + lo if r == me else eng.slot_addr(r, p)
+                copy(out + offsets[r] + lo, src, n)
 
 
 def reduce_scatterv(
@@ -124,48 +119,48 @@ def reduce_scatterv(
     me, w = eng.rank, eng.world
     dtype_code = DTYPE_CODES[x.dtype]
     es = x.element_size()
-    per = max(1, eng.slot_bytes // es // w) // 32 * 32 or 1  # elements per shard per round
+    per = max(32, eng.slot_bytes // es // w // 32 * 32)  # elements per shard per round
     offsets = [0]
     for c in sizes:
         offsets.append(offsets[-1] + c)
     rounds = max(1, max((c + per - 1) // per for c in sizes))
     numel = x.numel()
+    xa, oa = x.data_ptr(), out.data_ptr()
+    copy, reduce = _native.copy, _native.reduce
     for k in range(rounds):
         lo = k * per
         p = _next_parity(eng)
-        slot = eng.slot(me, p).view(x.dtype) if eng.slot_bytes % es == 0 else None
+        base = eng.slot_addr(me, p)
         for j in range(w):
             n = min(max(sizes[j] - lo, 0), per)
             if n and j != me:
-                slot[j * per : j * per + n].copy_(x[offsets[j] + lo : offsets[j] + lo + n])
+                copy(base + j * per * es, xa + (offsets[j] + lo) * es, n * es)
         _round(eng, fn, KIND_REDUCE_SCATTER, dtype_code, op, numel, arg)
         n = min(max(sizes[me] - lo, 0), per)
-        if not n:
-            continue
-        dst = out[lo : lo + n]
-        srcs = [
-            x[offsets[me] + lo :].data_ptr() if r == me else eng.slot_addr(r, p) + me * per * es
-            for r in range(w)
-        ]
-        _native.reduce(dtype_code, op, dst.data_ptr(), srcs, n)
+        if n:
+            srcs = [
+                xa + (offsets[me] + lo) * es if r == me else eng.slot_addr(r, p) + me * per * es
+                for r in range(w)
+            ]
+            reduce(dtype_code, op, oa + lo * es, srcs, n)
 
 
 def broadcast(
-    eng: ShmEngine, fn: str, data: torch.Tensor, src: int, dtype_code: int, numel: int
+    eng: ShmEngine, fn: str, data: int, total: int, src: int, dtype_code: int, numel: int
 ) -> None:
-    """Overwrite ``data`` (flat uint8) everywhere with ``src``'s bytes."""
+    """Overwrite ``total`` bytes at ``data`` everywhere with ``src``'s bytes."""
     me, cap = eng.rank, eng.slot_bytes
-    total = data.numel()
+    copy = _native.copy
     rounds = max(1, (total + cap - 1) // cap)
     for k in range(rounds):
         lo = k * cap
         n = min(total - lo, cap)
         p = _next_parity(eng)
         if me == src and n > 0:
-            eng.slot(me, p)[:n].copy_(data[lo : lo + n])
+            copy(eng.slot_addr(me, p), data + lo, n)
         _round(eng, fn, KIND_BROADCAST, dtype_code, 0, numel, src)
         if me != src and n > 0:
-            data[lo : lo + n].copy_(eng.slot(src, p)[:n])
+            copy(data + lo, eng.slot_addr(src, p), n)
 
 
 # -- point to point ----------------------------------------------------------
@@ -173,15 +168,18 @@ def broadcast(
 
 def send(eng: ShmEngine, fn: str, dst: int, tensors: Sequence[torch.Tensor], extra: Any) -> None:
     """Stream the tensors (and a picklable ``extra``) to ``dst``."""
-    datas = [as_bytes(t.contiguous()) for t in tensors]
+    datas = [t.contiguous() for t in tensors]
     meta = ([(str(t.dtype).rsplit(".", 1)[-1], tuple(t.shape)) for t in tensors], extra)
     header = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
-    data_bytes = sum(d.numel() for d in datas)
-    head = _PREFIX.pack(len(header), data_bytes) + header
-    pieces = [torch.frombuffer(bytearray(head), dtype=torch.uint8)]
-    pieces += [d for d in datas if d.numel()]
-    total = len(head) + data_bytes
+    sizes = [t.numel() * t.element_size() for t in datas]
+    head = _PREFIX.pack(len(header), sum(sizes)) + header
+    head_buf = ctypes.create_string_buffer(head, len(head))
+    # (address, bytes) pieces of the stream; the tensors stay referenced in datas
+    pieces = [(ctypes.addressof(head_buf), len(head))]
+    pieces += [(t.data_ptr(), n) for t, n in zip(datas, sizes) if n]
+    total = len(head) + sum(sizes)
     me, cap = eng.rank, eng.p2p_bytes
+    copy = _native.copy
     sent_line = eng.p2p_sent_line + dst
     done_line = eng.p2p_done_line + me
     k = eng.sent[dst]
@@ -192,15 +190,15 @@ def send(eng: ShmEngine, fn: str, dst: int, tensors: Sequence[torch.Tensor], ext
             status = eng._native.wait_line(dst, done_line, k - 2)
             if status:
                 eng.raise_status(status, fn, 0, 0, 0, 0)
-        slot = eng.p2p_slot(me, dst, k & 1)
+        slot = eng.p2p_slot_addr(me, dst, k & 1)
         fill = 0
         while fill < cap and piece < len(pieces):
-            src = pieces[piece]
-            n = min(cap - fill, src.numel() - off)
-            slot[fill : fill + n].copy_(src[off : off + n])
+            addr, size = pieces[piece]
+            n = min(cap - fill, size - off)
+            copy(slot + fill, addr + off, n)
             fill += n
             off += n
-            if off == src.numel():
+            if off == size:
                 piece, off = piece + 1, 0
         eng._native.publish_line(sent_line, k)
         pos += fill
@@ -212,32 +210,33 @@ def send(eng: ShmEngine, fn: str, dst: int, tensors: Sequence[torch.Tensor], ext
 def recv(eng: ShmEngine, fn: str, src: int) -> tuple[list[torch.Tensor], Any]:
     """Receive the next message from ``src``: (tensors, extra)."""
     me, cap = eng.rank, eng.p2p_bytes
+    copy = _native.copy
     sent_line = eng.p2p_sent_line + me
     done_line = eng.p2p_done_line + src
     k = eng.recvd[src]
 
-    def next_chunk(k: int) -> torch.Tensor:
+    def next_chunk(k: int) -> int:
         status = eng._native.wait_line(src, sent_line, k)
         if status:
             eng.raise_status(status, fn, 0, 0, 0, 0)
-        return eng.p2p_slot(src, me, k & 1)
+        return eng.p2p_slot_addr(src, me, k & 1)
 
     k += 1
     slot = next_chunk(k)
     # the prefix always fits the first chunk (a p2p slot is >= 64 KiB)
-    hlen, dlen = _PREFIX.unpack(slot[: _PREFIX.size].numpy().tobytes())
+    hlen, dlen = _PREFIX.unpack(ctypes.string_at(slot, _PREFIX.size))
     total = _PREFIX.size + hlen + dlen
-    header = torch.empty(hlen, dtype=torch.uint8)
-    dests = [header]
+    header = ctypes.create_string_buffer(hlen)
+    dests: list[tuple[int, int]] = [(ctypes.addressof(header), hlen)]
     tensors: list[torch.Tensor] = []
     extra = None
     parsed = False
 
     def parse() -> None:
         nonlocal tensors, extra, parsed
-        specs, extra = pickle.loads(header.numpy().tobytes())
+        specs, extra = pickle.loads(header.raw)
         tensors = [torch.empty(shape, dtype=getattr(torch, name)) for name, shape in specs]
-        dests.extend(as_bytes(t) for t in tensors if t.numel())
+        dests.extend((t.data_ptr(), t.numel() * t.element_size()) for t in tensors if t.numel())
         parsed = True
 
     piece = off = 0
@@ -249,12 +248,12 @@ def recv(eng: ShmEngine, fn: str, src: int) -> tuple[list[torch.Tensor], Any]:
                     raise CommError(f"{fn}: message from rank {src} is longer than it said")
                 parse()  # the header is complete; the tensors' bytes follow
                 continue
-            dst = dests[piece]
-            n = min(limit - used, dst.numel() - off)
-            dst[off : off + n].copy_(slot[used : used + n])
+            addr, size = dests[piece]
+            n = min(limit - used, size - off)
+            copy(addr + off, slot + used, n)
             used += n
             off += n
-            if off == dst.numel():
+            if off == size:
                 piece, off = piece + 1, 0
         eng._native.publish_line(done_line, k)
         pos += limit
