@@ -580,6 +580,25 @@ class Communicator:
                 f"x output = {self._world} x {output.numel()}"
             )
         sizes = [output.numel()] * self._world
+        if (
+            reason is None
+            and not self._all_dist
+            and self._engine is not None
+            and input.is_contiguous()
+            and output.is_contiguous()
+        ):
+            # the common case, without a single tensor op (each costs microseconds)
+            protocols.reduce_scatterv(
+                self._engine,
+                fn,
+                input.data_ptr(),
+                input.dtype,
+                sizes,
+                output.data_ptr(),
+                op.value,
+                protocols.layout_key((), 0, tuple(sizes)),
+            )
+            return output
         res = self._reduce_scatter(fn, input.reshape(-1), sizes, 0, op, reason)
         output.copy_(res.view(output.shape))
         return output
@@ -602,9 +621,10 @@ class Communicator:
             protocols.reduce_scatterv(
                 self._engine,
                 fn,
-                moved.reshape(-1),
+                moved.data_ptr(),
+                tensor.dtype,
                 [s * inner for s in sizes],
-                res.reshape(-1),
+                res.data_ptr(),
                 op.value,
                 key,
             )

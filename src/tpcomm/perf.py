@@ -98,9 +98,17 @@ def _gloo_reduce_scatter(out, x, op):
 
 
 def _sendrecv(comm, st):
+    # a ring: every rank sends to the next and receives from the previous one.
+    # Rank 0 sends first and the others receive first: messages larger than a
+    # channel's two slots wait for their receiver, so all sending first would
+    # wait for each other (docs/COLLECTIVES.md).
     n, r = comm.world_size, comm.rank
-    comm.send([st["x"]], (r + 1) % n)
-    st["y"] = comm.recv((r - 1) % n)[0]
+    if r == 0:
+        comm.send([st["x"]], 1 % n)
+        st["y"] = comm.recv(n - 1)[0]
+    else:
+        st["y"] = comm.recv(r - 1)[0]
+        comm.send([st["x"]], (r + 1) % n)
 
 
 def _sendrecv_dist(st):

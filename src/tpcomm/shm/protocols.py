@@ -48,6 +48,7 @@ __all__ = [
 ]
 
 _PREFIX = struct.Struct("<QQ")  # header bytes, data bytes
+_ELEMENT_SIZE = {dt: torch.empty(0, dtype=dt).element_size() for dt in DTYPE_CODES}
 
 
 @functools.lru_cache(maxsize=4096)
@@ -108,24 +109,25 @@ def gatherv(
 def reduce_scatterv(
     eng: ShmEngine,
     fn: str,
-    x: torch.Tensor,
+    xa: int,
+    dtype: torch.dtype,
     sizes: Sequence[int],
-    out: torch.Tensor,
+    oa: int,
     op: int,
     arg: int,
 ) -> None:
-    """``x`` (flat, contiguous) is the concatenation of W shards of ``sizes[j]``
-    elements; rank r gets the reduction of shard r into ``out`` (flat)."""
+    """The buffer at ``xa`` (contiguous ``dtype`` elements) is the concatenation
+    of W shards of ``sizes[j]`` elements; rank r gets the reduction of shard r
+    into the buffer at ``oa``."""
     me, w = eng.rank, eng.world
-    dtype_code = DTYPE_CODES[x.dtype]
-    es = x.element_size()
+    dtype_code = DTYPE_CODES[dtype]
+    es = _ELEMENT_SIZE[dtype]
     per = max(32, eng.slot_bytes // es // w // 32 * 32)  # elements per shard per round
     offsets = [0]
     for c in sizes:
         offsets.append(offsets[-1] + c)
     rounds = max(1, max((c + per - 1) // per for c in sizes))
-    numel = x.numel()
-    xa, oa = x.data_ptr(), out.data_ptr()
+    numel = offsets[-1]
     copy, reduce = _native.copy, _native.reduce
     for k in range(rounds):
         lo = k * per
