@@ -82,6 +82,8 @@
 #define LINE 64u
 #define NCHAN 1          /* channels per rank: 0 = collectives */
 #define MAX_WORLD 4096   /* OFD lock bytes and futex fan-out stay cheap up to here */
+#define MAX_SYM 64       /* symmetric buffers per communicator (Communicator.empty) */
+#define ARG_ZERO_COPY 3  /* all-reduce metadata arg: 1 one-shot, 2 two-shot, 3 + ... zero-copy */
 /* per-rank control block: pid line, 2 lines per channel, then one "sent to d"
  * and one "consumed from s" line per peer (point-to-point), page rounded */
 #define P2P_SENT_LINE(d) (1 + 2 * NCHAN + (d))
@@ -624,6 +626,14 @@ typedef struct {
     uint32_t kind_all_reduce;
     PyObject *mapping; /* the Mapping that owns base */
     uint64_t twoshot_min; /* all-reduces of at least this many bytes go two-shot */
+    /* symmetric buffers (Communicator.empty): this rank's range and every
+     * rank's base address of the same buffer, as mapped here */
+    int nsym;
+    struct sym {
+        char *base;
+        size_t size;
+        char **peers;
+    } sym[MAX_SYM];
 } Engine;
 
 static inline hdr_t *HDR(Engine *e) { return (hdr_t *)e->base; }
@@ -888,6 +898,53 @@ static int twoshot_chunk(Engine *e, char *src, size_t m, int dtype, int op, uint
 }
 
 /*
+ * Zero-copy all-reduce of a tensor that lives in a symmetric buffer: every
+ * rank reads its peers' tensors where they are, so nothing is copied in.
+ *   round 1: everyone's data is ready;
+ *   rank r reduces shard r of every rank's tensor, in rank order, into shard r
+ *   of its own (only rank r ever reads shard r of anyone, so writing it in
+ *   place is safe);
+ *   round 2: every shard is reduced; each rank copies the other shards from
+ *   their owners' tensors into its own;
+ *   round 3: nobody reads this rank's tensor any more: the caller may change it.
+ * The metadata arg carries the buffer and offset, so ranks whose tensors are
+ * not at the same place in the same buffer get a mismatch error.
+ */
+static int zero_copy_all_reduce(Engine *e, struct sym *sb, size_t off, size_t count, int dtype,
+                                int op, uint32_t kind, uint64_t arg, PyThreadState **ts)
+{
+    const size_t es = dt_size[dtype];
+    const int w = e->world, me = e->rank;
+    size_t shard = ((count + (size_t)w - 1) / (size_t)w + 31) & ~(size_t)31;
+#define ZC_LO(j) ((size_t)(j) * shard < count ? (size_t)(j) * shard : count)
+    int st = round_sync(e, kind, (uint32_t)dtype, (uint32_t)op, count, arg, ts);
+    if (st != ST_OK)
+        return st;
+    const size_t lo = ZC_LO(me), hi = ZC_LO(me + 1);
+    for (int r = 0; r < w; r++)
+        e->srcs[r] = sb->peers[r] + off + lo * es;
+    do_reduce(dtype, op, sb->base + off + lo * es, e->srcs, w, hi - lo);
+    st = round_sync(e, kind, (uint32_t)dtype, (uint32_t)op, count, arg, ts);
+    if (st != ST_OK)
+        return st;
+    for (int i = 1; i < w; i++) {
+        int j = (me + i) % w;
+        size_t jlo = ZC_LO(j), jhi = ZC_LO(j + 1);
+        memcpy(sb->base + off + jlo * es, sb->peers[j] + off + jlo * es, (jhi - jlo) * es);
+    }
+#undef ZC_LO
+    return round_sync(e, kind, (uint32_t)dtype, (uint32_t)op, count, arg, ts);
+}
+
+static struct sym *find_sym(Engine *e, const char *t, size_t bytes)
+{
+    for (int i = 0; i < e->nsym; i++)
+        if (t >= e->sym[i].base && t + bytes <= e->sym[i].base + e->sym[i].size)
+            return &e->sym[i];
+    return NULL;
+}
+
+/*
  * The chunked all-reduce of `count` elements at t, in place: one-shot (every
  * rank reduces the whole chunk: one round) below twoshot_min bytes, two-shot
  * (two rounds) from there.  The choice travels in the metadata (arg 1 or 2),
@@ -904,7 +961,14 @@ static int run_all_reduce(Engine *e, char *t, size_t count, int dtype, int op, u
     int st = ST_OK;
     size_t done = 0;
     e->busy = 1;
-    do {
+    struct sym *sb = e->nsym && count * es >= e->twoshot_min ? find_sym(e, t, count * es) : NULL;
+    if (sb) {
+        size_t off = (size_t)(t - sb->base);
+        uint64_t arg = ARG_ZERO_COPY | ((uint64_t)(sb - e->sym) << 8) | ((uint64_t)off << 16);
+        st = zero_copy_all_reduce(e, sb, off, count, dtype, op, kind, arg, &ts);
+        count = 0; /* done */
+    }
+    for (int first = !sb; first || done < count; first = 0) {
         size_t m = count - done < chunk ? count - done : chunk;
         char *src = t + done * es;
         if (two) {
@@ -922,7 +986,7 @@ static int run_all_reduce(Engine *e, char *t, size_t count, int dtype, int op, u
         if (st != ST_OK)
             break;
         done += m;
-    } while (done < count);
+    }
     if (ts)
         PyEval_RestoreThread(ts);
     e->busy = 0;
@@ -1544,6 +1608,8 @@ static PyObject *eng_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 
 static void eng_dealloc(Engine *e)
 {
+    for (int i = 0; i < e->nsym; i++)
+        PyMem_Free(e->sym[i].peers);
     eng_unmap(e);
     PyMem_Free(e->srcs);
     Py_CLEAR(e->tensor_type);
@@ -1572,6 +1638,39 @@ static PyObject *eng_get_failed(Engine *e, void *c)
     if (!e->failed && e->base)
         take_abort(e);
     return PyBool_FromLong(e->failed);
+}
+
+/* add_symmetric(base, size, [every rank's base]): register a symmetric buffer */
+static PyObject *eng_add_symmetric(Engine *e, PyObject *args)
+{
+    unsigned long long base, size;
+    PyObject *peers;
+    if (!PyArg_ParseTuple(args, "KKO!", &base, &size, &PyList_Type, &peers))
+        return NULL;
+    if (PyList_GET_SIZE(peers) != e->world) {
+        PyErr_SetString(PyExc_ValueError, "add_symmetric: one base per rank");
+        return NULL;
+    }
+    if (e->nsym >= MAX_SYM) {
+        PyErr_Format(PyExc_ValueError, "add_symmetric: at most %d buffers per communicator",
+                     MAX_SYM);
+        return NULL;
+    }
+    char **p = PyMem_Calloc((size_t)e->world, sizeof(char *));
+    if (!p)
+        return PyErr_NoMemory();
+    for (int r = 0; r < e->world; r++) {
+        p[r] = (char *)(uintptr_t)PyLong_AsUnsignedLongLong(PyList_GET_ITEM(peers, r));
+        if (PyErr_Occurred()) {
+            PyMem_Free(p);
+            return NULL;
+        }
+    }
+    struct sym *sb = &e->sym[e->nsym++];
+    sb->base = (char *)(uintptr_t)base;
+    sb->size = (size_t)size;
+    sb->peers = p;
+    Py_RETURN_NONE;
 }
 
 /* set_twoshot_min(bytes): -1 = never two-shot */
@@ -1611,6 +1710,7 @@ static PyMethodDef eng_methods[] = {
     {"mapping", (PyCFunction)eng_get_mapping, METH_NOARGS, NULL},
     {"set_timeout", (PyCFunction)eng_set_timeout, METH_O, NULL},
     {"set_twoshot_min", (PyCFunction)eng_set_twoshot_min, METH_O, NULL},
+    {"add_symmetric", (PyCFunction)eng_add_symmetric, METH_VARARGS, NULL},
     {"sync", (PyCFunction)(void (*)(void))eng_sync, METH_FASTCALL, NULL},
     {"wait_line", (PyCFunction)eng_wait_line, METH_VARARGS, NULL},
     {"publish_line", (PyCFunction)eng_publish_line, METH_VARARGS, NULL},

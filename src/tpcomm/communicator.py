@@ -23,7 +23,7 @@ from .bootstrap import exchange, host_identity
 from .dist_fallback import DistPath
 from .errors import CommError
 from .ops import CODE_DTYPES, DTYPE_CODES, FLOAT_DTYPES, ReduceOp, as_reduce_op, op_name
-from .shm import protocols
+from .shm import protocols, symmetric
 from .shm.engine import (
     KIND_ALL_GATHER,
     KIND_ALL_REDUCE,
@@ -653,6 +653,33 @@ class Communicator:
         if work is not tensor:
             tensor.copy_(work)
         return tensor
+
+    def empty(self, shape: Any, dtype: torch.dtype = torch.float32) -> _Tensor:
+        """A new (uninitialised) tensor that lives in shared memory.  Collective.
+
+        Every rank calls it with the same shape and dtype.  An all_reduce of such
+        a tensor (at the same place on every rank) reads the peers' tensors where
+        they are instead of copying them in first; every other use is a normal
+        CPU tensor.  The memory stays valid as long as the tensor lives, and
+        nothing is left in the shm directory.
+        """
+        fn = "empty"
+        self._check_open(fn)
+        if isinstance(shape, int):
+            shape = (shape,)
+        if not isinstance(shape, (tuple, list, torch.Size)) or any(
+            isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in shape
+        ):
+            raise ValueError(f"{fn}: shape must be non-negative ints, got {shape!r}")
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"{fn}: dtype must be a torch.dtype, got {type(dtype).__name__}")
+        shape = tuple(int(s) for s in shape)
+        if self._engine is None:  # world size 1 or across hosts: ordinary memory
+            return torch.empty(shape, dtype=dtype)
+        key = protocols.layout_key("empty", shape, str(dtype))
+        return symmetric.allocate(
+            self._engine, fn, shape, dtype, protocols.dtype_code_any(dtype), key
+        )
 
     # -- point to point --------------------------------------------------------
 

@@ -26,7 +26,9 @@ KIND_ALL_GATHER = 3
 KIND_REDUCE_SCATTER = 4
 KIND_BROADCAST = 5
 KIND_GATHER = 6
+KIND_EMPTY = 7
 KIND_NAMES = {
+    KIND_EMPTY: "empty",
     KIND_ALL_REDUCE: "all_reduce",
     KIND_BARRIER: "barrier",
     KIND_ALL_GATHER: "all_gather",
@@ -63,6 +65,8 @@ def _describe_call(kind: int, dtype: int, op: int, count: int, arg: int | None =
     if arg is None:
         return text + ")"
     if kind == KIND_ALL_REDUCE:
+        if arg & 0xFF == 3:
+            return f"{text}, algorithm=zero-copy in buffer {(arg >> 8) & 0xFF} at {arg >> 16})"
         return f"{text}, algorithm={_ALGOS.get(arg, arg)})"
     if kind == KIND_BROADCAST:
         return f"{text}, src={arg})"
@@ -134,6 +138,7 @@ class ShmEngine:
         self.p2p_done_line = lay["p2p_done_line"]
         self.sent = [0] * world  # chunks sent to each rank
         self.recvd = [0] * world  # chunks received from each rank
+        self.symmetric: list = []  # mappings of Communicator.empty buffers, kept alive
         # the pre-bound hot path
         self.all_reduce = self._native.all_reduce
         self.barrier = self._native.barrier

@@ -47,8 +47,9 @@ def _space_message(directory: str, need: int, free: int) -> str:
     )
 
 
-def create(world: int, slot_bytes: int, group_tag: str) -> tuple[str, int]:
-    """Create a new segment file with its space reserved.
+def create(world: int, slot_bytes: int, group_tag: str, size: int | None = None) -> tuple[str, int]:
+    """Create a new segment file with its space reserved (``size`` bytes, by
+    default the layout's for ``world`` and ``slot_bytes``).
 
     Returns:
         (path, fd): the file's path and an fd open read-write on it.
@@ -57,7 +58,7 @@ def create(world: int, slot_bytes: int, group_tag: str) -> tuple[str, int]:
         CommError: the directory is missing, not writable, or too small.
     """
     directory = _env.shm_dir()
-    need = segment_size(world, slot_bytes)
+    need = segment_size(world, slot_bytes) if size is None else size
     try:
         st = os.statvfs(directory)
     except OSError as e:
@@ -91,7 +92,7 @@ def create(world: int, slot_bytes: int, group_tag: str) -> tuple[str, int]:
     return path, fd
 
 
-def open_existing(path: str, world: int, slot_bytes: int) -> int:
+def open_existing(path: str, world: int, slot_bytes: int, size: int | None = None) -> int:
     """Open a segment another rank created; check owner and size.
 
     Raises:
@@ -105,7 +106,7 @@ def open_existing(path: str, world: int, slot_bytes: int) -> int:
             f"run in different containers or hosts, they do not share {os.path.dirname(path)}."
         ) from None
     st = os.fstat(fd)
-    need = segment_size(world, slot_bytes)
+    need = segment_size(world, slot_bytes) if size is None else size
     problem = None
     if st.st_uid != os.getuid():
         problem = f"owned by uid {st.st_uid}, not {os.getuid()}"

@@ -1,0 +1,93 @@
+"""Symmetric buffers: ``Communicator.empty`` tensors that live in shared memory.
+
+Every rank calls ``empty`` with the same shape and dtype.  Each rank creates
+a file of its own (same naming, O_EXCL, 0600, space reserved), writes its name
+into its collective slot, and after one round maps every peer's file; after a
+second round (everyone mapped everything) each unlinks its own name, so, as
+with the segment, nothing is left behind.  The engine learns every rank's
+address of the buffer: an all_reduce whose tensor lies in it reads the peers'
+tensors in place instead of copying them in first (see
+``zero_copy_all_reduce`` in ``_native.c``).  The mappings live as long as the
+communicator or any tensor viewing them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import struct
+from typing import TYPE_CHECKING
+
+import torch
+
+from .. import _native
+from . import segment
+from .engine import KIND_EMPTY
+
+if TYPE_CHECKING:
+    from .engine import ShmEngine
+
+__all__ = ["allocate"]
+
+_LEN = struct.Struct("<Q")
+_PAGE = mmap.PAGESIZE
+
+
+def _map(fd: int, size: int) -> tuple[mmap.mmap, int]:
+    mm = mmap.mmap(fd, size)
+    view = torch.frombuffer(mm, dtype=torch.uint8)
+    return mm, view.data_ptr()
+
+
+def allocate(
+    eng: ShmEngine, fn: str, shape: tuple, dtype: torch.dtype, dtype_code: int, key: int
+) -> torch.Tensor:
+    """Collective: a new tensor of ``shape``/``dtype`` in a symmetric buffer."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    size = max(_PAGE, (nbytes + _PAGE - 1) // _PAGE * _PAGE)
+    path, fd = segment.create(eng.world, eng.slot_bytes, "sym", size=size)
+    try:
+        own, own_addr = _map(fd, size)
+    finally:
+        os.close(fd)
+    me = eng.rank
+    try:
+        name = path.encode()
+        p = (eng._native.round + 1) & 1
+        ctypes.memmove(eng.slot_addr(me, p), _LEN.pack(len(name)) + name, _LEN.size + len(name))
+        status = eng._native.sync(KIND_EMPTY, dtype_code, 0, numel, key)
+        if status:
+            eng.raise_status(status, fn, KIND_EMPTY, dtype_code, 0, numel, key)
+        maps, addrs = [], []
+        for r in range(eng.world):
+            if r == me:
+                maps.append(own)
+                addrs.append(own_addr)
+                continue
+            at = eng.slot_addr(r, p)
+            (n,) = _LEN.unpack(ctypes.string_at(at, _LEN.size))
+            peer_path = ctypes.string_at(at + _LEN.size, n).decode()
+            pfd = segment.open_existing(peer_path, eng.world, eng.slot_bytes, size=size)
+            try:
+                mm, addr = _map(pfd, size)
+            finally:
+                os.close(pfd)
+            maps.append(mm)
+            addrs.append(addr)
+        status = eng._native.sync(KIND_EMPTY, dtype_code, 0, numel, key)
+        if status:
+            eng.raise_status(status, fn, KIND_EMPTY, dtype_code, 0, numel, key)
+    except BaseException:
+        segment.unlink_quietly(path)
+        if eng._native is not None and not eng.failed:
+            eng._native.abort(_native.ST_PEER_DEAD)  # the others must not wait for us
+        raise
+    segment.unlink_quietly(path)
+    eng._native.add_symmetric(own_addr, size, addrs)
+    eng.symmetric.append(maps)
+    flat = torch.frombuffer(own, dtype=torch.uint8)[:nbytes]
+    return flat.view(dtype).view(shape) if nbytes else torch.empty(shape, dtype=dtype)

@@ -1,0 +1,111 @@
+"""Communicator.empty: tensors in shared memory, and the zero-copy all_reduce.
+
+Guards: results equal the torch reference and are bitwise equal across ranks; a
+zero-copy all_reduce is three rounds and copies nothing in; small ones take the
+ordinary path; a tensor at an offset inside the buffer works; ranks disagreeing
+on zero-copy get a mismatch error; the tensor outlives close(); nothing leaks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tpcomm
+
+from ._ref import DTYPES, FLOATS, digest, make, reference
+
+BIG = 300_000  # elements: above the two-shot / zero-copy threshold for every dtype
+
+
+def zero_copy_matrix(comm):
+    r, w = comm.rank, comm.world_size
+    problems, digests = [], []
+    eng = comm._engine._native
+    seed = 0
+    for dtype in DTYPES:
+        buf = comm.empty((BIG + 100,), dtype)
+        for op in tpcomm.ReduceOp:
+            if op is tpcomm.ReduceOp.AVG and dtype not in FLOATS:
+                continue
+            for n, off in ((BIG, 0), (BIG - 7, 64), (1027, 0)):
+                seed += 1
+                x = buf[off : off + n]
+                x.copy_(make(r, n, dtype, seed))
+                r0 = eng.round
+                comm.all_reduce(x, op)
+                rounds = eng.round - r0
+                if n >= BIG - 7 and rounds != 3:
+                    problems.append(f"{dtype} {op.name} n={n}: {rounds} rounds, not zero-copy")
+                ref = reference([make(q, n, dtype, seed) for q in range(w)], op)
+                if not torch.equal(x, ref):
+                    problems.append(f"{dtype} {op.name} n={n} off={off}: differs from reference")
+                digests.append(digest(x))
+    return problems, digests
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_zero_copy_all_reduce(pools, world):
+    res = pools.run(world, zero_copy_matrix)
+    problems = [p for ps, _ in res for p in ps]
+    assert not problems, problems[:10]
+    assert all(d == res[0][1] for _, d in res)
+
+
+def disagree(comm):
+    buf = comm.empty((BIG,), torch.float32)
+    x = buf if comm.rank == 0 else torch.empty(BIG)
+    x.fill_(1.0)
+    try:
+        comm.all_reduce(x)
+        return "no error"
+    except ValueError as e:
+        return str(e)
+
+
+def test_ranks_disagreeing_on_zero_copy(pools):
+    for msg in pools.run(2, disagree):
+        assert "mismatched collective" in msg and "zero-copy" in msg, msg
+
+
+def ordinary_use(comm):
+    t = comm.empty((3, 4), torch.int32)
+    t.fill_(comm.rank)
+    g = comm.all_gather(t)  # an ordinary tensor for everything else
+    c2_shape = tuple(t.shape)
+    return g.sum().item(), c2_shape, t.is_contiguous()
+
+
+def test_empty_tensors_are_ordinary_tensors(pools):
+    for total, shape, contiguous in pools.run(3, ordinary_use):
+        assert total == 12 * (0 + 1 + 2) and shape == (3, 4) and contiguous
+
+
+def bad_empty(comm):
+    out = []
+    for args, exc in (((-1,), ValueError), (("x",), ValueError), (((2,), "float"), TypeError)):
+        try:
+            comm.empty(*args)
+            out.append(f"{args}: no error")
+        except exc as e:
+            if "empty:" not in str(e):
+                out.append(str(e))
+    z = comm.empty((0, 5))
+    return out, tuple(z.shape)
+
+
+def test_empty_arguments(pools):
+    for problems, shape in pools.run(2, bad_empty):
+        assert problems == [] and shape == (0, 5)
+
+
+def close_then_read(comm):
+    t = comm.empty((1000,), torch.float32)
+    t.fill_(comm.rank + 1.0)
+    comm.all_reduce(t)
+    comm.close()
+    return float(t.sum())  # still mapped: the tensor keeps its memory alive
+
+
+def test_tensor_outlives_close():
+    assert tpcomm.launch(close_then_read, 2, timeout=60) == [3000.0, 3000.0]
