@@ -260,6 +260,11 @@ def _worker(comm, cfg: dict) -> list[dict]:
                 count = max(world, count // world * world)
             row = {"size": count * es, "count": count}
             st = coll.make(rank, world, count, dtype, op, 0)
+            zbuf = None
+            if cfg["zero_copy"]:  # all_reduce of a tensor that lives in shared memory
+                zbuf = comm.empty((count,), dtype)
+                zbuf.copy_(st["x"])
+                st["x"] = zbuf
             for _ in range(cfg["warmup"]):
                 coll.run(comm, st, op)
             iters = cfg["iters"]
@@ -273,6 +278,9 @@ def _worker(comm, cfg: dict) -> list[dict]:
                 wrong = 0
                 for salt in range(1, cfg["check"] + 1):
                     chk = coll.make(rank, world, count, dtype, op, salt)
+                    if zbuf is not None:
+                        zbuf.copy_(chk["x"])
+                        chk["x"] = zbuf
                     coll.run(comm, chk, op)
                     want = coll.expect(world, count, dtype, op, salt, rank)
                     if want is not None:
@@ -333,6 +341,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--target", type=float, default=0.3, help="seconds per size with -n 0")
     p.add_argument("--no-pin", action="store_true", help="do not pin rank r to CPU r")
+    p.add_argument(
+        "-Z",
+        "--zero-copy",
+        action="store_true",
+        help="all_reduce: tensors from comm.empty (in shared memory)",
+    )
 
 
 def run(args: argparse.Namespace, out=sys.stdout) -> int:
@@ -351,6 +365,9 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
     op = args.op.upper()
     if args.collective not in REDUCING:
         op = "SUM"  # unused: no reduction
+    if args.zero_copy and args.collective != "all_reduce":
+        print("# error: --zero-copy applies to all_reduce", file=sys.stderr)
+        return 2
     if op == "AVG" and dtype not in FLOAT_DTYPES:
         print("# error: avg needs a floating datatype", file=sys.stderr)
         return 2
@@ -365,6 +382,7 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
         "compare": args.compare,
         "target": args.target,
         "port": _free_port(),
+        "zero_copy": args.zero_copy,
     }
     coll = COLLECTIVES[args.collective]
     n = args.nranks
@@ -372,7 +390,8 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
     w(
         f"# tpcomm perf {args.collective}: nranks {n}, type {_TYPE_NAMES[dtype]}, op {args.op}, "
         f"iters {'auto' if args.iters <= 0 else args.iters}, warmup {args.warmup_iters}, "
-        f"check {args.check}, pinned {not args.no_pin}\n"
+        f"check {args.check}, pinned {not args.no_pin}"
+        f"{', zero-copy (comm.empty)' if args.zero_copy else ''}\n"
     )
     w(
         f"# host {socket.gethostname()}: {platform.processor() or platform.machine()}, "
