@@ -46,6 +46,14 @@ def in_dist_job(comm, port):
                 cw.all_reduce(c)
                 out.setdefault("sub_equal", []).append(torch.equal(a, b))
                 out.setdefault("world_ints", []).append(c.tolist())
+            # different collectives interleaved across the two communicators
+            for k in range(3):
+                g = cs.all_gather(torch.tensor([rank, k]))
+                v = torch.full((3,), float(k))
+                cw.all_reduce(v)
+                bb = torch.full((2,), float(rank))
+                cs.broadcast(bb, src=1)
+                out.setdefault("interleaved", []).append((g.tolist(), v.tolist(), bb.tolist()))
             cw.barrier()
         return out
     finally:
@@ -60,6 +68,10 @@ def test_communicator_in_torch_distributed_job():
         assert out["world_equal"]
         assert out["sub_equal"] == [True] * 3
         assert out["world_ints"] == [[6 + 4 * k] * 5 for k in range(3)]
+        base = 0 if r < 2 else 2
+        assert out["interleaved"] == [
+            ([base, k, base + 1, k], [4.0 * k] * 3, [float(base + 1)] * 2) for k in range(3)
+        ]
 
 
 def from_env(comm, port):
