@@ -76,6 +76,39 @@ def test_perf_all_reduce_table():
     assert "# Avg bus bandwidth" in r.stdout
 
 
+def test_perf_json(tmp_path):
+    import json
+
+    out = tmp_path / "r.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "tpcomm",
+        "perf",
+        "reduce_scatter",
+        "-b",
+        "1K",
+        "-e",
+        "4K",
+        "-f",
+        "4",
+        "-n",
+        "10",
+        "-w",
+        "1",
+        "-N",
+        "2",
+        "-J",
+        str(out),
+    ]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["collective"] == "reduce_scatter" and data["nranks"] == 2
+    assert [row["size"] for row in data["results"]] == [1024, 4096]
+    assert all(row["wrong"] == 0 and row["time"] > 0 for row in data["results"])
+
+
 def test_perf_rejects_bad_flags():
     r = subprocess.run(
         [sys.executable, "-m", "tpcomm", "perf", "all_reduce", "-d", "int32", "-o", "avg"],

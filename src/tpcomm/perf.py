@@ -9,6 +9,7 @@ bytes (the physical bound of any shared-memory collective).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import re
@@ -341,6 +342,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--target", type=float, default=0.3, help="seconds per size with -n 0")
     p.add_argument("--no-pin", action="store_true", help="do not pin rank r to CPU r")
+    p.add_argument("-J", "--json", metavar="FILE", help="also write the results as JSON")
+    p.add_argument(
+        "--plot", metavar="FILE.png", help="plot time and busbw vs size (needs matplotlib)"
+    )
     p.add_argument(
         "-Z",
         "--zero-copy",
@@ -412,6 +417,7 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
         results = group.run(_worker, cfg)
     wrong_total = 0
     bus = []
+    records = []
     redop = args.op if args.collective in REDUCING else "none"
     for i, row in enumerate(results[0]):
         t = max(r[i]["time"] for r in results)
@@ -431,10 +437,86 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
         m = row["memcpy"]
         line += f"  {m * 1e6:>10.2f} {row['size'] / m / 1e9:>6.1f}"
         w(line + "\n")
+        records.append(
+            {
+                "size": row["size"],
+                "count": row["count"],
+                "type": _TYPE_NAMES[dtype],
+                "redop": redop,
+                "root": coll.root,
+                "time": t * 1e6,
+                "algbw": algbw,
+                "busbw": busbw,
+                "wrong": wrong if args.check else None,
+                "gloo_time": (
+                    max(r[i]["gloo"] for r in results) * 1e6 if args.compare == "gloo" else None
+                ),
+                "memcpy_time": m * 1e6,
+            }
+        )
     w(f"# Out of bounds values : {wrong_total} {'OK' if wrong_total == 0 else 'FAILED'}\n")
     w(f"# Avg bus bandwidth    : {sum(bus) / len(bus):.3f}\n")
     w(f"# elapsed {time.monotonic() - t0:.1f}s\n")
+    meta = {
+        "collective": args.collective,
+        "nranks": n,
+        "type": _TYPE_NAMES[dtype],
+        "op": redop,
+        "zero_copy": args.zero_copy,
+        "host": socket.gethostname(),
+        "torch": torch.__version__,
+        "kernels": _native.isa(),
+    }
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {**meta, "unit": {"time": "us", "algbw": "GB/s"}, "results": records}, f, indent=1
+            )
+        w(f"# JSON written to {args.json}\n")
+    if args.plot:
+        _plot(args.plot, meta, records)
+        w(f"# plot written to {args.plot}\n")
     return 0 if wrong_total == 0 else 1
+
+
+def _plot(path: str, meta: dict, records: list[dict]) -> None:
+    """Time and bus bandwidth against size, tpcomm vs gloo vs memcpy, log axes."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("tpcomm perf --plot needs matplotlib (pip install matplotlib)") from None
+    sizes = [r["size"] for r in records]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    ax1.plot(sizes, [r["time"] for r in records], "o-", label="tpcomm")
+    if records and records[0]["gloo_time"] is not None:
+        ax1.plot(sizes, [r["gloo_time"] for r in records], "s-", label="gloo")
+    ax1.plot(sizes, [r["memcpy_time"] for r in records], "--", label="memcpy (1 thread)")
+    ax1.set(xscale="log", yscale="log", xlabel="bytes", ylabel="time per op (us)")
+    ax2.plot(sizes, [r["busbw"] for r in records], "o-", label="tpcomm busbw")
+    if records and records[0]["gloo_time"] is not None:
+        factor = [r["busbw"] / r["algbw"] if r["algbw"] else 1 for r in records]
+        ax2.plot(
+            sizes,
+            [r["size"] / (r["gloo_time"] * 1e3) * f for r, f in zip(records, factor)],
+            "s-",
+            label="gloo busbw",
+        )
+    ax2.plot(
+        sizes, [r["size"] / (r["memcpy_time"] * 1e3) for r in records], "--", label="memcpy GB/s"
+    )
+    ax2.set(xscale="log", yscale="log", xlabel="bytes", ylabel="GB/s")
+    for ax in (ax1, ax2):
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle(
+        f"tpcomm {meta['collective']}, {meta['nranks']} ranks, {meta['type']} "
+        f"({meta['host']}, torch {meta['torch']})"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> int:
