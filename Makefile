@@ -20,8 +20,8 @@ $(VENV)/.installed: pyproject.toml setup.py src/tpcomm/_native.c
 install: $(VENV)/.installed
 
 lint: install
-	$(VENV)/bin/ruff check src tests
-	$(VENV)/bin/ruff format --check src tests
+	$(VENV)/bin/ruff check src tests examples
+	$(VENV)/bin/ruff format --check src tests examples
 
 test: install lint
 	$(PY) -m pytest -q tests
@@ -32,6 +32,7 @@ bench: install build/handoff
 	@echo "# handoff bound (benchmarks/handoff.c): producer copies N bytes on CPU 0, consumer reads them on CPU 1"
 	@echo "#    bytes   round(us)  copy(us)  read(us)  read GB/s"
 	@for n in 4096 65536 262144 1048576 4194304 16777216; do build/handoff $$n; done
+	$(PY) examples/tp_decode.py --ranks 2 --layers 4 --steps 16
 
 build/handoff: benchmarks/handoff.c
 	mkdir -p build
