@@ -144,6 +144,9 @@ def rank_main(comm: tpcomm.Communicator, cfg: dict, dtype_name: str, port: int):
     _decode(Decoder(w, cfg, comm.world_size, comm.all_reduce), warm)  # warm-up
     comm.barrier()
     logits, t_tp = _decode(Decoder(w, cfg, comm.world_size, comm.all_reduce), tokens)
+    # the same compute with no communication at all (wrong logits): the floor
+    comm.barrier()
+    _, t_none = _decode(Decoder(w, cfg, comm.world_size, lambda t: t), tokens)
 
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank, world_size=comm.world_size
@@ -159,7 +162,7 @@ def rank_main(comm: tpcomm.Communicator, cfg: dict, dtype_name: str, port: int):
         logits_gloo, t_gloo = _decode(Decoder(w, cfg, comm.world_size, gloo_all_reduce), tokens)
     finally:
         dist.destroy_process_group()
-    return logits, logits_gloo, t_tp, t_gloo
+    return logits, logits_gloo, t_tp, t_gloo, t_none
 
 
 def _free_port() -> int:
@@ -201,7 +204,7 @@ def main(argv=None) -> int:
     )
     print(
         f"# {'dtype':>8} {'ms/token tpcomm':>16} {'ms/token gloo':>14} {'speedup':>8} "
-        f"{'max |logit diff| vs 1 process':>30} {'same argmax':>12}"
+        f"{'no-comm floor':>14} {'max |logit diff| vs 1 process':>30} {'same argmax':>12}"
     )
     ok = True
     for dtype_name in dtypes:
@@ -211,7 +214,7 @@ def main(argv=None) -> int:
             cfg["tokens"],
         )
         res = tpcomm.launch(rank_main, args.ranks, args=(cfg, dtype_name, _free_port()))
-        logits, logits_gloo, t_tp, t_gloo = res[0]
+        logits, logits_gloo, t_tp, t_gloo, _ = res[0]
         # every rank holds the same logits, bitwise (tpcomm's all_reduce is deterministic)
         same_ranks = all(torch.equal(r[0], logits) for r in res)
         diff = (logits - ref).abs().max().item()
@@ -220,9 +223,10 @@ def main(argv=None) -> int:
         argmax = (logits.argmax(-1) == ref.argmax(-1)).float().mean().item()
         t_tp_ms = max(r[2] for r in res) * 1e3
         t_gloo_ms = max(r[3] for r in res) * 1e3
+        t_none_ms = max(r[4] for r in res) * 1e3
         print(
             f"  {dtype_name:>8} {t_tp_ms:>16.2f} {t_gloo_ms:>14.2f} "
-            f"{t_gloo_ms / t_tp_ms:>7.1f}x {diff:>30.3g} {argmax:>11.0%}"
+            f"{t_gloo_ms / t_tp_ms:>7.1f}x {t_none_ms:>14.2f} {diff:>30.3g} {argmax:>11.0%}"
         )
         if not (same_ranks and diff <= tol):
             print(f"# FAILED: ranks identical={same_ranks}, diff {diff:.3g} > tolerance {tol:.3g}")
