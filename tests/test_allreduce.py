@@ -251,3 +251,38 @@ def test_world_16(pools):
     assert all(v is True for v in res[0] if isinstance(v, bool))
     digests = [[v for v in r if isinstance(v, str)] for r in res]
     assert all(d == digests[0] for d in digests)
+
+
+def threads_in_use(comm):
+    return comm._engine._native.threads
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_threads_per_rank(monkeypatch, world):
+    """Large copies and reductions split across 2 threads per rank: same results,
+    bitwise, as the references (one-shot, two-shot and zero-copy all cover it)."""
+    from tpcomm.launch import LocalGroup
+
+    monkeypatch.setenv("TPCOMM_THREADS", "2")
+    big = [c for c in _cases(world) if c[3] in LARGE]
+    with LocalGroup(world, timeout=30) as g:
+        assert g.run(threads_in_use) == [2] * world
+        for algo in ("oneshot", "twoshot"):
+            results = g.run(run_matrix_algo, big, algo, timeout=240)
+            problems = [p for _, ps in results for p in ps]
+            assert not problems, (algo, problems[:10])
+            assert all(res[0] == results[0][0] for res in results)
+        from .test_zero_copy import zero_copy_matrix
+
+        zc = g.run(zero_copy_matrix, timeout=240)
+        assert not [p for ps, _ in zc for p in ps]
+        assert all(d == zc[0][1] for _, d in zc)
+
+
+def run_matrix_algo(comm, cases, algo):
+    eng = comm._engine._native
+    eng.set_twoshot_min(-1 if algo == "oneshot" else 0)
+    try:
+        return run_matrix(comm, cases)
+    finally:
+        eng.set_twoshot_min(comm._engine.twoshot_min)

@@ -117,6 +117,34 @@ def twoshot_min_bytes(world: int) -> int:
     return TWOSHOT_MIN_BYTES[key]
 
 
+def threads(world: int) -> int:
+    """TPCOMM_THREADS: threads per rank for large copies and reductions.
+
+    Default (auto): a rank pinned to a subset of the CPUs uses them (at most
+    torch.get_num_threads()); an unpinned rank takes its share of the host,
+    CPUs // ranks.  Never more threads than CPUs, so never oversubscribed.
+    """
+    raw = os.environ.get("TPCOMM_THREADS") or "auto"
+    if raw != "auto":
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ValueError(f"TPCOMM_THREADS={raw!r}: expected a positive int or auto") from None
+        if value < 1:
+            raise ValueError(f"TPCOMM_THREADS={raw!r}: expected a positive int or auto")
+        return value
+    import torch
+
+    total = os.cpu_count() or 1
+    try:
+        mine = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        mine = total
+    if mine < total:
+        return max(1, min(mine, torch.get_num_threads()))
+    return max(1, total // max(world, 1))
+
+
 def host_id_override() -> str | None:
     """TPCOMM_HOST_ID: pretend to be on this host (tests of multi-host paths)."""
     return os.environ.get("TPCOMM_HOST_ID") or None

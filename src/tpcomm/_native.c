@@ -51,6 +51,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -557,6 +558,164 @@ static void do_reduce(int dtype, int op, void *dst, void *const *srcs, int w, si
     reducers[dtype](dst, srcs, w, n, op);
 }
 
+/* ------------------------------------------------------------------------ */
+/* helper threads: a rank's large copies and reductions split across cores   */
+/* ------------------------------------------------------------------------ */
+
+/*
+ * A rank with cores to spare (TPCOMM_THREADS, by default the CPUs it may use
+ * divided by the ranks on the host) splits every copy and reduction of at
+ * least PAR_MIN bytes into 64-element slices, one per thread.  The slices are
+ * elementwise, so results are bitwise the same for any thread count, and the
+ * other ranks need not use the same count.  Helpers wait on a private futex.
+ */
+#define PAR_MIN (256u * 1024u)
+
+typedef struct {
+    int nhelp;
+    pthread_t *th;
+    _Atomic uint32_t gen; /* bumped for every job (futex word) */
+    _Atomic uint32_t done;
+    int stop;
+    int kind; /* 0 copy, 1 reduce */
+    char *dst;
+    const char *src;
+    void *const *srcs;
+    int w, dtype, op;
+    size_t n, es;
+} pool_t;
+
+typedef struct {
+    pool_t *pool;
+    int index;
+} helper_arg;
+
+static void job_slice(pool_t *P, int part, int parts)
+{
+    size_t per = ((P->n + (size_t)parts - 1) / (size_t)parts + 63) & ~(size_t)63;
+    size_t lo = (size_t)part * per, hi = lo + per;
+    if (lo >= P->n)
+        return;
+    if (hi > P->n)
+        hi = P->n;
+    if (P->kind == 0) {
+        copy_in(P->dst + lo, P->src + lo, hi - lo);
+        return;
+    }
+    void *s[P->w];
+    for (int r = 0; r < P->w; r++)
+        s[r] = (char *)P->srcs[r] + lo * P->es;
+    do_reduce(P->dtype, P->op, P->dst + lo * P->es, s, P->w, hi - lo);
+}
+
+static void *helper_main(void *arg)
+{
+    helper_arg *a = arg;
+    pool_t *P = a->pool;
+    int index = a->index;
+    free(a);
+    uint32_t seen = 0;
+    for (;;) {
+        uint32_t g;
+        int spins = 0;
+        while ((g = atomic_load_explicit(&P->gen, memory_order_acquire)) == seen) {
+            if (++spins < 4096) {
+                cpu_relax();
+            } else {
+                struct timespec to = {0, 10000000};
+                syscall(SYS_futex, (uint32_t *)&P->gen, FUTEX_WAIT_PRIVATE, seen, &to, NULL, 0);
+            }
+        }
+        seen = g;
+        if (P->stop)
+            return NULL;
+        job_slice(P, index, P->nhelp + 1);
+        atomic_fetch_add_explicit(&P->done, 1, memory_order_release);
+    }
+}
+
+static void pool_run(pool_t *P)
+{
+    atomic_store_explicit(&P->done, 0, memory_order_relaxed);
+    atomic_fetch_add_explicit(&P->gen, 1, memory_order_release);
+    syscall(SYS_futex, (uint32_t *)&P->gen, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+    job_slice(P, 0, P->nhelp + 1);
+    while (atomic_load_explicit(&P->done, memory_order_acquire) < (uint32_t)P->nhelp)
+        cpu_relax();
+}
+
+static void pool_free(pool_t *P)
+{
+    if (!P)
+        return;
+    P->stop = 1;
+    atomic_fetch_add_explicit(&P->gen, 1, memory_order_release);
+    syscall(SYS_futex, (uint32_t *)&P->gen, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+    for (int i = 0; i < P->nhelp; i++)
+        pthread_join(P->th[i], NULL);
+    free(P->th);
+    free(P);
+}
+
+static pool_t *pool_new(int nthreads)
+{
+    pool_t *P = calloc(1, sizeof *P);
+    if (!P)
+        return NULL;
+    P->th = calloc((size_t)nthreads, sizeof(pthread_t));
+    if (!P->th) {
+        free(P);
+        return NULL;
+    }
+    for (int i = 0; i < nthreads - 1; i++) {
+        helper_arg *a = malloc(sizeof *a);
+        if (!a) {
+            pool_free(P);
+            return NULL;
+        }
+        a->pool = P;
+        a->index = i + 1;
+        if (pthread_create(&P->th[i], NULL, helper_main, a) != 0) {
+            free(a);
+            pool_free(P); /* joins the ones started */
+            return NULL;
+        }
+        P->nhelp = i + 1;
+    }
+    return P;
+}
+
+static void par_copy(pool_t *P, char *dst, const char *src, size_t n)
+{
+    if (!P || n < PAR_MIN) {
+        copy_in(dst, src, n);
+        return;
+    }
+    P->kind = 0;
+    P->dst = dst;
+    P->src = src;
+    P->n = n;
+    pool_run(P);
+}
+
+static void par_reduce(pool_t *P, int dtype, int op, void *dst, void *const *srcs, int w,
+                       size_t n)
+{
+    if (!P || n * dt_size[dtype] < PAR_MIN) {
+        do_reduce(dtype, op, dst, srcs, w, n);
+        return;
+    }
+    P->kind = 1;
+    P->dst = dst;
+    P->srcs = srcs;
+    P->w = w;
+    P->dtype = dtype;
+    P->op = op;
+    P->es = dt_size[dtype];
+    P->n = n;
+    pool_run(P);
+}
+
 /*
  * Mapping owns the mmap of a segment: it unmaps in its destructor.  The
  * engine holds one reference, and torch.frombuffer(mapping) tensors hold
@@ -628,6 +787,7 @@ typedef struct {
     uint64_t twoshot_min; /* all-reduces of at least this many bytes go two-shot */
     /* symmetric buffers (Communicator.empty): this rank's range and every
      * rank's base address of the same buffer, as mapped here */
+    pool_t *pool; /* helper threads, NULL with one thread */
     int nsym;
     struct sym {
         char *base;
@@ -876,22 +1036,22 @@ static int twoshot_chunk(Engine *e, char *src, size_t m, int dtype, int op, uint
     const size_t lo = SHARD_LO(me), hi = SHARD_LO(me + 1);
     int p = (int)((e->round + 1) & 1);
     char *in = slot_of(e, me, p);
-    copy_in(in, src, lo * es);
-    copy_in(in + hi * es, src + hi * es, (m - hi) * es);
+    par_copy(e->pool, in, src, lo * es);
+    par_copy(e->pool, in + hi * es, src + hi * es, (m - hi) * es);
     int st = round_sync(e, kind, (uint32_t)dtype, (uint32_t)op, count, 2, ts);
     if (st != ST_OK)
         return st;
     for (int r = 0; r < w; r++)
         e->srcs[r] = r == me ? (void *)(src + lo * es) : (void *)(slot_of(e, r, p) + lo * es);
-    do_reduce(dtype, op, src + lo * es, e->srcs, w, hi - lo);
-    memcpy(slot_of(e, me, 1 - p) + lo * es, src + lo * es, (hi - lo) * es);
+    par_reduce(e->pool, dtype, op, src + lo * es, e->srcs, w, hi - lo);
+    par_copy(e->pool, slot_of(e, me, 1 - p) + lo * es, src + lo * es, (hi - lo) * es);
     st = round_sync(e, kind, (uint32_t)dtype, (uint32_t)op, count, 2, ts);
     if (st != ST_OK)
         return st;
     for (int i = 1; i < w; i++) {
         int j = (me + i) % w;
         size_t jlo = SHARD_LO(j), jhi = SHARD_LO(j + 1);
-        memcpy(src + jlo * es, slot_of(e, j, 1 - p) + jlo * es, (jhi - jlo) * es);
+        par_copy(e->pool, src + jlo * es, slot_of(e, j, 1 - p) + jlo * es, (jhi - jlo) * es);
     }
 #undef SHARD_LO
     return ST_OK;
@@ -923,14 +1083,15 @@ static int zero_copy_all_reduce(Engine *e, struct sym *sb, size_t off, size_t co
     const size_t lo = ZC_LO(me), hi = ZC_LO(me + 1);
     for (int r = 0; r < w; r++)
         e->srcs[r] = sb->peers[r] + off + lo * es;
-    do_reduce(dtype, op, sb->base + off + lo * es, e->srcs, w, hi - lo);
+    par_reduce(e->pool, dtype, op, sb->base + off + lo * es, e->srcs, w, hi - lo);
     st = round_sync(e, kind, (uint32_t)dtype, (uint32_t)op, count, arg, ts);
     if (st != ST_OK)
         return st;
     for (int i = 1; i < w; i++) {
         int j = (me + i) % w;
         size_t jlo = ZC_LO(j), jhi = ZC_LO(j + 1);
-        memcpy(sb->base + off + jlo * es, sb->peers[j] + off + jlo * es, (jhi - jlo) * es);
+        par_copy(e->pool, sb->base + off + jlo * es, sb->peers[j] + off + jlo * es,
+                 (jhi - jlo) * es);
     }
 #undef ZC_LO
     return round_sync(e, kind, (uint32_t)dtype, (uint32_t)op, count, arg, ts);
@@ -975,12 +1136,12 @@ static int run_all_reduce(Engine *e, char *t, size_t count, int dtype, int op, u
             st = twoshot_chunk(e, src, m, dtype, op, kind, (uint64_t)count, &ts);
         } else {
             int p = (int)((e->round + 1) & 1);
-            copy_in(slot_of(e, e->rank, p), src, m * es);
+            par_copy(e->pool, slot_of(e, e->rank, p), src, m * es);
             st = round_sync(e, kind, (uint32_t)dtype, (uint32_t)op, (uint64_t)count, 1, &ts);
             if (st == ST_OK) {
                 for (int r = 0; r < e->world; r++)
                     e->srcs[r] = r == e->rank ? (void *)src : (void *)slot_of(e, r, p);
-                do_reduce(dtype, op, src, e->srcs, e->world, m);
+                par_reduce(e->pool, dtype, op, src, e->srcs, e->world, m);
             }
         }
         if (st != ST_OK)
@@ -1448,6 +1609,8 @@ static PyObject *eng_abort(Engine *e, PyObject *arg)
 
 static void eng_unmap(Engine *e)
 {
+    pool_free(e->pool);
+    e->pool = NULL;
     e->base = NULL;
     Py_CLEAR(e->mapping); /* unmaps once no tensor views it */
     if (e->fd >= 0) {
@@ -1673,6 +1836,33 @@ static PyObject *eng_add_symmetric(Engine *e, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* set_threads(n): copies and reductions of large chunks use n threads */
+static PyObject *eng_set_threads(Engine *e, PyObject *arg)
+{
+    long n = PyLong_AsLong(arg);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    if (n < 1 || n > 256) {
+        PyErr_Format(PyExc_ValueError, "set_threads: %ld threads, expected 1..256", n);
+        return NULL;
+    }
+    if (e->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "set_threads: a collective is running");
+        return NULL;
+    }
+    pool_free(e->pool);
+    e->pool = NULL;
+    if (n > 1 && !(e->pool = pool_new((int)n)))
+        return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *eng_get_threads(Engine *e, void *c)
+{
+    (void)c;
+    return PyLong_FromLong(e->pool ? e->pool->nhelp + 1 : 1);
+}
+
 /* set_twoshot_min(bytes): -1 = never two-shot */
 static PyObject *eng_set_twoshot_min(Engine *e, PyObject *arg)
 {
@@ -1711,6 +1901,7 @@ static PyMethodDef eng_methods[] = {
     {"set_timeout", (PyCFunction)eng_set_timeout, METH_O, NULL},
     {"set_twoshot_min", (PyCFunction)eng_set_twoshot_min, METH_O, NULL},
     {"add_symmetric", (PyCFunction)eng_add_symmetric, METH_VARARGS, NULL},
+    {"set_threads", (PyCFunction)eng_set_threads, METH_O, NULL},
     {"sync", (PyCFunction)(void (*)(void))eng_sync, METH_FASTCALL, NULL},
     {"wait_line", (PyCFunction)eng_wait_line, METH_VARARGS, NULL},
     {"publish_line", (PyCFunction)eng_publish_line, METH_VARARGS, NULL},
@@ -1721,6 +1912,7 @@ static PyMethodDef eng_methods[] = {
 
 static PyGetSetDef eng_getset[] = {
     {"round", (getter)eng_get_round, NULL, NULL, NULL},
+    {"threads", (getter)eng_get_threads, NULL, NULL, NULL},
     {"failed", (getter)eng_get_failed, NULL, NULL, NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };

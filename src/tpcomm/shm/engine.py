@@ -154,6 +154,7 @@ class ShmEngine:
         self._validate(slot_bytes, size)
         self.twoshot_min = _env.twoshot_min_bytes(world)
         self._native.set_twoshot_min(self.twoshot_min)
+        self._native.set_threads(_env.threads(world))
 
     def _validate(self, slot_bytes: int, size: int) -> None:
         h = self._native.header()
