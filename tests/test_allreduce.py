@@ -286,3 +286,16 @@ def run_matrix_algo(comm, cases, algo):
         return run_matrix(comm, cases)
     finally:
         eng.set_twoshot_min(comm._engine.twoshot_min)
+
+
+def test_non_temporal_copy_in(monkeypatch):
+    """TPCOMM_NT_MIN_BYTES=0: every copy into the segment uses streaming stores
+    (with its sfence and byte tail); results stay exact."""
+    from tpcomm.launch import LocalGroup
+
+    monkeypatch.setenv("TPCOMM_NT_MIN_BYTES", "0")
+    cases = [c for c in _cases(2) if c[2] is tpcomm.ReduceOp.SUM]
+    with LocalGroup(2, timeout=30) as g:
+        results = g.run(run_matrix, cases, timeout=240)
+    assert not [p for _, ps in results for p in ps]
+    assert results[0][0] == results[1][0]

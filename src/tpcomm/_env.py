@@ -50,6 +50,19 @@ def _float(name: str, default: float) -> float:
     return value
 
 
+def _int(name: str, default: int, minimum: int, hint: str = "") -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        raise ValueError(f"{name}={raw!r}: expected an int >= {minimum}{hint}")
+    return value
+
+
 def timeout() -> float:
     """TPCOMM_TIMEOUT, seconds (default 300)."""
     value = _float("TPCOMM_TIMEOUT", DEFAULT_TIMEOUT_S)
@@ -83,13 +96,7 @@ def yield_us() -> float:
 
 def nt_min_bytes() -> int:
     """TPCOMM_NT_MIN_BYTES (default -1: never)."""
-    raw = os.environ.get("TPCOMM_NT_MIN_BYTES")
-    if raw is None or raw == "":
-        return DEFAULT_NT_MIN_BYTES
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"TPCOMM_NT_MIN_BYTES={raw!r} is not an integer") from None
+    return _int("TPCOMM_NT_MIN_BYTES", DEFAULT_NT_MIN_BYTES, -1, " (-1: never)")
 
 
 def allreduce_algo() -> str:
@@ -124,15 +131,8 @@ def threads(world: int) -> int:
     torch.get_num_threads()); an unpinned rank takes its share of the host,
     CPUs // ranks.  Never more threads than CPUs, so never oversubscribed.
     """
-    raw = os.environ.get("TPCOMM_THREADS") or "auto"
-    if raw != "auto":
-        try:
-            value = int(raw)
-        except ValueError:
-            raise ValueError(f"TPCOMM_THREADS={raw!r}: expected a positive int or auto") from None
-        if value < 1:
-            raise ValueError(f"TPCOMM_THREADS={raw!r}: expected a positive int or auto")
-        return value
+    if os.environ.get("TPCOMM_THREADS", "auto") != "auto":
+        return _int("TPCOMM_THREADS", 1, 1, " or auto")
     import torch
 
     total = os.cpu_count() or 1

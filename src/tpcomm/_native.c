@@ -297,8 +297,9 @@ KERNEL static void sum2_bf16(uint16_t *d, const uint16_t *a, const uint16_t *b, 
  * stores: the lines go to memory/L3 instead of this core's L2, so the peers
  * read them without snooping a modified line out of another core, and the
  * stores need no read-for-ownership of lines the peers still hold shared.
- * The slot is page aligned; the source may be anything.  The caller fences
- * (sfence) before it publishes.
+ * The slot is page aligned; the source may be anything.  AVX-512 machines
+ * only (elsewhere it is a plain memcpy).  Measured slower on the development
+ * machine, so off by default (docs/PERFORMANCE.md).
  */
 #if defined(__x86_64__)
 __attribute__((target("avx512f"))) static void copy_nt_avx512(char *dst, const char *src, size_t n)
@@ -320,29 +321,12 @@ __attribute__((target("avx512f"))) static void copy_nt_avx512(char *dst, const c
         memcpy(dst + i, src + i, n - i);
 }
 
-__attribute__((target("avx2"))) static void copy_nt_avx2(char *dst, const char *src, size_t n)
-{
-    size_t i = 0;
-    for (; i + 128 <= n; i += 128) {
-        __m256i a = _mm256_loadu_si256((const __m256i *)(src + i));
-        __m256i b = _mm256_loadu_si256((const __m256i *)(src + i + 32));
-        __m256i c = _mm256_loadu_si256((const __m256i *)(src + i + 64));
-        __m256i d = _mm256_loadu_si256((const __m256i *)(src + i + 96));
-        _mm256_stream_si256((__m256i *)(dst + i), a);
-        _mm256_stream_si256((__m256i *)(dst + i + 32), b);
-        _mm256_stream_si256((__m256i *)(dst + i + 64), c);
-        _mm256_stream_si256((__m256i *)(dst + i + 96), d);
-    }
-    if (i < n)
-        memcpy(dst + i, src + i, n - i);
-}
-
 static int nt_level(void)
 {
     static int level = -1;
     if (level < 0) {
         __builtin_cpu_init();
-        level = __builtin_cpu_supports("avx512f") ? 2 : __builtin_cpu_supports("avx2") ? 1 : 0;
+        level = __builtin_cpu_supports("avx512f") ? 2 : 0;
     }
     return level;
 }
@@ -357,11 +341,6 @@ static void copy_in(char *dst, const char *src, size_t n)
         int lv = nt_level();
         if (lv == 2) {
             copy_nt_avx512(dst, src, n);
-            _mm_sfence();
-            return;
-        }
-        if (lv == 1) {
-            copy_nt_avx2(dst, src, n);
             _mm_sfence();
             return;
         }
