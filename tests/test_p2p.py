@@ -185,3 +185,28 @@ def test_dead_peer_during_p2p_and_rooted_collectives(tmp_path, where):
         rank, t = json.loads((tmp_path / f"rank{r}").read_text())
         assert rank == 0
         assert t - killed < 2.0
+
+
+def recv_into(comm):
+    if comm.rank == 0:
+        comm.send([torch.arange(6).reshape(2, 3), torch.tensor(1.5)], dst=1)
+        comm.send([torch.ones(4)], dst=1)
+        comm.send([torch.ones(2)], dst=1)
+        return None
+    a, b = torch.empty(2, 3, dtype=torch.int64), torch.empty((), dtype=torch.float32)
+    got = comm.recv(0, out=[a, b])
+    same = got[0] is a and got[1] is b and a.tolist() == [[0, 1, 2], [3, 4, 5]] and b == 1.5
+    try:
+        comm.recv(0, out=[torch.empty(5)])  # wrong shape: received, then an error
+        err = "no error"
+    except ValueError as e:
+        err = str(e)
+    nxt = comm.recv(0)[0].tolist()  # the channel is still in step
+    return same, err, nxt
+
+
+def test_recv_into_buffers(pools):
+    same, err, nxt = pools.run(2, recv_into)[1]
+    assert same
+    assert "recv: rank 0 sent" in err and "out=" in err
+    assert nxt == [1.0, 1.0]

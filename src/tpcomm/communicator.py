@@ -705,12 +705,22 @@ class Communicator:
         dst = self._check_rank(fn, "dst", dst, allow_self=False)
         self._send(fn, dst, tensors, None)
 
-    def recv(self, src: int) -> list[_Tensor]:
-        """Receive the next list of tensors rank ``src`` sent to this rank."""
+    def recv(self, src: int, out: Optional[Sequence[_Tensor]] = None) -> list[_Tensor]:
+        """Receive the next list of tensors rank ``src`` sent to this rank.
+
+        Args:
+            src: the sending rank.
+            out: optional contiguous tensors of the message's dtypes and shapes to
+                receive into (saves allocating, and first-touching, new memory).
+                A message that does not match is received and then raises
+                ``ValueError``.
+        """
         fn = "recv"
         self._check_open(fn)
         src = self._check_rank(fn, "src", src, allow_self=False)
-        return self._recv(fn, src)[0]
+        if out is not None:
+            out = self._check_list(fn, out)
+        return self._recv(fn, src, out)[0]
 
     def send_tensor_dict(self, data: dict, dst: int) -> None:
         """Send a dict whose values are tensors or any picklable Python values."""
@@ -748,10 +758,15 @@ class Communicator:
         else:
             protocols.send(self._engine, fn, dst, tensors, extra)
 
-    def _recv(self, fn: str, src: int) -> tuple[list, Any]:
+    def _recv(self, fn: str, src: int, out: Optional[list] = None) -> tuple[list, Any]:
         if self._all_dist:
-            return self._via_dist(fn, None, lambda p: p.recv(src), None)
-        return protocols.recv(self._engine, fn, src)
+            got = self._via_dist(fn, None, lambda p: p.recv(src), None)
+            if out is not None:
+                for o, t in zip(out, got[0]):
+                    o.copy_(t)
+                return list(out), got[1]
+            return got
+        return protocols.recv(self._engine, fn, src, out)
 
     def barrier(self) -> None:
         """Return once every rank has called barrier()."""

@@ -104,11 +104,12 @@ def _sendrecv(comm, st):
     # channel's two slots wait for their receiver, so all sending first would
     # wait for each other (docs/COLLECTIVES.md).
     n, r = comm.world_size, comm.rank
+    # Both sides receive into a buffer they reuse, as gloo's recv does.
     if r == 0:
         comm.send([st["x"]], 1 % n)
-        st["y"] = comm.recv(n - 1)[0]
+        comm.recv(n - 1, out=[st["y"]])
     else:
-        st["y"] = comm.recv(r - 1)[0]
+        comm.recv(r - 1, out=[st["y"]])
         comm.send([st["x"]], (r + 1) % n)
 
 

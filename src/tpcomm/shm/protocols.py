@@ -209,8 +209,16 @@ def send(eng: ShmEngine, fn: str, dst: int, tensors: Sequence[torch.Tensor], ext
     eng.sent[dst] = k
 
 
-def recv(eng: ShmEngine, fn: str, src: int) -> tuple[list[torch.Tensor], Any]:
-    """Receive the next message from ``src``: (tensors, extra)."""
+def recv(
+    eng: ShmEngine, fn: str, src: int, out: Sequence[torch.Tensor] | None = None
+) -> tuple[list[torch.Tensor], Any]:
+    """Receive the next message from ``src``: (tensors, extra).
+
+    With ``out`` (contiguous tensors matching the message), the data lands in
+    them instead of new tensors.  A message that does not match is still
+    received whole (into new tensors, so the channel stays in step) and then
+    raises ValueError.
+    """
     me, cap = eng.rank, eng.p2p_bytes
     copy = _native.copy
     sent_line = eng.p2p_sent_line + me
@@ -234,9 +242,24 @@ def recv(eng: ShmEngine, fn: str, src: int) -> tuple[list[torch.Tensor], Any]:
     extra = None
     parsed = False
 
+    problem = None
+
     def parse() -> None:
-        nonlocal tensors, extra, parsed
+        nonlocal tensors, extra, parsed, problem
         specs, extra = pickle.loads(header.raw)
+        if out is not None:
+            have = [(str(t.dtype).rsplit(".", 1)[-1], tuple(t.shape)) for t in out]
+            if have == [(n, tuple(s)) for n, s in specs] and all(t.is_contiguous() for t in out):
+                tensors = list(out)
+                dests.extend(
+                    (t.data_ptr(), t.numel() * t.element_size()) for t in tensors if t.numel()
+                )
+                parsed = True
+                return
+            problem = (
+                f"{fn}: rank {src} sent {[(n, tuple(s)) for n, s in specs]} but out= "
+                f"holds {have} (or a non-contiguous tensor)"
+            )
         tensors = [torch.empty(shape, dtype=getattr(torch, name)) for name, shape in specs]
         dests.extend((t.data_ptr(), t.numel() * t.element_size()) for t in tensors if t.numel())
         parsed = True
@@ -267,6 +290,8 @@ def recv(eng: ShmEngine, fn: str, src: int) -> tuple[list[torch.Tensor], Any]:
     if not parsed:
         parse()
     eng.recvd[src] = k
+    if problem:
+        raise ValueError(problem)
     return tensors, extra
 
 
