@@ -767,6 +767,12 @@ typedef struct {
     /* symmetric buffers (Communicator.empty): this rank's range and every
      * rank's base address of the same buffer, as mapped here */
     pool_t *pool; /* helper threads, NULL with one thread */
+    /* point to point: chunks sent to / received from each rank, and the
+     * receive in progress (between p2p_recv_head and p2p_recv_body) */
+    uint64_t *p2p_sent, *p2p_recvd;
+    uint64_t rx_k, rx_pos, rx_total;
+    size_t rx_used, rx_limit;
+    int rx_src;
     int nsym;
     struct sym {
         char *base;
@@ -1451,6 +1457,222 @@ static PyObject *eng_layout(Engine *e, PyObject *unused)
                          P2P_DONE_LINE(e->world, 0));
 }
 
+/*
+ * Point to point.  The channel s -> d: slots p2p_slot_of(s, d, k & 1), the
+ * sender's line P2P_SENT_LINE(d) counts chunks sent, the receiver's line
+ * P2P_DONE_LINE(w, s) counts chunks consumed.  Chunk k may be written once
+ * chunk k - 2 is consumed.  The byte stream of a message is
+ * [header length, data length] (16 bytes) + header + data (see protocols.py).
+ */
+typedef struct {
+    char **addr;
+    size_t *len;
+    Py_ssize_t n;
+} pieces_t;
+
+static int parse_pieces(PyObject *list, pieces_t *pc)
+{
+    if (!PyList_Check(list)) {
+        PyErr_SetString(PyExc_TypeError, "pieces must be a list of (address, nbytes)");
+        return -1;
+    }
+    pc->n = PyList_GET_SIZE(list);
+    pc->addr = PyMem_Calloc((size_t)pc->n + 1, sizeof(char *));
+    pc->len = PyMem_Calloc((size_t)pc->n + 1, sizeof(size_t));
+    if (!pc->addr || !pc->len) {
+        PyMem_Free(pc->addr);
+        PyMem_Free(pc->len);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < pc->n; i++) {
+        unsigned long long a, l;
+        if (!PyArg_ParseTuple(PyList_GET_ITEM(list, i), "KK", &a, &l)) {
+            PyMem_Free(pc->addr);
+            PyMem_Free(pc->len);
+            return -1;
+        }
+        pc->addr[i] = (char *)(uintptr_t)a;
+        pc->len[i] = (size_t)l;
+    }
+    return 0;
+}
+
+/* p2p_send(dst, [(address, nbytes), ...]) -> status: stream the pieces */
+static PyObject *eng_p2p_send(Engine *e, PyObject *args)
+{
+    int dst;
+    PyObject *list;
+    pieces_t pc;
+    if (!PyArg_ParseTuple(args, "iO", &dst, &list))
+        return NULL;
+    if (!e->base)
+        return eng_closed_error();
+    if (dst < 0 || dst >= e->world || dst == e->rank) {
+        PyErr_Format(PyExc_ValueError, "p2p_send: bad destination %d", dst);
+        return NULL;
+    }
+    if (e->failed || take_abort(e))
+        return PyLong_FromLong(ST_ABORTED);
+    if (parse_pieces(list, &pc) < 0)
+        return NULL;
+    size_t total = 0;
+    for (Py_ssize_t i = 0; i < pc.n; i++)
+        total += pc.len[i];
+    const int me = e->rank;
+    const size_t cap = e->p2p_bytes;
+    line_t *done = ctrl_line(e, dst, P2P_DONE_LINE(e->world, me));
+    line_t *sent = ctrl_line(e, me, P2P_SENT_LINE(dst));
+    PyThreadState *ts = total >= GIL_RELEASE_BYTES ? PyEval_SaveThread() : NULL;
+    uint64_t k = e->p2p_sent[dst];
+    size_t pos = 0, off = 0;
+    Py_ssize_t piece = 0;
+    int st = ST_OK;
+    for (;;) {
+        k++;
+        if (k > 2 && (st = wait_seq(e, &done->seq, k - 2, dst, &ts)) != ST_OK)
+            break;
+        char *slot = p2p_slot_of(e, me, dst, (int)(k & 1));
+        size_t fill = 0;
+        while (fill < cap && piece < pc.n) {
+            size_t n = pc.len[piece] - off < cap - fill ? pc.len[piece] - off : cap - fill;
+            memcpy(slot + fill, pc.addr[piece] + off, n);
+            fill += n;
+            off += n;
+            if (off == pc.len[piece]) {
+                piece++;
+                off = 0;
+            }
+        }
+        publish(e, sent, k);
+        pos += fill;
+        if (pos >= total)
+            break;
+    }
+    if (st == ST_OK)
+        e->p2p_sent[dst] = k;
+    if (ts)
+        PyEval_RestoreThread(ts);
+    PyMem_Free(pc.addr);
+    PyMem_Free(pc.len);
+    return PyLong_FromLong(st);
+}
+
+/* the next chunk of the receive in progress is consumed: say so, wait for the
+ * following one */
+static int rx_next(Engine *e, PyThreadState **ts)
+{
+    publish(e, ctrl_line(e, e->rank, P2P_DONE_LINE(e->world, e->rx_src)), e->rx_k);
+    e->rx_pos += e->rx_limit;
+    if (e->rx_pos >= e->rx_total)
+        return ST_OK;
+    e->rx_k++;
+    int st = wait_seq(e, &ctrl_line(e, e->rx_src, P2P_SENT_LINE(e->rank))->seq, e->rx_k,
+                      e->rx_src, ts);
+    e->rx_used = 0;
+    e->rx_limit = e->rx_total - e->rx_pos < e->p2p_bytes ? e->rx_total - e->rx_pos : e->p2p_bytes;
+    return st;
+}
+
+/* copy n bytes of the stream into dst, crossing chunks as needed */
+static int rx_copy(Engine *e, char *dst, size_t n, PyThreadState **ts)
+{
+    while (n) {
+        if (e->rx_used == e->rx_limit) {
+            int st = rx_next(e, ts);
+            if (st != ST_OK)
+                return st;
+        }
+        char *slot = p2p_slot_of(e, e->rx_src, e->rank, (int)(e->rx_k & 1));
+        size_t m = e->rx_limit - e->rx_used < n ? e->rx_limit - e->rx_used : n;
+        memcpy(dst, slot + e->rx_used, m);
+        e->rx_used += m;
+        dst += m;
+        n -= m;
+    }
+    return ST_OK;
+}
+
+/* p2p_recv_head(src) -> (status, header bytes): the next message's header */
+static PyObject *eng_p2p_recv_head(Engine *e, PyObject *arg)
+{
+    long src = PyLong_AsLong(arg);
+    if (src == -1 && PyErr_Occurred())
+        return NULL;
+    if (!e->base)
+        return eng_closed_error();
+    if (src < 0 || src >= e->world || src == e->rank) {
+        PyErr_Format(PyExc_ValueError, "p2p_recv_head: bad source %ld", src);
+        return NULL;
+    }
+    if (e->failed || take_abort(e))
+        return Py_BuildValue("(iy#)", ST_ABORTED, "", (Py_ssize_t)0);
+    PyThreadState *ts = NULL;
+    e->rx_src = (int)src;
+    e->rx_k = e->p2p_recvd[src] + 1;
+    int st = wait_seq(e, &ctrl_line(e, (int)src, P2P_SENT_LINE(e->rank))->seq, e->rx_k,
+                      (int)src, &ts);
+    if (ts) {
+        PyEval_RestoreThread(ts);
+        ts = NULL;
+    }
+    if (st != ST_OK)
+        return Py_BuildValue("(iy#)", st, "", (Py_ssize_t)0);
+    uint64_t lens[2];
+    memcpy(lens, p2p_slot_of(e, (int)src, e->rank, (int)(e->rx_k & 1)), sizeof lens);
+    e->rx_total = 16 + lens[0] + lens[1];
+    e->rx_pos = 0;
+    e->rx_used = 16;
+    e->rx_limit = e->rx_total < e->p2p_bytes ? e->rx_total : e->p2p_bytes;
+    PyObject *hdr = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)lens[0]);
+    if (!hdr)
+        return NULL;
+    st = rx_copy(e, PyBytes_AS_STRING(hdr), (size_t)lens[0], &ts);
+    if (ts)
+        PyEval_RestoreThread(ts);
+    PyObject *res = Py_BuildValue("(iN)", st, hdr);
+    return res;
+}
+
+/* p2p_recv_body([(address, nbytes), ...]) -> status: the rest of the message */
+static PyObject *eng_p2p_recv_body(Engine *e, PyObject *list)
+{
+    pieces_t pc;
+    if (!e->base)
+        return eng_closed_error();
+    if (e->rx_src < 0) {
+        PyErr_SetString(PyExc_RuntimeError, "p2p_recv_body without p2p_recv_head");
+        return NULL;
+    }
+    if (parse_pieces(list, &pc) < 0)
+        return NULL;
+    size_t total = 0;
+    for (Py_ssize_t i = 0; i < pc.n; i++)
+        total += pc.len[i];
+    int st = ST_OK;
+    if (e->rx_pos + e->rx_used + total != e->rx_total) {
+        PyErr_Format(PyExc_ValueError, "p2p_recv_body: %zu bytes expected, %zu given",
+                     (size_t)(e->rx_total - e->rx_pos - e->rx_used), total);
+        PyMem_Free(pc.addr);
+        PyMem_Free(pc.len);
+        return NULL;
+    }
+    PyThreadState *ts = total >= GIL_RELEASE_BYTES ? PyEval_SaveThread() : NULL;
+    for (Py_ssize_t i = 0; i < pc.n && st == ST_OK; i++)
+        st = rx_copy(e, pc.addr[i], pc.len[i], &ts);
+    if (st == ST_OK) {
+        /* the last chunk is consumed too */
+        publish(e, ctrl_line(e, e->rank, P2P_DONE_LINE(e->world, e->rx_src)), e->rx_k);
+        e->p2p_recvd[e->rx_src] = e->rx_k;
+        e->rx_src = -1;
+    }
+    if (ts)
+        PyEval_RestoreThread(ts);
+    PyMem_Free(pc.addr);
+    PyMem_Free(pc.len);
+    return PyLong_FromLong(st);
+}
+
 /* reduce(dtype, op, dst, [src addresses], count): the kernel alone, for tests and perf */
 static PyObject *eng_reduce_kernel(PyObject *self, PyObject *args)
 {
@@ -1699,6 +1921,14 @@ static int eng_init(Engine *e, PyObject *args, PyObject *kw)
         return -1;
     }
     e->mapping = (PyObject *)mp;
+    PyMem_Free(e->p2p_sent);
+    e->p2p_sent = PyMem_Calloc((size_t)world * 2, sizeof(uint64_t));
+    if (!e->p2p_sent) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    e->p2p_recvd = e->p2p_sent + world;
+    e->rx_src = -1;
     e->base = p;
     e->size = (size_t)size;
     e->fd = myfd;
@@ -1750,6 +1980,7 @@ static PyObject *eng_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 
 static void eng_dealloc(Engine *e)
 {
+    PyMem_Free(e->p2p_sent);
     for (int i = 0; i < e->nsym; i++)
         PyMem_Free(e->sym[i].peers);
     eng_unmap(e);
@@ -1881,6 +2112,9 @@ static PyMethodDef eng_methods[] = {
     {"set_twoshot_min", (PyCFunction)eng_set_twoshot_min, METH_O, NULL},
     {"add_symmetric", (PyCFunction)eng_add_symmetric, METH_VARARGS, NULL},
     {"set_threads", (PyCFunction)eng_set_threads, METH_O, NULL},
+    {"p2p_send", (PyCFunction)eng_p2p_send, METH_VARARGS, NULL},
+    {"p2p_recv_head", (PyCFunction)eng_p2p_recv_head, METH_O, NULL},
+    {"p2p_recv_body", (PyCFunction)eng_p2p_recv_body, METH_O, NULL},
     {"sync", (PyCFunction)(void (*)(void))eng_sync, METH_FASTCALL, NULL},
     {"wait_line", (PyCFunction)eng_wait_line, METH_VARARGS, NULL},
     {"publish_line", (PyCFunction)eng_publish_line, METH_VARARGS, NULL},

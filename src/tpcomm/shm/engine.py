@@ -132,12 +132,7 @@ class ShmEngine:
         lay = self._native.layout()
         self._base = self._native.address()
         self._slot_off = lay["slot_off"]
-        self._p2p_off = lay["p2p_off"]
         self.p2p_bytes = lay["p2p_bytes"]
-        self.p2p_sent_line = lay["p2p_sent_line"]
-        self.p2p_done_line = lay["p2p_done_line"]
-        self.sent = [0] * world  # chunks sent to each rank
-        self.recvd = [0] * world  # chunks received from each rank
         self.symmetric: list = []  # mappings of Communicator.empty buffers, kept alive
         # the pre-bound hot path
         self.all_reduce = self._native.all_reduce
@@ -228,11 +223,6 @@ class ShmEngine:
     def slot_addr(self, rank: int, parity: int) -> int:
         """Address of rank's collective slot of this parity."""
         return self._base + self._slot_off + (rank * 2 + parity) * self.slot_bytes
-
-    def p2p_slot_addr(self, src: int, dst: int, parity: int) -> int:
-        """Address of the slot of this parity of the channel src -> dst."""
-        pair = src * (self.world - 1) + (dst if dst < src else dst - 1)
-        return self._base + self._p2p_off + (pair * 2 + parity) * self.p2p_bytes
 
     @property
     def failed(self) -> bool:

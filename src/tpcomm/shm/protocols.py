@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 
 from .. import _native
-from ..errors import CommError
 from ..ops import ANY_DTYPE_CODES, DTYPE_CODES
 from .engine import KIND_BROADCAST, KIND_REDUCE_SCATTER
 
@@ -169,44 +168,19 @@ def broadcast(
 
 
 def send(eng: ShmEngine, fn: str, dst: int, tensors: Sequence[torch.Tensor], extra: Any) -> None:
-    """Stream the tensors (and a picklable ``extra``) to ``dst``."""
+    """Stream the tensors (and a picklable ``extra``) to ``dst`` (the loop is C)."""
     datas = [t.contiguous() for t in tensors]
     meta = ([(str(t.dtype).rsplit(".", 1)[-1], tuple(t.shape)) for t in tensors], extra)
     header = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
     sizes = [t.numel() * t.element_size() for t in datas]
-    head = _PREFIX.pack(len(header), sum(sizes)) + header
-    head_buf = ctypes.create_string_buffer(head, len(head))
-    # (address, bytes) pieces of the stream; the tensors stay referenced in datas
-    pieces = [(ctypes.addressof(head_buf), len(head))]
+    head = ctypes.create_string_buffer(
+        _PREFIX.pack(len(header), sum(sizes)) + header, _PREFIX.size + len(header)
+    )
+    pieces = [(ctypes.addressof(head), _PREFIX.size + len(header))]
     pieces += [(t.data_ptr(), n) for t, n in zip(datas, sizes) if n]
-    total = len(head) + sum(sizes)
-    me, cap = eng.rank, eng.p2p_bytes
-    copy = _native.copy
-    sent_line = eng.p2p_sent_line + dst
-    done_line = eng.p2p_done_line + me
-    k = eng.sent[dst]
-    piece, off, pos = 0, 0, 0
-    while True:
-        k += 1
-        if k > 2:  # slot k & 1 is free once the receiver consumed chunk k - 2
-            status = eng._native.wait_line(dst, done_line, k - 2)
-            if status:
-                eng.raise_status(status, fn, 0, 0, 0, 0)
-        slot = eng.p2p_slot_addr(me, dst, k & 1)
-        fill = 0
-        while fill < cap and piece < len(pieces):
-            addr, size = pieces[piece]
-            n = min(cap - fill, size - off)
-            copy(slot + fill, addr + off, n)
-            fill += n
-            off += n
-            if off == size:
-                piece, off = piece + 1, 0
-        eng._native.publish_line(sent_line, k)
-        pos += fill
-        if pos >= total:
-            break
-    eng.sent[dst] = k
+    status = eng._native.p2p_send(dst, pieces)
+    if status:
+        eng.raise_status(status, fn, 0, 0, 0, 0)
 
 
 def recv(
@@ -219,77 +193,27 @@ def recv(
     received whole (into new tensors, so the channel stays in step) and then
     raises ValueError.
     """
-    me, cap = eng.rank, eng.p2p_bytes
-    copy = _native.copy
-    sent_line = eng.p2p_sent_line + me
-    done_line = eng.p2p_done_line + src
-    k = eng.recvd[src]
-
-    def next_chunk(k: int) -> int:
-        status = eng._native.wait_line(src, sent_line, k)
-        if status:
-            eng.raise_status(status, fn, 0, 0, 0, 0)
-        return eng.p2p_slot_addr(src, me, k & 1)
-
-    k += 1
-    slot = next_chunk(k)
-    # the prefix always fits the first chunk (a p2p slot is >= 64 KiB)
-    hlen, dlen = _PREFIX.unpack(ctypes.string_at(slot, _PREFIX.size))
-    total = _PREFIX.size + hlen + dlen
-    header = ctypes.create_string_buffer(hlen)
-    dests: list[tuple[int, int]] = [(ctypes.addressof(header), hlen)]
-    tensors: list[torch.Tensor] = []
-    extra = None
-    parsed = False
-
+    status, header = eng._native.p2p_recv_head(src)
+    if status:
+        eng.raise_status(status, fn, 0, 0, 0, 0)
+    specs, extra = pickle.loads(header)
     problem = None
-
-    def parse() -> None:
-        nonlocal tensors, extra, parsed, problem
-        specs, extra = pickle.loads(header.raw)
-        if out is not None:
-            have = [(str(t.dtype).rsplit(".", 1)[-1], tuple(t.shape)) for t in out]
-            if have == [(n, tuple(s)) for n, s in specs] and all(t.is_contiguous() for t in out):
-                tensors = list(out)
-                dests.extend(
-                    (t.data_ptr(), t.numel() * t.element_size()) for t in tensors if t.numel()
-                )
-                parsed = True
-                return
+    tensors = None
+    if out is not None:
+        have = [(str(t.dtype).rsplit(".", 1)[-1], tuple(t.shape)) for t in out]
+        if have == [(n, tuple(s)) for n, s in specs] and all(t.is_contiguous() for t in out):
+            tensors = list(out)
+        else:
             problem = (
                 f"{fn}: rank {src} sent {[(n, tuple(s)) for n, s in specs]} but out= "
                 f"holds {have} (or a non-contiguous tensor)"
             )
+    if tensors is None:
         tensors = [torch.empty(shape, dtype=getattr(torch, name)) for name, shape in specs]
-        dests.extend((t.data_ptr(), t.numel() * t.element_size()) for t in tensors if t.numel())
-        parsed = True
-
-    piece = off = 0
-    pos, used, limit = 0, _PREFIX.size, min(cap, total)
-    while True:
-        while used < limit:
-            if piece == len(dests):
-                if parsed:
-                    raise CommError(f"{fn}: message from rank {src} is longer than it said")
-                parse()  # the header is complete; the tensors' bytes follow
-                continue
-            addr, size = dests[piece]
-            n = min(limit - used, size - off)
-            copy(addr + off, slot + used, n)
-            used += n
-            off += n
-            if off == size:
-                piece, off = piece + 1, 0
-        eng._native.publish_line(done_line, k)
-        pos += limit
-        if pos >= total:
-            break
-        k += 1
-        slot = next_chunk(k)
-        used, limit = 0, min(cap, total - pos)
-    if not parsed:
-        parse()
-    eng.recvd[src] = k
+    dests = [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors if t.numel()]
+    status = eng._native.p2p_recv_body(dests)
+    if status:
+        eng.raise_status(status, fn, 0, 0, 0, 0)
     if problem:
         raise ValueError(problem)
     return tensors, extra
