@@ -2,22 +2,28 @@
  * tpcomm._native: the small private C core of tpcomm's shared-memory engine.
  *
  * It does four things and nothing else: atomic flags, bounded waits, copies
- * and reduce loops.  Everything else (naming, creating and unlinking
- * segments, argument checks, error messages) is Python.
+ * and reduce loops (and the loops that drive them for all_reduce and for
+ * point-to-point streams, where Python per chunk would cost more than the
+ * data).  Everything else (naming, creating and unlinking segments, argument
+ * checks, error messages, the other collectives' rounds) is Python.
  *
- * Segment layout (all offsets from the mapping's base; see seg_layout()):
+ * Segment layout, version 2 (offsets from the mapping's base; seg_size()):
  *
  *   +--------------------------+ 0
  *   | header (4 KiB)           |  magic, version, world, slot_bytes, sizes,
  *   |                          |  attach counter, sleeper count, abort word
  *   +--------------------------+ ctrl_off = 4096
- *   | rank 0 control (4 KiB)   |  line 0: pid;  line 1 + 2*c + p: channel c,
- *   | rank 1 control           |  parity p: {seq, kind, dtype, op, count, arg}
- *   | ...                      |
+ *   | rank 0 control           |  page-rounded (3 + 2W) lines: line 0 pid;
+ *   | rank 1 control           |  line 1 + 2c + p: channel c parity p
+ *   | ...                      |  {seq, kind, dtype, op, count, arg};
+ *   |                          |  P2P_SENT_LINE(d), P2P_DONE_LINE(w, s)
  *   +--------------------------+ slot_off
  *   | rank 0 slot parity 0     |  slot_bytes each, 4 KiB aligned
  *   | rank 0 slot parity 1     |
  *   | rank 1 slot parity 0 ... |
+ *   +--------------------------+ p2p_off
+ *   | pair (s, d) slot 0, 1    |  p2p_bytes each, one pair per s != d
+ *   | ...                      |
  *   +--------------------------+ total
  *
  * Protocol of the collective channel (one-shot all-reduce, barrier):
