@@ -113,3 +113,24 @@ def test_other_kernel_paths(switch):
         timeout=300,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_rank_two_threads(dtype):
+    """The helper-thread split (1 rank x 2 and 3 threads): slices are elementwise,
+    so the result is bitwise the single-thread reference, odd lengths included."""
+    for n in (70_001, 300_000):  # above the 256 KiB split threshold
+        for op in (ReduceOp.SUM, ReduceOp.MAX):
+            inputs = [make(r, n, dtype, seed=n + 1) for r in range(3)]
+            ref = reference(inputs, op)
+            for threads in (2, 3):
+                out = torch.empty_like(inputs[0])
+                _native.reduce(
+                    DTYPE_CODES[dtype],
+                    op.value,
+                    out.data_ptr(),
+                    [x.data_ptr() for x in inputs],
+                    n,
+                    threads,
+                )
+                assert torch.equal(out, ref), (dtype, op, n, threads)

@@ -1679,7 +1679,7 @@ static PyObject *eng_p2p_recv_body(Engine *e, PyObject *list)
     return PyLong_FromLong(st);
 }
 
-/* reduce(dtype, op, dst, [src addresses], count): the kernel alone, for tests and perf */
+/* reduce(dtype, op, dst, [src addresses], count[, nthreads]): the kernel alone, for tests */
 static PyObject *eng_reduce_kernel(PyObject *self, PyObject *args)
 {
     (void)self;
@@ -1687,7 +1687,8 @@ static PyObject *eng_reduce_kernel(PyObject *self, PyObject *args)
     unsigned long long dst;
     PyObject *srcs;
     long long count;
-    if (!PyArg_ParseTuple(args, "iiKOL", &dtype, &op, &dst, &srcs, &count))
+    int nthreads = 1;
+    if (!PyArg_ParseTuple(args, "iiKOL|i", &dtype, &op, &dst, &srcs, &count, &nthreads))
         return NULL;
     if (dtype < 0 || dtype >= DT_COUNT || op < 0 || op >= OP_COUNT || count < 0) {
         PyErr_SetString(PyExc_ValueError, "reduce: bad dtype, op or count");
@@ -1708,8 +1709,15 @@ static PyObject *eng_reduce_kernel(PyObject *self, PyObject *args)
         PyMem_Free(p);
         return NULL;
     }
+    /* nthreads > 1: the helper-thread path of a rank, for tests (one process) */
+    pool_t *P = nthreads > 1 ? pool_new(nthreads) : NULL;
+    if (nthreads > 1 && !P) {
+        PyMem_Free(p);
+        return PyErr_NoMemory();
+    }
     Py_BEGIN_ALLOW_THREADS
-    do_reduce(dtype, op, (void *)(uintptr_t)dst, p, (int)w, (size_t)count);
+    par_reduce(P, dtype, op, (void *)(uintptr_t)dst, p, (int)w, (size_t)count);
+    pool_free(P);
     Py_END_ALLOW_THREADS
     PyMem_Free(p);
     Py_RETURN_NONE;
