@@ -1,7 +1,10 @@
 """Every environment switch tpcomm reads, with its default next to it.
 
 Values are read when a Communicator is created, so tests and users can change
-them between communicators.
+them between communicators.  Two more switches are read by the C core itself,
+once per process, and exist for tests: TPCOMM_NO_AVX512=1 (use the portable
+kernels) and TPCOMM_NO_AVX512BF16=1 (round bfloat16 without the AVX512_BF16
+instruction).
 """
 
 from __future__ import annotations
