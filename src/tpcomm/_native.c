@@ -97,7 +97,8 @@
 #define P2P_DONE_LINE(w, s) (1 + 2 * NCHAN + (w) + (s))
 
 /* status codes returned to Python (see shm/engine.py) */
-enum { ST_OK = 0, ST_TIMEOUT = 1, ST_PEER_DEAD = 2, ST_MISMATCH = 3, ST_ABORTED = 4 };
+enum { ST_OK = 0, ST_TIMEOUT = 1, ST_PEER_DEAD = 2, ST_MISMATCH = 3, ST_ABORTED = 4,
+       ST_INTERRUPTED = 5 };
 
 /* dtype and op codes shared with Python */
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_I32 = 3, DT_I64 = 4, DT_COUNT };
@@ -769,6 +770,7 @@ typedef struct {
     PyObject *d_dtype, *d_is_cpu, *d_is_contiguous, *d_data_ptr, *d_numel;
     uint32_t kind_all_reduce;
     PyObject *mapping; /* the Mapping that owns base */
+    PyObject *pending; /* exception a signal handler raised during a wait */
     uint64_t twoshot_min; /* all-reduces of at least this many bytes go two-shot */
     /* symmetric buffers (Communicator.empty): this rank's range and every
      * rank's base address of the same buffer, as mapped here */
@@ -881,6 +883,7 @@ static int wait_seq(Engine *e, _Atomic uint64_t *seq, uint64_t n, int peer, PyTh
     if (*ts == NULL)
         *ts = PyEval_SaveThread();
     uint64_t next_check = t + 2000000ull; /* liveness every 2 ms */
+    uint64_t next_signal = t + 50000000ull; /* Python signal handlers every 50 ms */
     hdr_t *h = HDR(e);
     for (;;) {
         uint64_t v = atomic_load_explicit(seq, memory_order_acquire);
@@ -904,6 +907,32 @@ static int wait_seq(Engine *e, _Atomic uint64_t *seq, uint64_t n, int peer, PyTh
                 e->failed = 1;
                 set_abort(e, ST_TIMEOUT, e->rank);
                 return ST_TIMEOUT;
+            }
+            if (t >= next_signal) {
+                /* Ctrl-C (or any handler that raises) must not wait for the
+                 * timeout: run the handlers; if one raised, keep its exception
+                 * for Python, and tell the peers this rank is leaving. */
+                next_signal = t + 50000000ull;
+                PyEval_RestoreThread(*ts);
+                int raised = PyErr_CheckSignals() < 0;
+                if (raised) {
+                    Py_CLEAR(e->pending);
+                    PyObject *type, *value, *tb;
+                    PyErr_Fetch(&type, &value, &tb);
+                    PyErr_NormalizeException(&type, &value, &tb);
+                    if (tb && value)
+                        PyException_SetTraceback(value, tb);
+                    Py_XDECREF(type);
+                    Py_XDECREF(tb);
+                    e->pending = value;
+                }
+                *ts = PyEval_SaveThread();
+                if (raised) {
+                    e->err_rank = e->rank;
+                    e->failed = 1;
+                    set_abort(e, ST_INTERRUPTED, e->rank);
+                    return ST_INTERRUPTED;
+                }
             }
         }
         if (t - t0 < e->yield_ns) {
@@ -1994,6 +2023,7 @@ static PyObject *eng_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 
 static void eng_dealloc(Engine *e)
 {
+    Py_CLEAR(e->pending);
     PyMem_Free(e->p2p_sent);
     for (int i = 0; i < e->nsym; i++)
         PyMem_Free(e->sym[i].peers);
@@ -2087,6 +2117,21 @@ static PyObject *eng_get_threads(Engine *e, void *c)
     return PyLong_FromLong(e->pool ? e->pool->nhelp + 1 : 1);
 }
 
+/* reraise(): raise the exception a signal handler raised during a wait */
+static PyObject *eng_reraise(Engine *e, PyObject *unused)
+{
+    (void)unused;
+    if (!e->pending) {
+        PyErr_SetString(PyExc_RuntimeError, "tpcomm: interrupted");
+        return NULL;
+    }
+    PyObject *v = e->pending;
+    e->pending = NULL;
+    PyErr_SetObject((PyObject *)Py_TYPE(v), v);
+    Py_DECREF(v);
+    return NULL;
+}
+
 /* set_twoshot_min(bytes): -1 = never two-shot */
 static PyObject *eng_set_twoshot_min(Engine *e, PyObject *arg)
 {
@@ -2126,6 +2171,7 @@ static PyMethodDef eng_methods[] = {
     {"set_twoshot_min", (PyCFunction)eng_set_twoshot_min, METH_O, NULL},
     {"add_symmetric", (PyCFunction)eng_add_symmetric, METH_VARARGS, NULL},
     {"set_threads", (PyCFunction)eng_set_threads, METH_O, NULL},
+    {"reraise", (PyCFunction)eng_reraise, METH_NOARGS, NULL},
     {"p2p_send", (PyCFunction)eng_p2p_send, METH_VARARGS, NULL},
     {"p2p_recv_head", (PyCFunction)eng_p2p_recv_head, METH_O, NULL},
     {"p2p_recv_body", (PyCFunction)eng_p2p_recv_body, METH_O, NULL},
@@ -2288,6 +2334,7 @@ PyMODINIT_FUNC PyInit__native(void)
     PyModule_AddIntConstant(m, "ST_PEER_DEAD", ST_PEER_DEAD);
     PyModule_AddIntConstant(m, "ST_MISMATCH", ST_MISMATCH);
     PyModule_AddIntConstant(m, "ST_ABORTED", ST_ABORTED);
+    PyModule_AddIntConstant(m, "ST_INTERRUPTED", ST_INTERRUPTED);
     PyModule_AddObject(m, "MAGIC", PyLong_FromUnsignedLongLong(MAGIC));
     PyModule_AddIntConstant(m, "VERSION", VERSION);
     PyModule_AddIntConstant(m, "PAGE", PAGE);

@@ -43,6 +43,7 @@ ST_TIMEOUT = _native.ST_TIMEOUT
 ST_PEER_DEAD = _native.ST_PEER_DEAD
 ST_MISMATCH = _native.ST_MISMATCH
 ST_ABORTED = _native.ST_ABORTED
+ST_INTERRUPTED = _native.ST_INTERRUPTED
 
 
 _ALGOS = {1: "one-shot", 2: "two-shot"}
@@ -203,8 +204,16 @@ class ShmEngine:
                 f"timeout= argument if that is expected)",
                 rank=peer,
             )
+        if status == ST_INTERRUPTED:
+            self._native.reraise()  # KeyboardInterrupt or whatever the handler raised
         if status == ST_ABORTED:
             reason = info.get("reason")
+            if reason == ST_INTERRUPTED:
+                raise PeerFailedError(
+                    f"{fn}: rank {peer} was interrupted (a signal handler raised) during a "
+                    f"collective of this communicator; it can no longer be used",
+                    rank=peer,
+                )
             if reason == ST_TIMEOUT:
                 raise CommTimeoutError(
                     f"{fn}: rank {peer} timed out in a collective of this communicator; "
