@@ -1420,6 +1420,22 @@ static PyObject *eng_sync(Engine *e, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromLong(st);
 }
 
+/* 0 when the engine is open and r names a rank (another one unless
+ * allow_self); else -1 with the exception set */
+static int check_rank(Engine *e, long r, int allow_self, const char *fn)
+{
+    if (!e->base) {
+        eng_closed_error();
+        return -1;
+    }
+    if (r < 0 || r >= e->world || (!allow_self && r == e->rank)) {
+        PyErr_Format(PyExc_ValueError, "%s: rank %ld is not a%s rank of [0, %d)", fn, r,
+                     allow_self ? "" : "nother", e->world);
+        return -1;
+    }
+    return 0;
+}
+
 static line_t *ctrl_line(Engine *e, int owner, long line)
 {
     return (line_t *)(ctrl_of(e, owner) + LINE * (size_t)line);
@@ -1539,14 +1555,8 @@ static PyObject *eng_p2p_send(Engine *e, PyObject *args)
     int dst;
     PyObject *list;
     pieces_t pc;
-    if (!PyArg_ParseTuple(args, "iO", &dst, &list))
+    if (!PyArg_ParseTuple(args, "iO", &dst, &list) || check_rank(e, dst, 0, "p2p_send") < 0)
         return NULL;
-    if (!e->base)
-        return eng_closed_error();
-    if (dst < 0 || dst >= e->world || dst == e->rank) {
-        PyErr_Format(PyExc_ValueError, "p2p_send: bad destination %d", dst);
-        return NULL;
-    }
     if (e->failed || take_abort(e))
         return PyLong_FromLong(ST_ABORTED);
     if (parse_pieces(list, &pc) < 0)
@@ -1632,14 +1642,8 @@ static int rx_copy(Engine *e, char *dst, size_t n, PyThreadState **ts)
 static PyObject *eng_p2p_recv_head(Engine *e, PyObject *arg)
 {
     long src = PyLong_AsLong(arg);
-    if (src == -1 && PyErr_Occurred())
+    if ((src == -1 && PyErr_Occurred()) || check_rank(e, src, 0, "p2p_recv_head") < 0)
         return NULL;
-    if (!e->base)
-        return eng_closed_error();
-    if (src < 0 || src >= e->world || src == e->rank) {
-        PyErr_Format(PyExc_ValueError, "p2p_recv_head: bad source %ld", src);
-        return NULL;
-    }
     if (e->failed || take_abort(e))
         return Py_BuildValue("(iy#)", ST_ABORTED, "", (Py_ssize_t)0);
     PyThreadState *ts = NULL;
@@ -1829,14 +1833,8 @@ static PyObject *eng_peer_pids(Engine *e, PyObject *unused)
 static PyObject *eng_alive(Engine *e, PyObject *arg)
 {
     long r = PyLong_AsLong(arg);
-    if (r == -1 && PyErr_Occurred())
+    if ((r == -1 && PyErr_Occurred()) || check_rank(e, r, 1, "alive") < 0)
         return NULL;
-    if (!e->base)
-        return eng_closed_error();
-    if (r < 0 || r >= e->world) {
-        PyErr_Format(PyExc_ValueError, "alive: rank %ld out of range [0, %d)", r, e->world);
-        return NULL;
-    }
     return PyBool_FromLong(peer_alive(e, (int)r));
 }
 
