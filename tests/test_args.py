@@ -190,3 +190,20 @@ def test_from_env_needs_the_variables(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(ValueError, match="RANK is not set"):
         tpcomm.Communicator.from_env()
+
+
+def test_launch_explains_a_function_the_ranks_cannot_load():
+    """A function that exists only in the parent (a REPL, a dynamic module) gives a
+    LaunchError that says what to do, not a bare crash of the rank."""
+    import sys
+    import types
+
+    mod = types.ModuleType("tpcomm_ghost_module")
+    exec("def f(comm):\n    return comm.rank\n", mod.__dict__)
+    sys.modules[mod.__name__] = mod
+    try:
+        with pytest.raises(tpcomm.LaunchError, match="cannot load the function") as info:
+            tpcomm.launch(mod.f, 2, timeout=60)
+        assert "module level" in str(info.value)
+    finally:
+        del sys.modules[mod.__name__]

@@ -79,6 +79,18 @@ def _worker(
                 msg = conn.recv()
             except (EOFError, OSError):
                 break
+            except Exception as e:  # the function could not be unpickled here
+                conn.send(
+                    (
+                        "err",
+                        f"rank {rank} cannot load the function to run: {e!r}. tpcomm.launch "
+                        f"starts fresh processes: define the function at module level, in a "
+                        f"module or in a script whose launch() call sits under "
+                        f'`if __name__ == "__main__":`',
+                        type(e).__name__,
+                    )
+                )
+                continue
             if msg is None:
                 break
             fn, args = msg
