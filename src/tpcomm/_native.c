@@ -1368,28 +1368,10 @@ static PyObject *eng_set_fast_path(Engine *e, PyObject *args)
     Py_RETURN_NONE;
 }
 
-/* barrier(kind) -> status */
-static PyObject *eng_barrier(Engine *e, PyObject *arg)
-{
-    long kind = PyLong_AsLong(arg);
-    if (kind == -1 && PyErr_Occurred())
-        return NULL;
-    int en = enter(e);
-    if (en < 0)
-        return NULL;
-    if (en > 0)
-        return PyLong_FromLong(ST_ABORTED);
-    PyThreadState *ts = NULL;
-    int st = round_sync(e, (uint32_t)kind, 0, 0, 0, 0, &ts);
-    if (ts)
-        PyEval_RestoreThread(ts);
-    e->busy = 0;
-    return PyLong_FromLong(st);
-}
 
 /*
  * sync(kind, dtype, op, count, arg) -> status: one collective round for the
- * protocols written in Python (all_gather, reduce_scatter, broadcast, ...):
+ * protocols written in Python (barrier, all_gather, reduce_scatter, ...):
  * publish this rank's metadata, wait for every peer, compare.  The caller
  * wrote its slot for parity (round + 1) & 1 before, and reads the peers'
  * slots of that parity after.
@@ -1420,17 +1402,17 @@ static PyObject *eng_sync(Engine *e, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromLong(st);
 }
 
-/* 0 when the engine is open and r names a rank (another one unless
- * allow_self); else -1 with the exception set */
-static int check_rank(Engine *e, long r, int allow_self, const char *fn)
+/* 0 when the engine is open and r names another rank; else -1 with the
+ * exception set */
+static int check_rank(Engine *e, long r, const char *fn)
 {
     if (!e->base) {
         eng_closed_error();
         return -1;
     }
-    if (r < 0 || r >= e->world || (!allow_self && r == e->rank)) {
-        PyErr_Format(PyExc_ValueError, "%s: rank %ld is not a%s rank of [0, %d)", fn, r,
-                     allow_self ? "" : "nother", e->world);
+    if (r < 0 || r >= e->world || r == e->rank) {
+        PyErr_Format(PyExc_ValueError, "%s: rank %ld is not another rank of [0, %d)", fn, r,
+                     e->world);
         return -1;
     }
     return 0;
@@ -1483,15 +1465,6 @@ static PyObject *eng_publish_line(Engine *e, PyObject *args)
     Py_RETURN_NONE;
 }
 
-/* read_line(owner, line) -> the value (acquire), for diagnostics */
-static PyObject *eng_read_line(Engine *e, PyObject *args)
-{
-    long owner, line;
-    if (!PyArg_ParseTuple(args, "ll", &owner, &line) || check_line(e, owner, line) < 0)
-        return NULL;
-    return PyLong_FromUnsignedLongLong(
-        atomic_load_explicit(&ctrl_line(e, (int)owner, line)->seq, memory_order_acquire));
-}
 
 /* layout() -> offsets the Python protocols need */
 static PyObject *eng_layout(Engine *e, PyObject *unused)
@@ -1555,7 +1528,7 @@ static PyObject *eng_p2p_send(Engine *e, PyObject *args)
     int dst;
     PyObject *list;
     pieces_t pc;
-    if (!PyArg_ParseTuple(args, "iO", &dst, &list) || check_rank(e, dst, 0, "p2p_send") < 0)
+    if (!PyArg_ParseTuple(args, "iO", &dst, &list) || check_rank(e, dst, "p2p_send") < 0)
         return NULL;
     if (e->failed || take_abort(e))
         return PyLong_FromLong(ST_ABORTED);
@@ -1642,7 +1615,7 @@ static int rx_copy(Engine *e, char *dst, size_t n, PyThreadState **ts)
 static PyObject *eng_p2p_recv_head(Engine *e, PyObject *arg)
 {
     long src = PyLong_AsLong(arg);
-    if ((src == -1 && PyErr_Occurred()) || check_rank(e, src, 0, "p2p_recv_head") < 0)
+    if ((src == -1 && PyErr_Occurred()) || check_rank(e, src, "p2p_recv_head") < 0)
         return NULL;
     if (e->failed || take_abort(e))
         return Py_BuildValue("(iy#)", ST_ABORTED, "", (Py_ssize_t)0);
@@ -1830,13 +1803,6 @@ static PyObject *eng_peer_pids(Engine *e, PyObject *unused)
     return l;
 }
 
-static PyObject *eng_alive(Engine *e, PyObject *arg)
-{
-    long r = PyLong_AsLong(arg);
-    if ((r == -1 && PyErr_Occurred()) || check_rank(e, r, 1, "alive") < 0)
-        return NULL;
-    return PyBool_FromLong(peer_alive(e, (int)r));
-}
 
 static PyObject *eng_abort(Engine *e, PyObject *arg)
 {
@@ -2140,18 +2106,9 @@ static PyObject *eng_set_twoshot_min(Engine *e, PyObject *arg)
     Py_RETURN_NONE;
 }
 
-static PyObject *eng_set_timeout(Engine *e, PyObject *arg)
-{
-    double t = PyFloat_AsDouble(arg);
-    if (t == -1.0 && PyErr_Occurred())
-        return NULL;
-    e->timeout_ns = (uint64_t)(t * 1e9);
-    Py_RETURN_NONE;
-}
 
 static PyMethodDef eng_methods[] = {
     {"all_reduce", (PyCFunction)(void (*)(void))eng_all_reduce, METH_FASTCALL, NULL},
-    {"barrier", (PyCFunction)eng_barrier, METH_O, NULL},
     {"fast_all_reduce", (PyCFunction)(void (*)(void))eng_fast_all_reduce,
      METH_FASTCALL | METH_KEYWORDS, NULL},
     {"set_fast_path", (PyCFunction)eng_set_fast_path, METH_VARARGS, NULL},
@@ -2160,12 +2117,10 @@ static PyMethodDef eng_methods[] = {
     {"attach", (PyCFunction)eng_attach, METH_NOARGS, NULL},
     {"wait_attached", (PyCFunction)eng_wait_attached, METH_O, NULL},
     {"peer_pids", (PyCFunction)eng_peer_pids, METH_NOARGS, NULL},
-    {"alive", (PyCFunction)eng_alive, METH_O, NULL},
     {"abort", (PyCFunction)eng_abort, METH_O, NULL},
     {"close", (PyCFunction)eng_close, METH_NOARGS, NULL},
     {"address", (PyCFunction)eng_address, METH_NOARGS, NULL},
     {"mapping", (PyCFunction)eng_get_mapping, METH_NOARGS, NULL},
-    {"set_timeout", (PyCFunction)eng_set_timeout, METH_O, NULL},
     {"set_twoshot_min", (PyCFunction)eng_set_twoshot_min, METH_O, NULL},
     {"add_symmetric", (PyCFunction)eng_add_symmetric, METH_VARARGS, NULL},
     {"set_threads", (PyCFunction)eng_set_threads, METH_O, NULL},
@@ -2176,7 +2131,6 @@ static PyMethodDef eng_methods[] = {
     {"sync", (PyCFunction)(void (*)(void))eng_sync, METH_FASTCALL, NULL},
     {"wait_line", (PyCFunction)eng_wait_line, METH_VARARGS, NULL},
     {"publish_line", (PyCFunction)eng_publish_line, METH_VARARGS, NULL},
-    {"read_line", (PyCFunction)eng_read_line, METH_VARARGS, NULL},
     {"layout", (PyCFunction)eng_layout, METH_NOARGS, NULL},
     {NULL, NULL, 0, NULL},
 };

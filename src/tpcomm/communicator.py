@@ -776,7 +776,7 @@ class Communicator:
             return
         if self._engine is None:
             return
-        status = self._engine.barrier(KIND_BARRIER)
+        status = self._engine._native.sync(KIND_BARRIER, 0, 0, 0, 0)
         if status:
             self._raise(status, "barrier", KIND_BARRIER, (0, 0), 0)
 

@@ -137,7 +137,6 @@ class ShmEngine:
         self.symmetric: list = []  # mappings of Communicator.empty buffers, kept alive
         # the pre-bound hot path
         self.all_reduce = self._native.all_reduce
-        self.barrier = self._native.barrier
         # exchange nothing more through the store: drop the reference
         del store
 
@@ -241,4 +240,4 @@ class ShmEngine:
         if self._native is not None:
             self._native.close()
             self._native = None
-            self.all_reduce = self.barrier = None
+            self.all_reduce = None
