@@ -37,17 +37,6 @@ def bad_arguments(comm):
         ((torch.ones(3, device="meta"),), ValueError, "must be a CPU tensor"),
         ((torch.ones(3).to_sparse(),), ValueError, "dense"),
     ]
-    if comm.world_size > 1:  # without a torch.distributed group there is no fallback
-        cases += [
-            (
-                (torch.ones(3, dtype=torch.complex64),),
-                TypeError,
-                "unsupported dtype torch.complex64",
-            ),
-            ((torch.ones(3, dtype=torch.float64),), TypeError, "unsupported dtype torch.float64"),
-            ((torch.ones(3, dtype=torch.bool),), TypeError, "unsupported dtype torch.bool"),
-            ((torch.ones(3), torch.distributed.ReduceOp.PRODUCT), ValueError, "op PRODUCT"),
-        ]
     out = []
     eng = comm._engine._native if comm._engine else None
     for args, exc, text in cases:

@@ -192,7 +192,7 @@ def bad_collective_args(comm):
         ),
         (
             lambda: comm.reduce_scatter(torch.ones(w, dtype=torch.bool)),
-            TypeError if w > 1 else None,
+            None,  # not in the engine: the private gloo group does it
             "reduce_scatter: unsupported dtype torch.bool",
         ),
         (lambda: comm.reduce_scatterv(torch.ones(5), [1] * w), ValueError, "sizes add up to"),

@@ -74,13 +74,19 @@ def test_communicator_in_torch_distributed_job():
         ]
 
 
-def from_env(comm, port):
+def torchrun_env(comm, port, **extra):
+    """Set the variables torchrun would set for this rank (and ``extra``)."""
     os.environ.update(
         RANK=str(comm.rank),
         WORLD_SIZE=str(comm.world_size),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
+        **extra,
     )
+
+
+def from_env(comm, port):
+    torchrun_env(comm, port)
     with tpcomm.Communicator.from_env(timeout=30) as c:
         x = torch.full((1000,), float(c.rank))
         c.all_reduce(x, tpcomm.ReduceOp.AVG)

@@ -1,10 +1,11 @@
 """The torch.distributed path: never silent, never wrong.
 
-A group that spans hosts (simulated with TPCOMM_HOST_ID) sends every call to
+A group that spans hosts (simulated with TPCOMM_HOST_ID) sends what the
+hierarchy does not cover (gather, uneven all_gather, point-to-point) to
 torch.distributed; a dtype or op the engine lacks (float64, complex, PRODUCT, int8)
 goes there per call.  Results are compared with gloo on the same data; each reason
-is logged once.  Without a torch.distributed group there is nothing to fall back to:
-clear errors instead (world size 1 takes the local path).
+is logged once.  Without a torch.distributed group, a private gloo group over the
+set-up store does the same (world size 1 takes the local path).
 """
 
 from __future__ import annotations
@@ -143,26 +144,6 @@ def test_unsupported_dtypes_and_ops_fall_back_and_say_why():
         assert any("float64" in m for m in reasons) and any("PRODUCT" in m for m in reasons)
 
 
-def env_across_hosts(comm, port):
-    os.environ.update(
-        RANK=str(comm.rank),
-        WORLD_SIZE=str(comm.world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        TPCOMM_HOST_ID=f"host-{comm.rank}",
-    )
-    try:
-        tpcomm.Communicator.from_env(timeout=30)
-    except tpcomm.CommError as e:
-        return str(e)
-    return "no error"
-
-
-def test_no_group_across_hosts_is_a_clear_error():
-    for msg in tpcomm.launch(env_across_hosts, 2, args=(free_port(),), timeout=120):
-        assert "on 2 hosts" in msg and "Communicator(group)" in msg
-
-
 def world_one_local(comm):
     z = torch.tensor([1 + 2j, 3 - 1j])
     comm.all_reduce(z)
@@ -175,15 +156,16 @@ def test_world_size_one_is_local(pools):
     assert z == [1 + 2j, 3 - 1j] and rs == [0.0, 1.0, 2.0, 3.0] and ag == rs
 
 
-def _float64_without_group(comm):
-    try:
-        comm.all_reduce(torch.ones(2, dtype=torch.float64))
-    except TypeError as e:
-        assert "Communicator(group)" in str(e)
-        return "TypeError"
-    return "no error"
+def _without_group(comm):
+    z = torch.arange(3, dtype=torch.float64) * (comm.rank + 1)
+    comm.all_reduce(z)
+    p = torch.full((2,), 2.0 + comm.rank)
+    comm.all_reduce(p, dist.ReduceOp.PRODUCT)
+    return z.tolist(), p.tolist()
 
 
-def test_no_group_no_fallback(pools):
-    """launch/from_env communicators have no torch.distributed group: a clear TypeError."""
-    assert pools.run(2, _float64_without_group) == ["TypeError"] * 2
+def test_without_a_group_a_private_gloo_group_falls_back(pools):
+    """launch/from_env communicators have no torch.distributed group: the engine makes
+    a gloo group of its own over the set-up store, on first use."""
+    for z, p in pools.run(3, _without_group):
+        assert z == [0.0, 6.0, 12.0] and p == [24.0, 24.0]

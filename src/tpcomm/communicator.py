@@ -20,8 +20,9 @@ import torch
 
 from . import _env
 from .bootstrap import exchange, host_identity
-from .dist_fallback import DistPath
+from .dist_fallback import DistPath, private_gloo
 from .errors import CommError
+from .hierarchical import Hierarchy
 from .ops import CODE_DTYPES, DTYPE_CODES, FLOAT_DTYPES, ReduceOp, as_reduce_op, op_name
 from .shm import protocols, symmetric
 from .shm.engine import (
@@ -157,11 +158,20 @@ class Communicator:
 
     @classmethod
     def _from_store(
-        cls, store: Any, rank: int, world: int, prefix: str, tag: str, timeout: Timeout = None
+        cls,
+        store: Any,
+        rank: int,
+        world: int,
+        prefix: str,
+        tag: str,
+        timeout: Timeout = None,
+        fallback: Optional[DistPath] = None,
     ) -> Communicator:
-        """Create a communicator over an existing torch Store (the launcher's)."""
+        """Create a communicator over an existing torch Store (the launcher's, the
+        backend's); ``fallback`` is its torch.distributed path."""
         self = cls.__new__(cls)
-        self._setup(store, rank, world, prefix, tag, _timeout_seconds("Communicator", timeout))
+        seconds = _timeout_seconds("Communicator", timeout)
+        self._setup(store, rank, world, prefix, tag, seconds, fallback=fallback)
         return self
 
     def _setup(
@@ -173,32 +183,44 @@ class Communicator:
         tag: str,
         timeout: float,
         group: Any = None,
+        fallback: Optional[DistPath] = None,
     ) -> None:
         self._rank = rank
         self._world = world
         self._timeout = timeout
         self._group = group
         self._engine: Optional[ShmEngine] = None
+        self._hier: Optional[Hierarchy] = None
         self._closed = False
-        # the torch.distributed path: for what the engine does not do, or for
-        # everything when the group spans hosts (see dist_fallback.py)
-        self._dist = DistPath(group, rank, world) if group is not None and world > 1 else None
+        # the torch.distributed path, for what the engine does not do: the
+        # caller's (the backend's private gloo), the group's, or else a private
+        # gloo group over the set-up store, made on first use (see dist_fallback.py)
+        self._store = store
+        self._dist: Optional[DistPath] = None
+        if world > 1:
+            if fallback is not None:
+                self._dist = fallback
+            elif group is not None:
+                self._dist = DistPath(group, rank, world)
+            else:
+                self._dist = DistPath(
+                    lambda: private_gloo(store, f"{prefix}/gloo", rank, world, timeout),
+                    rank,
+                    world,
+                    label="gloo, tpcomm's own",
+                )
         self._all_dist: Optional[str] = None
         if world == 1:
             return
         hosts = exchange(store, prefix, rank, world, "host", host_identity(), timeout)
         if len(set(hosts)) != 1:
-            groups = collections.defaultdict(list)
-            for r, h in enumerate(hosts):
-                groups[h].append(r)
-            where = "; ".join(f"{h}: ranks {rs}" for h, rs in groups.items())
-            if self._dist is None:
-                raise CommError(
-                    f"Communicator: the ranks are on {len(groups)} hosts ({where}); shared "
-                    f"memory needs one host. Across hosts, create the Communicator on a "
-                    f"torch.distributed group (Communicator(group)), which then uses it"
-                )
-            self._all_dist = f"the group spans {len(groups)} hosts ({where})"
+            cls = type(self)
+
+            def make_local(r: int, w: int, p: str) -> Communicator:
+                return cls._from_store(store, r, w, p, f"{tag}h", timeout)
+
+            self._hier = Hierarchy(make_local, store, prefix, rank, world, hosts, timeout)
+            self._all_dist = f"the group spans {self._hier.hosts} hosts ({self._hier.describe()})"
             return
         self._engine = ShmEngine(store, rank, world, prefix, tag, timeout)
         native = self._engine._native
@@ -248,6 +270,8 @@ class Communicator:
         if self._engine is not None:
             self._engine.close()
             self._engine = None
+        if self._hier is not None:
+            self._hier.close()
 
     def __enter__(self) -> Communicator:
         return self
@@ -296,14 +320,8 @@ class Communicator:
     def _via_dist(self, fn: str, reason: Optional[str], call: Any, local: Any) -> Any:
         """Run ``call(DistPath)``; world size 1 returns ``local`` (the result of
         any reduction over one rank) instead."""
-        if self._world == 1:
+        if self._world == 1 or self._dist is None:
             return local() if callable(local) else local
-        if self._dist is None:
-            exc = ValueError if reason and reason.startswith("op ") else TypeError
-            raise exc(
-                f"{fn}: {reason}; a Communicator created on a torch.distributed group "
-                f"(Communicator(group)) falls back to torch.distributed for it"
-            )
         self._dist.note(fn, reason or self._all_dist)
         return call(self._dist)
 
@@ -337,8 +355,10 @@ class Communicator:
         fn = "all_reduce"
         self._check_open(fn)
         op, reason = self._check_reduce(fn, tensor, op)
-        if reason or self._all_dist:
+        if reason:
             return self._via_dist(fn, reason, lambda d: d.all_reduce(tensor, op), tensor)
+        if self._hier is not None:
+            return self._hier.all_reduce(tensor, op)
         if self._engine is None:  # world size 1
             return tensor
         codes = (DTYPE_CODES[tensor.dtype], op.value)
@@ -492,6 +512,10 @@ class Communicator:
             moved = moved.contiguous()
         rest = tuple(moved.shape[1:])
         shape = (sum(sizes), *rest)
+        if self._hier is not None and root is None and len(set(sizes)) == 1:
+            got = self._hier.all_gather(moved)
+            res = got if out is None else out.view(shape).copy_(got)
+            return res.movedim(0, d).contiguous() if d and out is None else res
         if self._all_dist:
             if root is None:
                 got = self._via_dist(fn, None, lambda p: p.all_gatherv(moved, sizes), None)
@@ -609,10 +633,12 @@ class Communicator:
         moved = (tensor.movedim(d, 0) if d else tensor).contiguous()
         rest = tuple(moved.shape[1:])
         inner = _prod(rest)
-        if reason or self._all_dist:
+        if reason or (self._all_dist and self._hier is None):
             res = self._via_dist(
                 fn, reason, lambda p: p.reduce_scatterv(moved, sizes, op), moved.clone
             )
+        elif self._hier is not None:
+            res = self._hier.reduce_scatterv(moved, sizes, op, self._rank)
         elif self._engine is None:
             res = moved.clone()
         else:
@@ -636,8 +662,8 @@ class Communicator:
         self._check_open(fn)
         self._check_any(fn, tensor)
         src = self._check_rank(fn, "src", src)
-        if self._all_dist:
-            return self._via_dist(fn, None, lambda p: p.broadcast(tensor, src), tensor)
+        if self._hier is not None:
+            return self._hier.broadcast(tensor, src)
         if self._engine is None:
             return tensor
         work = tensor if tensor.is_contiguous() else tensor.contiguous()
@@ -771,8 +797,8 @@ class Communicator:
     def barrier(self) -> None:
         """Return once every rank has called barrier()."""
         self._check_open("barrier")
-        if self._all_dist:
-            self._via_dist("barrier", None, lambda p: p.barrier(), None)
+        if self._hier is not None:
+            self._hier.barrier()
             return
         if self._engine is None:
             return

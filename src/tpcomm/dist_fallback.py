@@ -1,10 +1,15 @@
 """The torch.distributed path: what the shared-memory engine does not do.
 
-Used (1) for every call when the group spans hosts, and (2) per call for a
-dtype or op the engine does not implement (complex, float64 sums, PRODUCT,
-...).  Both need the torch.distributed group the Communicator was created
-on; a communicator made by ``from_env`` or ``launch`` has none and raises
-instead.  Each reason is logged once per communicator.
+Used per call for a dtype or op the engine does not implement (complex,
+float64 sums, PRODUCT, ...), for the calls of a group that spans hosts that
+the hierarchy (hierarchical.py) does not cover, and by the torch.distributed
+backend (dist_backend.py) for everything it routes away from shared memory.
+
+It calls the methods of a ``ProcessGroup`` directly (``pg.allreduce([t],
+opts)``), not the ``dist.*`` functions: that works the same for a group the
+user registered with torch.distributed (group-local ranks, no translation)
+and for a private gloo group tpcomm creates over a store, which
+torch.distributed does not know.  Each reason is logged once.
 
 gloo lacks some collectives (reduce_scatter, AVG, uneven all_gather); they
 are composed from the ones it has, with the same results.
@@ -12,16 +17,18 @@ are composed from the ones it has, with the same results.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import pickle
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from .ops import ReduceOp
 
-__all__ = ["DistPath"]
+__all__ = ["DistPath", "private_gloo"]
 
 log = logging.getLogger("tpcomm")
 
@@ -32,36 +39,78 @@ _OPS = {
 }
 
 
-class DistPath:
-    """Collectives of one Communicator over its torch.distributed group."""
+def private_gloo(store: Any, prefix: str, rank: int, world: int, timeout: float) -> Any:
+    """A gloo ProcessGroup of its own over ``store`` (keys under ``prefix``),
+    unknown to torch.distributed; every one of the ``world`` ranks must create it."""
+    from torch.distributed import PrefixStore
+    from torch.distributed.distributed_c10d import ProcessGroupGloo
 
-    def __init__(self, group: Any, rank: int, world: int):
-        self.group = group
+    return ProcessGroupGloo(
+        PrefixStore(f"{prefix}/", store), rank, world, datetime.timedelta(seconds=timeout)
+    )
+
+
+def _real(t: torch.Tensor) -> torch.Tensor:
+    """Complex tensors travel as their real view (as torch.distributed does)."""
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
+class DistPath:
+    """Collectives over one torch ProcessGroup, in that group's ranks.
+
+    Args:
+        group: the ProcessGroup, or a function making it on first use (all
+            ranks reach the first use at the same collective call).
+        label: how the log names it (default: the group's backend name).
+    """
+
+    def __init__(
+        self,
+        group: Union[Any, Callable[[], Any]],
+        rank: int,
+        world: int,
+        label: Optional[str] = None,
+    ):
+        self._group = group
+        self._made = not callable(group) or isinstance(group, dist.ProcessGroup)
         self.rank = rank
         self.world = world
+        self.label = label
         self._said: set[str] = set()
+
+    @property
+    def group(self) -> Any:
+        if not self._made:
+            self._group = self._group()
+            self._made = True
+        return self._group
 
     def note(self, fn: str, reason: str) -> None:
         """Log once per reason that this call goes to torch.distributed."""
         if reason not in self._said:
             self._said.add(reason)
+            label = self.label
+            if label is None:
+                try:
+                    label = dist.get_backend(self.group)
+                except Exception:
+                    label = "torch.distributed"
             log.warning(
                 "tpcomm: %s goes to torch.distributed (%s): %s; this is logged once",
                 fn,
-                dist.get_backend(self.group),
+                label,
                 reason,
             )
 
-    def _global(self, r: int) -> int:
-        return dist.get_global_rank(self.group, r)
-
     def all_reduce(self, t: torch.Tensor, op: Any) -> torch.Tensor:
         work = t if t.is_contiguous() else t.contiguous()
+        opts = c10d.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM if op is ReduceOp.AVG else _OPS.get(op, op)
+        if work.is_complex() and opts.reduceOp != dist.ReduceOp.SUM:
+            raise ValueError(f"all_reduce: {op} is not defined for complex tensors")
+        self.group.allreduce([_real(work)], opts).wait()
         if op is ReduceOp.AVG:
-            dist.all_reduce(work, op=dist.ReduceOp.SUM, group=self.group)
             work.div_(self.world)
-        else:
-            dist.all_reduce(work, op=_OPS.get(op, op), group=self.group)
         if work is not t:
             t.copy_(work)
         return t
@@ -69,16 +118,27 @@ class DistPath:
     def all_gatherv(self, moved: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
         """``moved``: this rank's part with the gathered dim first."""
         top = max(sizes)
-        pad = torch.zeros((top, *moved.shape[1:]), dtype=moved.dtype)
-        pad[: moved.shape[0]] = moved
+        if all(s == top for s in sizes):
+            pad = moved.contiguous()
+        else:
+            pad = torch.zeros((top, *moved.shape[1:]), dtype=moved.dtype)
+            pad[: moved.shape[0]] = moved
         parts = [torch.empty_like(pad) for _ in range(self.world)]
-        dist.all_gather(parts, pad, group=self.group)
+        self.group.allgather(
+            [[_real(p) for p in parts]], [_real(pad)], c10d.AllgatherOptions()
+        ).wait()
+        if pad is moved or all(s == top for s in sizes):
+            return torch.cat(parts)
         return torch.cat([p[:s] for p, s in zip(parts, sizes)])
 
     def gather(self, moved: torch.Tensor, dst: int) -> Optional[torch.Tensor]:
-        parts = [torch.empty_like(moved) for _ in range(self.world)] if self.rank == dst else None
-        dist.gather(moved, parts, dst=self._global(dst), group=self.group)
-        return torch.cat(parts) if parts is not None else None
+        mine = self.rank == dst
+        parts = [torch.empty_like(moved) for _ in range(self.world)] if mine else []
+        opts = c10d.GatherOptions()
+        opts.rootRank = dst
+        into = [[_real(p) for p in parts]] if mine else []
+        self.group.gather(into, [_real(moved.contiguous())], opts).wait()
+        return torch.cat(parts) if mine else None
 
     def reduce_scatterv(self, moved: torch.Tensor, sizes: Sequence[int], op: Any) -> torch.Tensor:
         full = self.all_reduce(moved.clone(), op)
@@ -86,35 +146,38 @@ class DistPath:
 
     def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
         work = t if t.is_contiguous() else t.contiguous()
-        dist.broadcast(work, src=self._global(src), group=self.group)
+        opts = c10d.BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        self.group.broadcast([_real(work)], opts).wait()
         if work is not t:
             t.copy_(work)
         return t
 
     def barrier(self) -> None:
-        dist.barrier(group=self.group)
+        self.group.barrier(c10d.BarrierOptions()).wait()
 
     def send(self, tensors: Sequence[torch.Tensor], dst: int, extra: Any) -> None:
         meta = pickle.dumps(([(t.dtype, tuple(t.shape)) for t in tensors], extra))
         head = torch.frombuffer(bytearray(meta), dtype=torch.uint8)
-        peer = self._global(dst)
-        dist.send(torch.tensor([head.numel()], dtype=torch.int64), peer, group=self.group)
-        dist.send(head, peer, group=self.group)
+        g = self.group
+        g.send([torch.tensor([head.numel()], dtype=torch.int64)], dst, 0).wait()
+        g.send([head], dst, 0).wait()
         for t in tensors:
             if t.numel():
-                dist.send(t.contiguous(), peer, group=self.group)
+                g.send([_real(t.contiguous())], dst, 0).wait()
 
     def recv(self, src: int) -> tuple[list[torch.Tensor], Any]:
-        peer = self._global(src)
+        g = self.group
         n = torch.empty(1, dtype=torch.int64)
-        dist.recv(n, peer, group=self.group)
+        g.recv([n], src, 0).wait()
         head = torch.empty(int(n.item()), dtype=torch.uint8)
-        dist.recv(head, peer, group=self.group)
+        g.recv([head], src, 0).wait()
         specs, extra = pickle.loads(head.numpy().tobytes())
         out = []
         for dtype, shape in specs:
             t = torch.empty(shape, dtype=dtype)
             if t.numel():
-                dist.recv(t, peer, group=self.group)
+                g.recv([_real(t)], src, 0).wait()
             out.append(t)
         return out, extra

@@ -170,7 +170,8 @@ class LocalGroup:
         except BaseException:
             self.close()
             raise
-        self._store = None  # set-up is over: the ranks talk through shared memory
+        # The ranks talk through shared memory from now on; the store stays up for
+        # the private gloo group a rank makes on its first call the engine lacks.
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: Optional[float] = None) -> list:
         """Call ``fn(comm, *args)`` on every rank; return the results in rank order.

@@ -1,0 +1,443 @@
+"""The torch.distributed backend ``tpcomm``: plain ``dist.*`` calls through shared memory.
+
+Importing tpcomm registers it::
+
+    dist.init_process_group("cpu:tpcomm,cuda:nccl")   # or backend="tpcomm"
+    dist.all_reduce(x)                                 # CPU tensor: shared memory
+
+torch 2.13 lets Python implement a whole ``ProcessGroup`` (a Python subclass of
+``c10d.Backend`` cannot be constructed), and a backend creator that returns a
+``ProcessGroup`` replaces the group torch was assembling.  So this group
+serves every device itself: CPU tensors go to a ``Communicator`` (shared
+memory; hierarchical when the group spans hosts), what the engine does not do
+goes to a private gloo group made over the same store, and CUDA tensors go to
+a private NCCL group made on their first collective.  docs/BACKEND.md lists
+which call takes which path.
+
+Every call completes before it returns: ``async_op=True`` gives a Work that is
+already done, whose future holds the outputs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .communicator import Communicator
+from .dist_fallback import DistPath, private_gloo
+from .errors import CommError
+from .ops import ReduceOp
+
+__all__ = ["ProcessGroupTpcomm", "BACKEND_NAME", "register"]
+
+BACKEND_NAME = "tpcomm"
+log = logging.getLogger("tpcomm")
+
+_RED = dist.ReduceOp.RedOpType
+_OPS = {
+    _RED.SUM: ReduceOp.SUM,
+    _RED.AVG: ReduceOp.AVG,
+    _RED.MAX: ReduceOp.MAX,
+    _RED.MIN: ReduceOp.MIN,
+}
+
+# all_to_all through shared memory gathers every rank's whole input; above
+# this many bytes per rank it goes to gloo instead
+ALLTOALL_SHM_MAX = 1 << 20
+
+# marks the messages of scatter, so that one of them is never taken for a
+# user's send (and the other way round)
+_SCATTER = "tpcomm.scatter"
+
+
+def _op(red: Any) -> Any:
+    """A torch.distributed ReduceOp as tpcomm's (other ops pass through to gloo)."""
+    kind = red.op
+    return _OPS.get(kind, kind)
+
+
+class _Done(dist._Work):
+    """The Work of a call that has finished: its future holds ``result``."""
+
+    def __init__(self, result: Any):
+        super().__init__()
+        self._result = result
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def exception(self) -> Any:
+        return None
+
+    def result(self) -> Any:
+        return self._result
+
+    def get_future(self) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(self._result)
+        return fut
+
+
+# returned by the calls that are not async_op: nothing reads its result
+_DONE = _Done([])
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1)
+
+
+def _copy_parts(outs: list, flat: torch.Tensor, fn: str) -> None:
+    n = flat.numel() // max(1, len(outs))
+    for o, part in zip(outs, flat.split(n) if n else [flat[:0]] * len(outs)):
+        if o.numel() != n:
+            raise ValueError(f"{fn}: output tensors must have {n} elements each, got {o.numel()}")
+        o.copy_(part.view(o.shape))
+
+
+class ProcessGroupTpcomm(dist.ProcessGroup):
+    """A torch.distributed ProcessGroup over tpcomm's shared-memory engine."""
+
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        size: int,
+        timeout: datetime.timedelta,
+        group_name: str = "",
+    ):
+        super().__init__(rank, size)
+        seconds = timeout.total_seconds() if timeout else None
+        self._store = store
+        self._timeout = timeout
+        self._name = group_name
+        self._gloo = private_gloo(store, "tpcomm-gloo", rank, size, seconds or 1800.0)
+        self._fallback = DistPath(self._gloo, rank, size, label="gloo, in the tpcomm backend")
+        self._comm = Communicator._from_store(
+            store, rank, size, "tpcomm-pg", "pg", seconds, fallback=self._fallback
+        )
+        self._nccl: Any = None
+        self._world = size
+        self._rank = rank
+
+    # -- identity -------------------------------------------------------------
+
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    def name(self) -> str:
+        return BACKEND_NAME
+
+    @property
+    def group_name(self) -> str:
+        return self._name
+
+    def _set_group_name(self, name: str) -> None:
+        self._name = name
+
+    @property
+    def communicator(self) -> Communicator:
+        """The tpcomm Communicator that carries this group's CPU collectives."""
+        return self._comm
+
+    def __repr__(self) -> str:
+        return f"<tpcomm.ProcessGroupTpcomm rank={self._rank} size={self._world}>"
+
+    # -- where a call goes ----------------------------------------------------
+
+    def _cuda(self) -> Any:
+        """The private NCCL group for CUDA tensors, made on their first collective."""
+        if self._nccl is None:
+            from torch.distributed import PrefixStore
+
+            try:
+                from torch.distributed.distributed_c10d import ProcessGroupNCCL
+            except ImportError:
+                raise CommError(
+                    "tpcomm backend: a CUDA tensor was given but this torch has no NCCL"
+                ) from None
+            opts = ProcessGroupNCCL.Options()
+            opts._timeout = self._timeout
+            self._nccl = ProcessGroupNCCL(
+                PrefixStore("tpcomm-nccl/", self._store), self._rank, self._world, opts
+            )
+        return self._nccl
+
+    @staticmethod
+    def _on_gpu(tensors: Any) -> bool:
+        for t in tensors:
+            if isinstance(t, (list, tuple)):
+                return any(x.is_cuda for x in t)
+            return t.is_cuda
+        return False
+
+    # -- reductions -----------------------------------------------------------
+
+    def allreduce(self, tensors: list, opts: Any = None) -> Any:
+        # the hot path of plain dist.all_reduce: every attribute read here costs
+        # a fraction of a microsecond (docs/PERFORMANCE.md, backend overhead)
+        if len(tensors) == 1 and opts is not None:
+            t = tensors[0]
+            if not t.is_cuda:
+                red = opts.reduceOp
+                self._comm.all_reduce(t, ReduceOp.SUM if red == _RED.SUM else _op(red))
+                return _Done(tensors) if opts.asyncOp else _DONE
+        if self._on_gpu(tensors):
+            return self._cuda().allreduce(tensors, opts)
+        op = _op(opts.reduceOp) if opts is not None else ReduceOp.SUM
+        for t in tensors:
+            self._comm.all_reduce(t, op)
+        return _Done(tensors)
+
+    def allreduce_coalesced(self, tensors: list, opts: Any = None) -> Any:
+        if self._on_gpu(tensors):
+            return self._cuda().allreduce_coalesced(tensors, opts)
+        op = _op(opts.reduceOp) if opts is not None else ReduceOp.SUM
+        by_dtype: dict = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for group in by_dtype.values():
+            flat = torch.cat([_flat(t) for t in group])
+            self._comm.all_reduce(flat, op)
+            for t, part in zip(group, flat.split([t.numel() for t in group])):
+                t.copy_(part.view(t.shape))
+        return _Done(tensors)
+
+    def reduce(self, tensors: list, opts: Any) -> Any:
+        if self._on_gpu(tensors):
+            return self._cuda().reduce(tensors, opts)
+        op = _op(opts.reduceOp)
+        for t in tensors:
+            # only the root's tensor is defined afterwards; the others keep theirs
+            self._comm.all_reduce(t if self._rank == opts.rootRank else t.clone(), op)
+        return _Done(tensors)
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Any:
+        if input.is_cuda:
+            return self._cuda()._reduce_scatter_base(output, input, opts)
+        self._comm.reduce_scatter_tensor(output, input, _op(opts.reduceOp))
+        return _Done([output])
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter(self, outputs: list, input_lists: list, opts: Any) -> Any:
+        if self._on_gpu(outputs):
+            return self._cuda().reduce_scatter(outputs, input_lists, opts)
+        op = _op(opts.reduceOp)
+        for out, inputs in zip(outputs, input_lists):
+            if len(inputs) != self._world:
+                raise ValueError(
+                    f"reduce_scatter: expected {self._world} input tensors, got {len(inputs)}"
+                )
+            flat = torch.cat([_flat(t) for t in inputs])
+            res = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype)
+            self._comm.reduce_scatter_tensor(res, flat, op)
+            if res is not out:
+                out.copy_(res)
+        return _Done(outputs)
+
+    def reduce_scatter_tensor_coalesced(self, outputs: list, inputs: list, opts: Any) -> Any:
+        if self._on_gpu(outputs):
+            return self._cuda().reduce_scatter_tensor_coalesced(outputs, inputs, opts)
+        op = _op(opts.reduceOp)
+        for out, inp in zip(outputs, inputs):
+            self._comm.reduce_scatter_tensor(out, inp, op)
+        return _Done(outputs)
+
+    # -- gathers --------------------------------------------------------------
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
+        if input.is_cuda:
+            return self._cuda()._allgather_base(output, input, opts)
+        self._comm.all_gather_into_tensor(output, input)
+        return _Done([output])
+
+    _allgather_base = all_gather_single
+
+    def allgather(self, output_lists: list, inputs: list, opts: Any = None) -> Any:
+        if self._on_gpu(inputs):
+            return self._cuda().allgather(output_lists, inputs, opts)
+        for outs, inp in zip(output_lists, inputs):
+            if len(outs) != self._world:
+                raise ValueError(
+                    f"all_gather: expected {self._world} output tensors, got {len(outs)}"
+                )
+            flat = torch.empty(self._world * inp.numel(), dtype=inp.dtype)
+            self._comm.all_gather_into_tensor(flat, inp)
+            _copy_parts(outs, flat, "all_gather")
+        return _Done(output_lists)
+
+    def allgather_coalesced(self, output_lists: list, inputs: list, opts: Any = None) -> Any:
+        if self._on_gpu(inputs):
+            return self._cuda().allgather_coalesced(output_lists, inputs, opts)
+        for i, inp in enumerate(inputs):
+            flat = torch.empty(self._world * inp.numel(), dtype=inp.dtype)
+            self._comm.all_gather_into_tensor(flat, inp)
+            _copy_parts([outs[i] for outs in output_lists], flat, "all_gather_coalesced")
+        return _Done(output_lists)
+
+    def allgather_into_tensor_coalesced(self, outputs: list, inputs: list, opts: Any = None) -> Any:
+        if self._on_gpu(inputs):
+            return self._cuda().allgather_into_tensor_coalesced(outputs, inputs, opts)
+        for out, inp in zip(outputs, inputs):
+            self._comm.all_gather_into_tensor(out, inp)
+        return _Done(outputs)
+
+    def gather(self, output_lists: list, inputs: list, opts: Any) -> Any:
+        if self._on_gpu(inputs):
+            return self._cuda().gather(output_lists, inputs, opts)
+        root = opts.rootRank
+        for i, inp in enumerate(inputs):
+            got = self._comm.gather(_flat(inp), dst=root)
+            if self._rank == root:
+                _copy_parts(output_lists[i], got, "gather")
+        return _Done(output_lists)
+
+    # -- one to all -----------------------------------------------------------
+
+    def broadcast(self, tensors: list, opts: Any = None) -> Any:
+        if self._on_gpu(tensors):
+            return self._cuda().broadcast(tensors, opts)
+        root = opts.rootRank if opts is not None else 0
+        for t in tensors:
+            self._comm.broadcast(t, root)
+        return _Done(tensors)
+
+    def scatter(self, outputs: list, input_lists: list, opts: Any) -> Any:
+        if self._on_gpu(outputs):
+            return self._cuda().scatter(outputs, input_lists, opts)
+        root = opts.rootRank
+        comm = self._comm
+        for i, out in enumerate(outputs):
+            if self._rank == root:
+                parts = input_lists[i]
+                if len(parts) != self._world:
+                    raise ValueError(
+                        f"scatter: expected {self._world} input tensors, got {len(parts)}"
+                    )
+                for r in range(self._world):
+                    if r != root:
+                        comm._send("scatter", r, [_flat(parts[r]).contiguous()], _SCATTER)
+                out.copy_(parts[root].view(out.shape))
+            else:
+                got, tag = comm._recv("scatter", root)
+                if tag != _SCATTER:
+                    raise CommError(
+                        f"scatter: rank {root} sent this rank a point-to-point message "
+                        f"that was not received yet; receive it before the scatter"
+                    )
+                out.copy_(got[0].view(out.shape))
+        return _Done(outputs)
+
+    # -- all to all -----------------------------------------------------------
+
+    def alltoall_base(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        out_splits: list,
+        in_splits: list,
+        opts: Any,
+    ) -> Any:
+        if input.is_cuda:
+            return self._cuda().alltoall_base(output, input, out_splits, in_splits, opts)
+        nbytes = input.numel() * input.element_size()
+        if out_splits or in_splits or nbytes > ALLTOALL_SHM_MAX or input.numel() % self._world:
+            self._fallback.note("all_to_all_single", "uneven or large all_to_all")
+            return self._gloo.alltoall_base(output, input, out_splits, in_splits, opts)
+        w = self._world
+        everyone = torch.empty(w * input.numel(), dtype=input.dtype)
+        self._comm.all_gather_into_tensor(everyone, input)
+        mine = everyone.view(w, w, -1)[:, self._rank]
+        output.copy_(mine.reshape(output.shape))
+        return _Done([output])
+
+    def alltoall(self, outputs: list, inputs: list, opts: Any) -> Any:
+        if self._on_gpu(inputs):
+            return self._cuda().alltoall(outputs, inputs, opts)
+        shapes = {(t.shape, t.dtype) for t in (*inputs, *outputs)}
+        n = sum(t.numel() * t.element_size() for t in inputs)
+        if len(shapes) != 1 or n > ALLTOALL_SHM_MAX:
+            self._fallback.note("all_to_all", "tensors of different shapes, or large")
+            return self._gloo.alltoall(outputs, inputs, opts)
+        flat = torch.cat([_flat(t) for t in inputs])
+        res = torch.empty_like(flat)
+        self.alltoall_base(res, flat, [], [], opts)
+        _copy_parts(outputs, res, "all_to_all")
+        return _Done(outputs)
+
+    # -- synchronisation and point to point -----------------------------------
+
+    def barrier(self, opts: Any = None) -> Any:
+        self._comm.barrier()
+        return _Done([])
+
+    def monitored_barrier(self, *args: Any) -> Any:
+        return self._gloo.monitored_barrier(*args)
+
+    def send(self, tensors: list, dst: int, tag: int = 0) -> Any:
+        if self._on_gpu(tensors):
+            return self._cuda().send(tensors, dst, tag)
+        if tag:
+            return self._gloo.send(tensors, dst, tag)
+        self._comm._send("send", dst, [t.contiguous() for t in tensors], None)
+        return _Done(tensors)
+
+    def recv(self, tensors: list, src: int, tag: int = 0) -> Any:
+        if self._on_gpu(tensors):
+            return self._cuda().recv(tensors, src, tag)
+        if tag:
+            return self._gloo.recv(tensors, src, tag)
+        direct = all(t.is_contiguous() for t in tensors)
+        got, extra = self._comm._recv("recv", src, list(tensors) if direct else None)
+        if extra is not None:
+            raise CommError(
+                f"recv: rank {src} is in a scatter, not a send (the ranks called "
+                f"collectives in different orders)"
+            )
+        if len(got) != len(tensors):
+            raise ValueError(f"recv: rank {src} sent {len(got)} tensors, expected {len(tensors)}")
+        for t, g in zip(tensors, got):
+            if t.numel() != g.numel() or t.dtype != g.dtype:
+                raise ValueError(
+                    f"recv: rank {src} sent {g.dtype} x {g.numel()}, "
+                    f"the receive buffer is {t.dtype} x {t.numel()}"
+                )
+            if g is not t:
+                t.copy_(g.view(t.shape))
+        return _Done(tensors)
+
+    def recv_anysource(self, tensors: list, tag: int = 0) -> Any:
+        raise CommError(
+            "recv: the tpcomm backend needs the source rank (messages travel on "
+            "per-pair channels); pass src="
+        )
+
+    def shutdown(self) -> None:
+        self._comm.close()
+
+    def abort(self) -> None:
+        self._comm.close()
+
+
+def _create(opts: Any, backend_options: Any = None) -> ProcessGroupTpcomm:
+    return ProcessGroupTpcomm(
+        opts.store, opts.group_rank, opts.group_size, opts.timeout, opts.group_id
+    )
+
+
+def register() -> None:
+    """Register the ``tpcomm`` backend with torch.distributed (done on import)."""
+    if dist.is_available() and BACKEND_NAME.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(
+            BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"]
+        )

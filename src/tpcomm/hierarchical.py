@@ -1,0 +1,137 @@
+"""Groups that span hosts: shared memory inside each host, gloo between them.
+
+The ranks of each host form a local Communicator (shared memory); the
+lowest rank of each host is its leader, and the leaders form a gloo group of
+their own over the set-up store.  Hosts are numbered in the order of their
+lowest rank.
+
+* all_reduce: reduce inside each host (shared memory), all-reduce between the
+  leaders (gloo; bfloat16 and float16 travel as float32 there, so they round
+  once more than on one host, not three times), broadcast inside each host.
+  Every rank ends with the same bits.
+* all_gather: gather inside each host to the leader, all-gather the host
+  blocks between the leaders, broadcast inside each host, put the blocks in
+  rank order (ranks of one host need not be consecutive).
+* reduce_scatter: the all_reduce above, then each rank keeps its part
+  (bytes between hosts: the whole tensor once per leader).
+* broadcast: inside the source's host, between the leaders, inside the
+  other hosts.
+* barrier: inside each host, between the leaders, inside each host again.
+
+Everything else (gather, uneven all_gather, point-to-point) goes to the flat
+torch.distributed path of the Communicator.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+
+from .dist_fallback import DistPath, private_gloo
+from .ops import ReduceOp
+
+__all__ = ["Hierarchy"]
+
+_WIDE = (torch.bfloat16, torch.float16)
+
+
+class Hierarchy:
+    """The per-host and between-host halves of one Communicator."""
+
+    def __init__(
+        self,
+        make_local: Any,
+        store: Any,
+        prefix: str,
+        rank: int,
+        world: int,
+        hosts: Sequence[str],
+        timeout: float,
+    ):
+        order: list[str] = []
+        for h in hosts:
+            if h not in order:
+                order.append(h)
+        self.members = [[r for r in range(world) if hosts[r] == h] for h in order]
+        self.hosts = len(order)
+        self.world = world
+        self.host = order.index(hosts[rank])
+        self.host_of = [order.index(h) for h in hosts]
+        mine = self.members[self.host]
+        self.local_rank = mine.index(rank)
+        self.local = make_local(self.local_rank, len(mine), f"{prefix}/host{self.host}")
+        self.cross: Optional[DistPath] = None
+        if self.local_rank == 0:
+            pg = private_gloo(store, f"{prefix}/leaders", self.host, self.hosts, timeout)
+            self.cross = DistPath(pg, self.host, self.hosts, label="gloo between hosts")
+        host_major = [r for m in self.members for r in m]
+        self.perm: Optional[torch.Tensor] = None
+        if host_major != list(range(world)):
+            self.perm = torch.tensor([host_major.index(r) for r in range(world)])
+
+    def describe(self) -> str:
+        return "; ".join(f"host {h}: ranks {m}" for h, m in enumerate(self.members))
+
+    def close(self) -> None:
+        self.local.close()
+        self.cross = None
+
+    # -- collectives (arguments already checked by the Communicator) ----------
+
+    def all_reduce(self, t: torch.Tensor, op: Any) -> torch.Tensor:
+        work = t if t.is_contiguous() else t.contiguous()
+        step = ReduceOp.SUM if op is ReduceOp.AVG else op
+        self.local.all_reduce(work, step)
+        if self.cross is not None:
+            if work.dtype in _WIDE:
+                wide = work.float()
+                self.cross.all_reduce(wide, step)
+                work.copy_(wide)
+            else:
+                self.cross.all_reduce(work, step)
+        self.local.broadcast(work, 0)
+        if op is ReduceOp.AVG:
+            work.div_(self.world)
+        if work is not t:
+            t.copy_(work)
+        return t
+
+    def all_gather(self, moved: torch.Tensor) -> torch.Tensor:
+        """``moved``: this rank's part, gathered dim first, the same size on every rank."""
+        s, rest = moved.shape[0], tuple(moved.shape[1:])
+        block = self.local.gather(moved, 0)
+        if self.cross is not None:
+            out = self.cross.all_gatherv(block, [len(m) * s for m in self.members])
+        else:
+            out = torch.empty((self.world * s, *rest), dtype=moved.dtype)
+        self.local.broadcast(out, 0)
+        if self.perm is not None:
+            out = out.view(self.world, s, *rest)[self.perm].reshape(self.world * s, *rest)
+        return out
+
+    def reduce_scatterv(
+        self, moved: torch.Tensor, sizes: Sequence[int], op: Any, me: int
+    ) -> torch.Tensor:
+        full = self.all_reduce(moved.clone(), op)
+        start = sum(sizes[:me])
+        return full[start : start + sizes[me]].clone()
+
+    def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        work = t if t.is_contiguous() else t.contiguous()
+        src_host = self.host_of[src]
+        if self.host == src_host:
+            self.local.broadcast(work, self.members[src_host].index(src))
+        if self.cross is not None:
+            self.cross.broadcast(work, src_host)
+        if self.host != src_host:
+            self.local.broadcast(work, 0)
+        if work is not t:
+            t.copy_(work)
+        return t
+
+    def barrier(self) -> None:
+        self.local.barrier()
+        if self.cross is not None:
+            self.cross.barrier()
+        self.local.barrier()

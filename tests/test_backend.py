@@ -1,0 +1,326 @@
+"""The torch.distributed backend "tpcomm": plain dist.* calls over shared memory.
+
+Every rank initialises the default group with "cpu:tpcomm" and makes a gloo
+group of the same ranks; each collective runs on both, on the same data, and
+the results must agree (exactly for data movement and integer or small-value
+sums, within float32 tolerance otherwise)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tpcomm
+
+from .test_dist import free_port
+
+
+def _init(comm, port, backend="cpu:tpcomm"):
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=comm.rank,
+        world_size=comm.world_size,
+    )
+    return dist.new_group(backend="gloo")
+
+
+def routed(comm, port):
+    gloo = _init(comm, port)
+    r, w = dist.get_rank(), dist.get_world_size()
+    checks = {}
+    try:
+        pg = dist.group.WORLD
+        checks["is tpcomm"] = isinstance(pg, tpcomm.ProcessGroupTpcomm)
+        checks["backend name"] = dist.get_backend() == "cpu:tpcomm"
+        gen = torch.Generator().manual_seed(7 + r)
+
+        def both(name, fn, *inputs, exact=True):
+            a = [t.clone() for t in inputs]
+            half = inputs[0].dtype == torch.bfloat16
+            # bfloat16: the reference is gloo in float64, rounded once at the end
+            b = [t.double() if half else t.clone() for t in inputs]
+            ra = fn(a, None)
+            rb = fn(b, gloo)
+            ra = a if ra is None else ra
+            rb = b if rb is None else rb
+            if half:
+                rb = [t.to(torch.bfloat16) for t in rb]
+            tol = 1e-2 if half else 1e-5
+            ok = all(
+                torch.equal(x, y) if exact else torch.allclose(x, y, rtol=tol, atol=tol)
+                for x, y in zip(ra, rb)
+            )
+            checks[name] = ok
+
+        for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.float64):
+            x = (torch.randn(1000, generator=gen) * 10).to(dtype)
+            for op in ("SUM", "MAX", "MIN", "PRODUCT"):
+                if op == "PRODUCT":
+                    x = torch.full((5,), float(r + 2)).to(dtype)
+                both(
+                    f"all_reduce {dtype} {op}",
+                    lambda t, g, op=op: dist.all_reduce(t[0], getattr(dist.ReduceOp, op), group=g),
+                    x,
+                    exact=not dtype.is_floating_point or op != "SUM",
+                )
+        both("all_gather", lambda t, g: _ag(t[0], g, w), torch.randn(3, 5, generator=gen))
+        both(
+            "all_gather_into_tensor",
+            lambda t, g: [_agit(t[0], g, w)],
+            torch.arange(6, dtype=torch.int32) * (r + 1),
+        )
+        both(
+            "reduce_scatter_tensor",
+            lambda t, g: [_rst(t[0], g, w)],
+            torch.arange(4.0 * w) * (r + 1),
+        )
+        both("reduce_scatter (lists)", lambda t, g: [_rs(t[0], g, w)], torch.arange(3.0 * w) + r)
+        for src in range(w):
+            both(
+                f"broadcast from {src}",
+                lambda t, g, src=src: dist.broadcast(t[0], src, group=g),
+                torch.full((9,), float(r)),
+            )
+        both("all_to_all_single", lambda t, g: [_a2a(t[0], g, w)], torch.arange(2.0 * w) + 100 * r)
+        both(
+            "all_to_all_single uneven",
+            lambda t, g: [_a2a_uneven(t[0], g, w, r)],
+            torch.arange(float(sum(range(1, w + 1)))) + 100 * r,
+        )
+        both("all_to_all (lists)", lambda t, g: _a2a_list(t[0], g, w), torch.arange(3.0 * w) + r)
+        both("gather", lambda t, g: _gather(t[0], g, w, r), torch.full((4,), float(r)))
+        both("scatter", lambda t, g: [_scatter(g, w, r)], torch.zeros(1))
+        both("reduce", lambda t, g: _reduce(t[0], g, r), torch.full((3,), r + 1.0))
+        both(
+            "all_reduce_coalesced",
+            lambda t, g: dist.all_reduce_coalesced(t, group=g),
+            torch.ones(3) * r,
+            torch.arange(4.0),
+        )
+        objs = [None] * w
+        dist.all_gather_object(objs, {"rank": r})
+        checks["all_gather_object"] = objs == [{"rank": q} for q in range(w)]
+        dist.barrier()
+        if w > 1:  # point to point in a ring, both ways at once
+            nxt, prv = (r + 1) % w, (r - 1) % w
+            out = torch.empty(5, dtype=torch.int64)
+            if r % 2 == 0:
+                dist.send(torch.arange(5) + r, nxt)
+                dist.recv(out, prv)
+            else:
+                dist.recv(out, prv)
+                dist.send(torch.arange(5) + r, nxt)
+            checks["send/recv"] = out.tolist() == (torch.arange(5) + prv).tolist()
+            reqs = [
+                dist.isend(torch.full((2,), float(r)), nxt),
+                dist.irecv(out2 := torch.empty(2), prv),
+            ]
+            for q in reqs:
+                q.wait()
+            checks["isend/irecv"] = out2.tolist() == [float(prv)] * 2
+        # async_op gives a Work that is complete and holds the outputs
+        y = torch.ones(4) * (r + 1)
+        work = dist.all_reduce(y, async_op=True)
+        fut = work.get_future()
+        checks["async wait"] = work.wait() is True and work.is_completed()
+        checks["async value"] = torch.equal(
+            fut.wait()[0], torch.full((4,), float(sum(range(1, w + 1))))
+        )
+        checks["async then"] = torch.equal(
+            fut.then(lambda f: f.value()[0] * 2).wait(),
+            torch.full((4,), 2.0 * sum(range(1, w + 1))),
+        )
+        return checks
+    finally:
+        dist.destroy_process_group()
+
+
+def _ag(x, g, w):
+    parts = [torch.empty_like(x) for _ in range(w)]
+    dist.all_gather(parts, x, group=g)
+    return parts
+
+
+def _agit(x, g, w):
+    out = torch.empty(w * x.numel(), dtype=x.dtype)
+    dist.all_gather_into_tensor(out, x, group=g)
+    return out
+
+
+def _rst(x, g, w):
+    out = torch.empty(x.numel() // w)
+    dist.reduce_scatter_tensor(out, x, group=g)
+    return out
+
+
+def _rs(x, g, w):
+    if g is not None:  # gloo has no reduce_scatter: all_reduce and slice
+        y = x.clone()
+        dist.all_reduce(y, group=g)
+        return y.chunk(w)[dist.get_rank()]
+    out = torch.empty(x.numel() // w)
+    dist.reduce_scatter(out, list(x.chunk(w)))
+    return out
+
+
+def _a2a(x, g, w):
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=g)
+    return out
+
+
+def _a2a_uneven(x, g, w, r):
+    ins = list(range(1, w + 1))  # rank r sends q+1 elements to rank q
+    outs = [r + 1] * w
+    out = torch.empty(sum(outs))
+    dist.all_to_all_single(out, x, outs, ins, group=g)
+    return out
+
+
+def _a2a_list(x, g, w):
+    outs = [torch.empty(3) for _ in range(w)]
+    dist.all_to_all(outs, list(x.chunk(w)), group=g)
+    return outs
+
+
+def _gather(x, g, w, r):
+    parts = [torch.empty_like(x) for _ in range(w)] if r == 0 else None
+    dist.gather(x, parts, dst=0, group=g)
+    return parts if r == 0 else [x]
+
+
+def _scatter(g, w, r):
+    out = torch.empty(3)
+    parts = [torch.full((3,), 10.0 + q) for q in range(w)] if r == 0 else None
+    dist.scatter(out, parts, src=0, group=g)
+    return out
+
+
+def _reduce(x, g, r):
+    dist.reduce(x, 0, group=g)
+    return [x] if r == 0 else []
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_every_routed_collective_matches_gloo(world):
+    res = tpcomm.launch(routed, world, args=(free_port(),), timeout=240)
+    for checks in res:
+        assert checks and all(checks.values()), {k: v for k, v in checks.items() if not v}
+
+
+def subgroups(comm, port):
+    _init(comm, port)
+    r = dist.get_rank()
+    try:
+        a = dist.new_group([0, 1])
+        b = dist.new_group([1, 2, 3])
+        ga = dist.new_group([0, 1], backend="gloo")
+        gb = dist.new_group([1, 2, 3], backend="gloo")
+        out = {}
+        for name, g, gg, members in (("a", a, ga, [0, 1]), ("b", b, gb, [1, 2, 3])):
+            if r not in members:
+                continue
+            out[name + " type"] = isinstance(g, tpcomm.ProcessGroupTpcomm) and g.size() == len(
+                members
+            )
+            x = torch.arange(10.0) * (r + 1)
+            y = x.clone()
+            dist.all_reduce(x, group=g)
+            dist.all_reduce(y, group=gg)
+            out[name + " all_reduce"] = torch.equal(x, y)
+            src = members[-1]
+            bx = torch.full((3,), float(r))
+            dist.broadcast(bx, src, group=g)  # global rank, as torch.distributed wants
+            out[name + " broadcast"] = bx.tolist() == [float(src)] * 3
+        # the world group still works after the sub-groups
+        z = torch.ones(2)
+        dist.all_reduce(z)
+        out["world"] = z.tolist() == [4.0, 4.0]
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+def test_subgroups():
+    res = tpcomm.launch(subgroups, 4, args=(free_port(),), timeout=180)
+    for r, checks in enumerate(res):
+        assert checks and all(checks.values()), (r, checks)
+        assert ("a all_reduce" in checks) == (r < 2) and ("b all_reduce" in checks) == (r > 0)
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+
+
+def ddp(comm, port):
+    gloo = _init(comm, port)
+    r = dist.get_rank()
+    try:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        finals = []
+        for group in (None, gloo):  # tpcomm (the default group), then gloo
+            model = DDP(_model(), process_group=group)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            gen = torch.Generator().manual_seed(100 + r)
+            for _ in range(5):
+                x = torch.randn(4, 8, generator=gen)
+                loss = model(x).square().mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            finals.append([p.detach().clone() for p in model.parameters()])
+        same = all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(*finals))
+        moved = any(not torch.equal(a, b) for a, b in zip(finals[0], _model().parameters()))
+        return same, moved, finals[0]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_matches_gloo():
+    res = tpcomm.launch(ddp, 2, args=(free_port(),), timeout=180)
+    for same, moved, _ in res:
+        assert same and moved
+    assert all(torch.equal(a, b) for a, b in zip(res[0][2], res[1][2]))  # replicas agree
+
+
+def fallbacks(comm, port):
+    _init(comm, port)
+    rec = []
+
+    class H(logging.Handler):
+        def emit(self, record):
+            rec.append(record.getMessage())
+
+    logging.getLogger("tpcomm").addHandler(H())
+    r = dist.get_rank()
+    try:
+        x = torch.ones(3, dtype=torch.float64) * (r + 1)
+        dist.all_reduce(x)
+        dist.all_reduce(x)  # logged once
+        errors = []
+        try:
+            dist.recv(torch.empty(1))  # any source: not on per-pair channels
+        except tpcomm.CommError as e:
+            errors.append(str(e))
+        try:
+            dist.all_reduce(torch.ones(3 + r))  # sizes differ between ranks
+        except ValueError as e:
+            errors.append(str(e))
+        return x.tolist(), [m for m in rec if "goes to torch.distributed" in m], errors
+    finally:
+        dist.destroy_process_group()
+
+
+def test_what_the_engine_lacks_goes_to_gloo_and_errors_are_clear():
+    res = tpcomm.launch(fallbacks, 2, args=(free_port(),), timeout=120)
+    for x, notes, errors in res:
+        assert x == [6.0] * 3
+        assert len(notes) == 1 and "float64" in notes[0]
+        assert "source rank" in errors[0]
+        assert len(errors) == 2 and "all_reduce" in errors[1]
