@@ -29,6 +29,8 @@ test: install lint
 bench: install build/handoff
 	$(VENV)/bin/tpcomm perf all_reduce $(BENCH_ARGS)
 	$(VENV)/bin/tpcomm perf all_reduce $(BENCH_ARGS) -d bfloat16
+	$(VENV)/bin/tpcomm perf all_reduce -b 1K -e 1M -f 4 --backend dist --compare gloo
+	$(PY) benchmarks/pg_floor.py
 	@echo "# handoff bound (benchmarks/handoff.c): producer copies N bytes on CPU 0, consumer reads them on CPU 1"
 	@echo "#    bytes   round(us)  copy(us)  read(us)  read GB/s"
 	@for n in 4096 65536 262144 1048576 4194304 16777216; do build/handoff $$n; done

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 
@@ -117,3 +118,19 @@ def test_perf_rejects_bad_flags():
         timeout=120,
     )
     assert r.returncode == 2 and "avg needs a floating datatype" in r.stderr
+
+
+def test_perf_backend_dist_layers(tmp_path):
+    """--backend dist times plain dist.all_reduce on a cpu:tpcomm group, checks its
+    results, and shows the ProcessGroup and Communicator layers beside it."""
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, "-m", "tpcomm", "perf", "all_reduce", "-b", "1K", "-e", "4K"]
+    cmd += ["-n", "20", "-c", "2", "--backend", "dist", "--compare", "gloo", "-J", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "dist.* on a cpu:tpcomm group" in r.stdout and "pg(us)" in r.stdout
+    data = json.loads(out.read_text())
+    assert data["backend"] == "dist" and len(data["results"]) == 3  # 1K, 2K, 4K
+    for row in data["results"]:
+        assert row["wrong"] == 0 and row["pg_time"] > 0 and row["comm_time"] > 0
+        assert row["gloo_time"] > 0

@@ -1,4 +1,4 @@
-"""The ``tpcomm`` command: ``tpcomm perf <collective> [nccl-tests flags]``."""
+"""The ``tpcomm`` command: ``tpcomm perf <collective> [nccl-tests flags]``, ``tpcomm doctor``."""
 
 from __future__ import annotations
 
@@ -9,15 +9,21 @@ __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    from . import perf
+    from . import doctor, perf
 
     parser = argparse.ArgumentParser(prog="tpcomm", description="tpcomm command-line tools")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("perf", help="benchmark a collective (nccl-tests flags and columns)")
     perf.add_arguments(p)
+    d = sub.add_parser(
+        "doctor", help="check this machine: shm dir, stale segments, CPUs, paths per collective"
+    )
+    doctor.add_arguments(d)
     args = parser.parse_args(argv)
     if args.command == "perf":
         return perf.run(args)
+    if args.command == "doctor":
+        return doctor.run(args)
     return 2
 
 

@@ -18,7 +18,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from . import _env
+from . import _env, compiled
 from .bootstrap import exchange, host_identity
 from .dist_fallback import DistPath, private_gloo
 from .errors import CommError
@@ -36,6 +36,7 @@ from .shm.engine import (
 __all__ = ["Communicator"]
 
 _Tensor = torch.Tensor
+_compiling = torch.compiler.is_compiling
 _STRIDED = torch.strided
 _SUPPORTED = ", ".join(str(d) for d in DTYPE_CODES)
 
@@ -174,7 +175,12 @@ class Communicator:
         self._setup(store, rank, world, prefix, tag, seconds, fallback=fallback)
         return self
 
-    def _setup(
+    def _setup(self, *args: Any, **kwargs: Any) -> None:
+        self._op_name = ""
+        self._setup_paths(*args, **kwargs)
+        self._op_name = compiled.register(self)
+
+    def _setup_paths(
         self,
         store: Any,
         rank: int,
@@ -267,6 +273,7 @@ class Communicator:
             return
         self._closed = True
         self.__dict__.pop("all_reduce", None)
+        compiled.unregister(self)
         if self._engine is not None:
             self._engine.close()
             self._engine = None
@@ -342,6 +349,8 @@ class Communicator:
         Returns:
             ``tensor``.
         """
+        if _compiling():
+            return compiled.all_reduce(self, tensor, op)
         return self._all_reduce_checked(tensor, op)
 
     def _all_reduce_fallback(self, tensor: Any, op: Any, status: int) -> _Tensor:
@@ -420,6 +429,8 @@ class Communicator:
         Returns:
             A new tensor, bitwise identical on every rank.
         """
+        if _compiling():
+            return compiled.all_gather(self, tensor, dim)
         fn = "all_gather"
         self._check_open(fn)
         self._check_any(fn, tensor)
@@ -454,6 +465,8 @@ class Communicator:
     def all_gather_into_tensor(self, output: _Tensor, input: _Tensor) -> _Tensor:
         """torch-style: ``output`` (world_size x input's elements, same dtype) gets every
         rank's ``input`` in rank order, flattened along dim 0.  Returns ``output``."""
+        if _compiling():
+            return compiled.all_gather_into_tensor(self, output, input)
         fn = "all_gather_into_tensor"
         self._check_open(fn)
         self._check_any(fn, output, "output")
@@ -556,6 +569,8 @@ class Communicator:
     def reduce_scatter(self, tensor: _Tensor, dim: int = 0, op: ReduceOp = ReduceOp.SUM) -> _Tensor:
         """This rank's shard of the reduction: the reduction of every rank's
         ``tensor``, split in world_size equal parts along ``dim``, part ``rank``."""
+        if _compiling():
+            return compiled.reduce_scatter(self, tensor, dim, op)
         fn = "reduce_scatter"
         self._check_open(fn)
         op, reason = self._check_reduce(fn, tensor, op)
@@ -590,6 +605,8 @@ class Communicator:
     ) -> _Tensor:
         """torch-style: ``output`` gets this rank's part of the reduction of every rank's
         ``input`` (world_size x output's elements, flattened).  Returns ``output``."""
+        if _compiling():
+            return compiled.reduce_scatter_tensor(self, output, input, op)
         fn = "reduce_scatter_tensor"
         self._check_open(fn)
         op, reason = self._check_reduce(fn, input, op)
@@ -658,6 +675,8 @@ class Communicator:
 
     def broadcast(self, tensor: _Tensor, src: int = 0) -> _Tensor:
         """Overwrite ``tensor`` with rank ``src``'s, in place; returns it."""
+        if _compiling():
+            return compiled.broadcast(self, tensor, src)
         fn = "broadcast"
         self._check_open(fn)
         self._check_any(fn, tensor)

@@ -38,6 +38,7 @@ BACKEND_NAME = "tpcomm"
 log = logging.getLogger("tpcomm")
 
 _RED = dist.ReduceOp.RedOpType
+_SUM, _TSUM = _RED.SUM, ReduceOp.SUM
 _OPS = {
     _RED.SUM: ReduceOp.SUM,
     _RED.AVG: ReduceOp.AVG,
@@ -189,7 +190,7 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
             t = tensors[0]
             if not t.is_cuda:
                 red = opts.reduceOp
-                self._comm.all_reduce(t, ReduceOp.SUM if red == _RED.SUM else _op(red))
+                self._comm.all_reduce(t, _TSUM if red == _SUM else _op(red))
                 return _Done(tensors) if opts.asyncOp else _DONE
         if self._on_gpu(tensors):
             return self._cuda().allreduce(tensors, opts)

@@ -82,6 +82,14 @@ def _dist():
     return dist
 
 
+# the group the torch.distributed side runs on (None: the default group)
+_GROUP: list = [None]
+
+
+def _g():
+    return _GROUP[0]
+
+
 def _dist_op(op: ReduceOp):
     return getattr(_dist().ReduceOp, op.name)
 
@@ -89,13 +97,13 @@ def _dist_op(op: ReduceOp):
 def _gloo_gather_into(out, x):
     dist = _dist()
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, x)
+    fn(out, x, group=_g())
 
 
 def _gloo_reduce_scatter(out, x, op):
     dist = _dist()
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(out, x, op=_dist_op(op))
+    fn(out, x, op=_dist_op(op), group=_g())
 
 
 def _sendrecv(comm, st):
@@ -116,8 +124,8 @@ def _sendrecv(comm, st):
 def _sendrecv_dist(st):
     dist = _dist()
     n, r = dist.get_world_size(), dist.get_rank()
-    req = dist.isend(st["x"], (r + 1) % n)
-    dist.recv(st["y"], (r - 1) % n)
+    req = dist.isend(st["x"], (r + 1) % n, group=_g())
+    dist.recv(st["y"], (r - 1) % n, group=_g())
     req.wait()
 
 
@@ -133,7 +141,7 @@ COLLECTIVES = {
         -1,
         lambda r, w, c, dt, op, salt: {"x": _data(r, c, dt, salt)},
         lambda comm, st, op: comm.all_reduce(st["x"], op),
-        lambda st, op: _dist().all_reduce(st["x"], op=_dist_op(op)),
+        lambda st, op: _dist().all_reduce(st["x"], op=_dist_op(op), group=_g()),
         lambda w, c, dt, op, salt, r: _expected(w, c, dt, op, salt),
         lambda st: st["x"],
     ),
@@ -172,7 +180,7 @@ COLLECTIVES = {
         0,
         lambda r, w, c, dt, op, salt: {"x": _data(r, c, dt, salt)},
         lambda comm, st, op: comm.broadcast(st["x"], 0),
-        lambda st, op: _dist().broadcast(st["x"], 0),
+        lambda st, op: _dist().broadcast(st["x"], 0, group=_g()),
         lambda w, c, dt, op, salt, r: _data(0, c, dt, salt),
         lambda st: st["x"],
     ),
@@ -186,7 +194,7 @@ COLLECTIVES = {
             "y": [torch.empty(c // w, dtype=dt) for _ in range(w)] if r == 0 else None,
         },
         lambda comm, st, op: st.__setitem__("g", comm.gather(st["x"], 0)),
-        lambda st, op: _dist().gather(st["x"], st["y"], dst=0),
+        lambda st, op: _dist().gather(st["x"], st["y"], dst=0, group=_g()),
         lambda w, c, dt, op, salt, r: _concat(w, c, dt, salt) if r == 0 else None,
         lambda st: st.get("g"),
     ),
@@ -250,10 +258,28 @@ def _worker(comm, cfg: dict) -> list[dict]:
     es = torch.empty(0, dtype=dtype).element_size()
     rank, world = comm.rank, comm.world_size
     gloo = cfg["compare"] == "gloo"
-    if gloo:
-        _dist().init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{cfg['port']}", rank=rank, world_size=world
+    via_dist = cfg.get("backend") == "dist"
+    gloo_group = None
+    if via_dist:  # plain dist.* calls on a default group of backend cpu:tpcomm
+        dist = _dist()
+        dist.init_process_group(
+            "cpu:tpcomm", init_method=f"tcp://127.0.0.1:{cfg['port']}", rank=rank, world_size=world
         )
+        if gloo:
+            gloo_group = dist.new_group(backend="gloo")
+
+        def call(st):
+            coll.run_dist(st, op)
+
+    else:
+        if gloo:
+            _dist().init_process_group(
+                "gloo", init_method=f"tcp://127.0.0.1:{cfg['port']}", rank=rank, world_size=world
+            )
+
+        def call(st):
+            coll.run(comm, st, op)
+
     rows = []
     try:
         for size in cfg["sizes"]:
@@ -268,14 +294,16 @@ def _worker(comm, cfg: dict) -> list[dict]:
                 zbuf.copy_(st["x"])
                 st["x"] = zbuf
             for _ in range(cfg["warmup"]):
-                coll.run(comm, st, op)
+                call(st)
             iters = cfg["iters"]
             if iters <= 0:  # auto: about target seconds per size, at least 20
-                probe = _timed(lambda st=st: coll.run(comm, st, op), 5)
+                probe = _timed(lambda st=st: call(st), 5)
                 iters = _agree(comm, int(min(200000, max(20, cfg["target"] / max(probe, 1e-7)))))
             comm.barrier()
-            row["time"] = _timed(lambda st=st: coll.run(comm, st, op), iters)
+            row["time"] = _timed(lambda st=st: call(st), iters)
             row["iters"] = iters
+            if via_dist and coll.name == "all_reduce":
+                _overheads(row, st["x"], op, iters, comm)
             if cfg["check"]:
                 wrong = 0
                 for salt in range(1, cfg["check"] + 1):
@@ -283,7 +311,7 @@ def _worker(comm, cfg: dict) -> list[dict]:
                     if zbuf is not None:
                         zbuf.copy_(chk["x"])
                         chk["x"] = zbuf
-                    coll.run(comm, chk, op)
+                    call(chk)
                     want = coll.expect(world, count, dtype, op, salt, rank)
                     if want is not None:
                         got = coll.out(chk)
@@ -295,7 +323,11 @@ def _worker(comm, cfg: dict) -> list[dict]:
                 giters = max(3, min(iters, int(cfg["target"] / 2 / max(row["time"] * 50, 1e-6))))
                 giters = _agree(comm, giters)
                 _dist().barrier()
-                row["gloo"] = _timed(lambda g=g: coll.run_dist(g, op), giters)
+                _GROUP[0] = gloo_group
+                try:
+                    row["gloo"] = _timed(lambda g=g: coll.run_dist(g, op), giters)
+                finally:
+                    _GROUP[0] = None
             comm.barrier()
             if rank == 0:
                 src = torch.ones(count, dtype=dtype)
@@ -307,9 +339,26 @@ def _worker(comm, cfg: dict) -> list[dict]:
             comm.barrier()
             rows.append(row)
     finally:
-        if gloo:
+        if gloo or via_dist:
             _dist().destroy_process_group()
     return rows
+
+
+def _overheads(row: dict, x: torch.Tensor, op: ReduceOp, iters: int, comm: Any) -> None:
+    """--backend dist: the same all_reduce as the ProcessGroup method and as the
+    Communicator it wraps, to show what each layer costs."""
+    from torch.distributed.distributed_c10d import AllreduceOptions
+
+    dist = _dist()
+    pg = dist.group.WORLD
+    opts = AllreduceOptions()
+    opts.reduceOp = _dist_op(op)
+    opts.asyncOp = False
+    comm.barrier()
+    row["pg"] = _timed(lambda: pg.allreduce([x], opts), iters)
+    direct = pg.communicator
+    comm.barrier()
+    row["direct"] = _timed(lambda: direct.all_reduce(x, op), iters)
 
 
 def _free_port() -> int:
@@ -340,6 +389,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=["none", "gloo"],
         default="none",
         help="also time torch.distributed gloo on the same data",
+    )
+    p.add_argument(
+        "--backend",
+        choices=["comm", "dist"],
+        default="comm",
+        help="comm: call the Communicator; dist: plain torch.distributed calls on a "
+        "cpu:tpcomm group (all_reduce also shows the ProcessGroup and Communicator times)",
     )
     p.add_argument("--target", type=float, default=0.3, help="seconds per size with -n 0")
     p.add_argument("--no-pin", action="store_true", help="do not pin rank r to CPU r")
@@ -374,6 +430,9 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
     if args.zero_copy and args.collective != "all_reduce":
         print("# error: --zero-copy applies to all_reduce", file=sys.stderr)
         return 2
+    if args.zero_copy and args.backend == "dist":
+        print("# error: --zero-copy needs --backend comm", file=sys.stderr)
+        return 2
     if op == "AVG" and dtype not in FLOAT_DTYPES:
         print("# error: avg needs a floating datatype", file=sys.stderr)
         return 2
@@ -389,6 +448,7 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
         "target": args.target,
         "port": _free_port(),
         "zero_copy": args.zero_copy,
+        "backend": args.backend,
     }
     coll = COLLECTIVES[args.collective]
     n = args.nranks
@@ -396,7 +456,8 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
     w(
         f"# tpcomm perf {args.collective}: nranks {n}, type {_TYPE_NAMES[dtype]}, op {args.op}, "
         f"iters {'auto' if args.iters <= 0 else args.iters}, warmup {args.warmup_iters}, "
-        f"check {args.check}, pinned {not args.no_pin}"
+        f"check {args.check}, pinned {not args.no_pin}, "
+        f"{'dist.* on a cpu:tpcomm group' if args.backend == 'dist' else 'Communicator calls'}"
         f"{', zero-copy (comm.empty)' if args.zero_copy else ''}\n"
     )
     w(
@@ -404,10 +465,15 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
         f"{os.cpu_count()} cpus, torch {torch.__version__}, tpcomm kernels {_native.isa()}\n"
     )
     w("# time: per op, in place, the slowest rank's average; memcpy: one thread, same bytes\n")
+    if args.backend == "dist" and args.collective == "all_reduce":
+        w("# pg: ProcessGroupTpcomm.allreduce called directly; comm: its Communicator.all_reduce\n")
     hdr = (
         f"#{'size':>11} {'count':>10} {'type':>8} {'redop':>5} {'root':>4}  "
         f"{'time(us)':>9} {'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'#wrong':>6}"
     )
+    layers = args.backend == "dist" and args.collective == "all_reduce"
+    if layers:
+        hdr += f"  {'pg(us)':>7} {'comm(us)':>8}"
     if args.compare == "gloo":
         hdr += f"  {'gloo(us)':>9} {'speedup':>7}"
     hdr += f"  {'memcpy(us)':>10} {'GB/s':>6}"
@@ -432,6 +498,10 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
             f" {row['size']:>11} {row['count']:>10} {_TYPE_NAMES[dtype]:>8} {redop:>5} "
             f"{coll.root:>4}  {t * 1e6:>9.2f} {algbw:>11.2f} {busbw:>11.2f} {wrong:>6}"
         )
+        if layers:
+            pg_t = max(r[i]["pg"] for r in results)
+            direct_t = max(r[i]["direct"] for r in results)
+            line += f"  {pg_t * 1e6:>7.2f} {direct_t * 1e6:>8.2f}"
         if args.compare == "gloo":
             g = max(r[i]["gloo"] for r in results)
             line += f"  {g * 1e6:>9.1f} {g / t:>6.1f}x"
@@ -453,6 +523,8 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
                     max(r[i]["gloo"] for r in results) * 1e6 if args.compare == "gloo" else None
                 ),
                 "memcpy_time": m * 1e6,
+                "pg_time": pg_t * 1e6 if layers else None,
+                "comm_time": direct_t * 1e6 if layers else None,
             }
         )
     w(f"# Out of bounds values : {wrong_total} {'OK' if wrong_total == 0 else 'FAILED'}\n")
@@ -464,6 +536,7 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
         "type": _TYPE_NAMES[dtype],
         "op": redop,
         "zero_copy": args.zero_copy,
+        "backend": args.backend,
         "host": socket.gethostname(),
         "torch": torch.__version__,
         "kernels": _native.isa(),

@@ -1,0 +1,398 @@
+"""``tpcomm doctor``: will tpcomm work here, how fast a path will it take, and why.
+
+Checks, each printed as OK / WARN / FAIL with the fix where there is one:
+
+* the C core: loaded, and which vector path it dispatches to;
+* torch: version, whether torch.distributed and the ``tpcomm`` backend are there;
+* the shm directory: exists, writable, a tmpfs, its size and free space against
+  what a communicator of ``-n`` ranks needs (with the Docker / Kubernetes fix);
+* stale segments: tpcomm files in the shm directory whose ranks are all dead
+  (no rank holds its liveness lock); ``--clean`` removes them;
+* CPUs: count, this process's affinity, NUMA nodes, oversubscription;
+* for ``-n`` ranks: which path each collective takes and why (settings
+  included), so "why is this slow" has an answer.
+
+The exit status is 1 when something would fail (a FAIL line), else 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import glob
+import os
+import struct
+import sys
+import time
+from typing import Any, Callable, Optional
+
+from . import _env
+from .shm.segment import PREFIX, _space_message
+
+__all__ = ["add_arguments", "run", "stale_segments", "segment_owners", "Report"]
+
+_MAGIC_FMT = "<QII"  # magic, version, world: the start of the segment header
+
+
+class Report:
+    def __init__(self, out: Callable[[str], None]):
+        self.out = out
+        self.failed = 0
+        self.warned = 0
+
+    def section(self, title: str) -> None:
+        self.out(f"\n{title}")
+
+    def ok(self, text: str) -> None:
+        self.out(f"  OK    {text}")
+
+    def info(self, text: str) -> None:
+        self.out(f"        {text}")
+
+    def warn(self, text: str) -> None:
+        self.warned += 1
+        self.out(f"  WARN  {text}")
+
+    def fail(self, text: str) -> None:
+        self.failed += 1
+        self.out(f"  FAIL  {text}")
+
+
+# -- segments --------------------------------------------------------------
+
+
+def _lock_held(fd: int, byte: int) -> bool:
+    """Does some open file description hold a lock on ``byte`` (F_OFD_GETLK)?"""
+    flock = struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, byte, 1, 0)
+    got = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, flock)
+    return struct.unpack("hhqqi4x", got)[0] != fcntl.F_UNLCK
+
+
+def segment_owners(path: str) -> Optional[tuple[int, int]]:
+    """(ranks in the header, ranks alive) of one segment file; None if unreadable.
+
+    A rank is alive while it holds the OFD lock on byte ``rank`` of the file
+    (the kernel drops it when the process dies, however it dies).  A file whose
+    header is not written yet counts as one rank (rank 0 is creating it).
+    """
+    from . import _native
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        head = os.pread(fd, struct.calcsize(_MAGIC_FMT), 0)
+        world = 1
+        if len(head) == struct.calcsize(_MAGIC_FMT):
+            magic, _version, w = struct.unpack(_MAGIC_FMT, head)
+            if magic == _native.MAGIC and 0 < w <= 4096:
+                world = w
+        alive = sum(_lock_held(fd, r) for r in range(world))
+        return world, alive
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def stale_segments(directory: str, min_age_s: float = 5.0) -> list[tuple[str, int, float]]:
+    """tpcomm segments in ``directory`` that no live rank holds: (path, bytes, age s).
+
+    Files younger than ``min_age_s`` are left out: rank 0 may be between
+    creating one and taking its lock.
+    """
+    found = []
+    now = time.time()
+    for path in sorted(glob.glob(os.path.join(directory, PREFIX + "*"))):
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        age = now - st.st_mtime
+        if age < min_age_s or st.st_uid != os.getuid():
+            continue
+        owners = segment_owners(path)
+        if owners is not None and owners[1] == 0:
+            found.append((path, st.st_size, age))
+    return found
+
+
+# -- facts -----------------------------------------------------------------
+
+
+def _mount_of(path: str) -> tuple[str, str]:
+    """(mount point, fs type) of the file system holding ``path``."""
+    best = ("", "")
+    real = os.path.realpath(path)
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mnt = parts[1].replace("\\040", " ")
+                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(
+                    best[0]
+                ):
+                    best = (mnt, parts[2])
+    except OSError:
+        pass
+    return best
+
+
+def _numa_nodes() -> list[str]:
+    nodes = []
+    for d in sorted(glob.glob("/sys/devices/system/node/node[0-9]*")):
+        try:
+            with open(os.path.join(d, "cpulist")) as f:
+                nodes.append(f"{os.path.basename(d)}: cpus {f.read().strip()}")
+        except OSError:
+            pass
+    return nodes
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+# -- the checks ------------------------------------------------------------
+
+
+def _check_core(rep: Report) -> Any:
+    rep.section("C core")
+    try:
+        from . import _native
+    except ImportError as e:
+        rep.fail(f"tpcomm._native did not load: {e}; reinstall tpcomm (pip install .)")
+        return None
+    rep.ok(f"tpcomm._native loaded; reduce kernels: {_native.isa()}")
+    for var in ("TPCOMM_NO_AVX512", "TPCOMM_NO_AVX512BF16"):
+        if os.environ.get(var):
+            rep.warn(f"{var} is set: a slower kernel path is forced (meant for tests)")
+    return _native
+
+
+def _check_torch(rep: Report) -> None:
+    rep.section("torch")
+    import torch
+
+    rep.ok(f"torch {torch.__version__}")
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        rep.warn("torch.distributed is not available: no fallback path, no backend")
+        return
+    from .dist_backend import BACKEND_NAME
+
+    registered = BACKEND_NAME.upper() in dist.Backend._plugins
+    (rep.ok if registered else rep.fail)(
+        f"torch.distributed backend '{BACKEND_NAME}' "
+        + ("registered (init_process_group('cpu:tpcomm,cuda:nccl'))" if registered else "missing")
+    )
+    gloo = dist.is_gloo_available()
+    (rep.ok if gloo else rep.warn)(
+        "gloo available (fallback and between hosts)" if gloo else "gloo missing: no fallback"
+    )
+    if torch.cuda.is_available():
+        rep.ok(f"CUDA: {torch.cuda.device_count()} device(s); GPU tensors use tpcomm.cuda / NCCL")
+    else:
+        rep.info("CUDA: not available (the GPU custom all-reduce is off)")
+
+
+def _check_shm(rep: Report, world: int, clean: bool) -> None:
+    from .shm.segment import segment_size
+
+    directory = _env.shm_dir()
+    rep.section(
+        f"shared memory: {directory}"
+        + (" (TPCOMM_SHM_DIR)" if os.environ.get("TPCOMM_SHM_DIR") else "")
+    )
+    if not os.path.isdir(directory):
+        rep.fail(f"{directory} does not exist; create a tmpfs there or set TPCOMM_SHM_DIR")
+        return
+    if not os.access(directory, os.W_OK | os.X_OK):
+        rep.fail(f"{directory} is not writable by uid {os.getuid()}; set TPCOMM_SHM_DIR")
+        return
+    mnt, fstype = _mount_of(directory)
+    if fstype in ("tmpfs", "ramfs", "hugetlbfs"):
+        rep.ok(f"{fstype} mounted at {mnt}")
+    else:
+        rep.warn(
+            f"{directory} is on {fstype or 'an unknown file system'} ({mnt or '?'}), not a "
+            f"tmpfs: segments may be written to disk; point TPCOMM_SHM_DIR at a tmpfs"
+        )
+    st = os.statvfs(directory)
+    total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+    slot = _env.slot_bytes()
+    need = segment_size(max(world, 2), slot)
+    rep.info(f"size {_human(total)}, free {_human(free)}")
+    if free < need:
+        rep.fail(_space_message(directory, need, free))
+    else:
+        rep.ok(
+            f"a {world}-rank communicator needs {_human(need)} "
+            f"(slot {_human(slot)}; TPCOMM_SLOT_BYTES): fits {free // need} times"
+        )
+    if total < 256 << 20:
+        rep.warn(
+            f"{directory} is only {_human(total)} (Docker's default is 64 MiB): "
+            f"`docker run --shm-size=1g`, or a Kubernetes emptyDir with medium: Memory"
+        )
+    _check_remove_ipc(rep)
+    stale = stale_segments(directory)
+    if not stale:
+        rep.ok("no stale tpcomm segments")
+    for path, size, age in stale:
+        if clean:
+            try:
+                os.unlink(path)
+                rep.ok(f"removed stale segment {path} ({_human(size)}, {age:.0f} s old)")
+            except OSError as e:
+                rep.fail(f"cannot remove {path}: {e.strerror}")
+        else:
+            rep.warn(
+                f"stale segment {path} ({_human(size)}, {age:.0f} s old, every rank dead); "
+                f"`tpcomm doctor --clean` removes it"
+            )
+
+
+def _check_remove_ipc(rep: Report) -> None:
+    for conf in ["/etc/systemd/logind.conf", *glob.glob("/etc/systemd/logind.conf.d/*.conf")]:
+        try:
+            with open(conf) as f:
+                text = f.read()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if line.strip().replace(" ", "").lower() == "removeipc=yes":
+                rep.warn(
+                    f"{conf}: RemoveIPC=yes deletes a user's shared memory when their last "
+                    f"session ends; run jobs under a service account or set RemoveIPC=no"
+                )
+
+
+def _check_cpus(rep: Report, world: int) -> None:
+    rep.section("CPUs")
+    online = os.cpu_count() or 1
+    try:
+        mine = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        mine = online
+    rep.ok(f"{online} CPUs online, {mine} in this process's affinity")
+    nodes = _numa_nodes()
+    if len(nodes) > 1:
+        rep.info(f"{len(nodes)} NUMA nodes: " + "; ".join(nodes))
+        rep.info("pin each rank to one node (numactl / taskset) for the best bandwidth")
+    elif nodes:
+        rep.info("1 NUMA node")
+    if world > mine:
+        rep.warn(
+            f"{world} ranks on {mine} CPUs: ranks share cores, so waits yield at once "
+            f"(no spinning) and each collective costs scheduler round trips"
+        )
+
+
+def _check_paths(rep: Report, world: int) -> None:
+    from .ops import DTYPE_CODES
+
+    rep.section(f"paths for {world} rank(s) on this host")
+    if world == 1:
+        rep.info("world size 1: every collective is local (a copy at most), no shared memory")
+        return
+    dts = ", ".join(str(d).replace("torch.", "") for d in DTYPE_CODES)
+    algo = _env.allreduce_algo()
+    two = _env.twoshot_min_bytes(world)
+    if algo != "auto":
+        ar = f"{algo} for every size (TPCOMM_ALLREDUCE_ALGO={algo})"
+    elif two < 0:
+        ar = "one-shot for every size"
+    else:
+        ar = f"one-shot below {_human(two)}, two-shot from there (TPCOMM_ALLREDUCE_ALGO)"
+    rep.ok(f"all_reduce: shared memory, {ar}; {dts}; SUM/AVG/MAX/MIN")
+    rep.info(f"  threads per rank: {_env.threads(world)} (TPCOMM_THREADS)")
+    rep.info("  other dtypes (float64, complex, int8, bool) and ops (PRODUCT, bitwise):")
+    rep.info("  torch.distributed (the group's backend, else a private gloo group)")
+    rep.ok("reduce_scatter: shared memory (same dtypes and ops as all_reduce)")
+    rep.ok("all_gather, gather, broadcast, send/recv, barrier: shared memory, any dtype")
+    rep.ok("all_reduce of a comm.empty() tensor: zero-copy")
+    rep.info("dist backend 'tpcomm': all_to_all up to 1 MiB per rank and scatter through shared")
+    rep.info("memory; recv without a source is not supported; the rest as above")
+    rep.info("groups spanning hosts (hostname + boot id, TPCOMM_HOST_ID): shared memory in each")
+    rep.info("host, gloo between one leader per host (all_reduce, all_gather, reduce_scatter,")
+    rep.info("broadcast, barrier); gather, uneven all_gather and send/recv: flat torch.distributed")
+    spin = 0.0 if world > _cpus() else _env.spin_us()
+    rep.info(
+        f"waits: spin {spin:g} us, then yield up to {_env.yield_us():g} us, then sleep; "
+        f"timeout {_env.timeout():g} s (TPCOMM_TIMEOUT)"
+    )
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _selftest(rep: Report, world: int) -> None:
+    rep.section(f"self-test: all_reduce on {world} local ranks")
+    import torch
+
+    from .launch import launch
+
+    try:
+        res = launch(_selftest_rank, world, timeout=60)
+    except Exception as e:
+        rep.fail(f"the self-test failed: {e}")
+        return
+    want = float(sum(range(1, world + 1)))
+    if all(r == [want] * 4 for r in res):
+        rep.ok(f"all_reduce over {world} ranks gave the right sums (torch {torch.__version__})")
+    else:
+        rep.fail(f"all_reduce gave wrong sums: {res}")
+
+
+def _selftest_rank(comm: Any) -> list:
+    import torch
+
+    x = torch.full((4,), float(comm.rank + 1))
+    comm.all_reduce(x)
+    return x.tolist()
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "-n", "--nranks", type=int, default=2, help="world size to check for (default 2)"
+    )
+    p.add_argument("--clean", action="store_true", help="remove stale segments (ranks all dead)")
+    p.add_argument(
+        "--selftest", action="store_true", help="also run an all_reduce on -n local ranks"
+    )
+
+
+def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> int:
+    if args.nranks < 1:
+        print(f"tpcomm doctor: -n must be >= 1, got {args.nranks}", file=sys.stderr)
+        return 2
+    rep = Report(out)
+    from ._version import __version__
+
+    out(f"tpcomm {__version__}, Python {sys.version.split()[0]}, pid {os.getpid()}")
+    core = _check_core(rep)
+    _check_torch(rep)
+    if core is not None:
+        _check_shm(rep, args.nranks, args.clean)
+    _check_cpus(rep, args.nranks)
+    _check_paths(rep, args.nranks)
+    if args.selftest and not rep.failed:
+        _selftest(rep, args.nranks)
+    out(
+        f"\n{'FAILED' if rep.failed else 'healthy'}: {rep.failed} failure(s), "
+        f"{rep.warned} warning(s)"
+    )
+    return 1 if rep.failed else 0
