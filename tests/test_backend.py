@@ -101,6 +101,13 @@ def routed(comm, port):
             torch.ones(3) * r,
             torch.arange(4.0),
         )
+        # functional collectives (what traced torch code calls) reach the group too
+        import torch.distributed._functional_collectives as funcol
+
+        fx = funcol.all_reduce(torch.full((3,), float(r + 1)), "sum", dist.group.WORLD)
+        checks["functional all_reduce"] = torch.equal(
+            fx.wait() if hasattr(fx, "wait") else fx, torch.full((3,), float(sum(range(1, w + 1))))
+        )
         objs = [None] * w
         dist.all_gather_object(objs, {"rank": r})
         checks["all_gather_object"] = objs == [{"rank": q} for q in range(w)]
@@ -324,3 +331,93 @@ def test_what_the_engine_lacks_goes_to_gloo_and_errors_are_clear():
         assert len(notes) == 1 and "float64" in notes[0]
         assert "source rank" in errors[0]
         assert len(errors) == 2 and "all_reduce" in errors[1]
+
+
+def _spawned(rank, world, port, q):
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("tpcomm", rank=rank, world_size=world)  # the whole group
+    try:
+        x = torch.full((100,), float(rank + 1))
+        dist.all_reduce(x)
+        parts = [torch.empty(2) for _ in range(world)]
+        dist.all_gather(parts, torch.full((2,), float(rank)))
+        q.put((rank, dist.get_backend(), x[0].item(), [p[0].item() for p in parts]))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_mp_spawn_with_backend_tpcomm():
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.SimpleQueue()
+    world = 3
+    mp.start_processes(
+        _spawned, args=(world, free_port(), q), nprocs=world, join=True, start_method="spawn"
+    )
+    got = sorted(q.get() for _ in range(world))
+    assert got == [(r, "tpcomm", 6.0, [0.0, 1.0, 2.0]) for r in range(world)]
+
+
+TORCHRUN_SCRIPT = """
+import torch, torch.distributed as dist
+import tpcomm  # registers the backend
+dist.init_process_group("cpu:tpcomm")
+r, w = dist.get_rank(), dist.get_world_size()
+x = torch.arange(4, dtype=torch.float32) * (r + 1)
+y = x.clone()
+dist.all_reduce(x)
+g = dist.new_group(backend="gloo")
+dist.all_reduce(y, group=g)
+assert isinstance(dist.group.WORLD, tpcomm.ProcessGroupTpcomm)
+assert torch.equal(x, y), (x, y)
+print("rank", r, "of", w, "ok", x.tolist())
+dist.destroy_process_group()
+"""
+
+
+def test_torchrun(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "job.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    cmd += ["--master-port", str(free_port()), str(script)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert r.stdout.count("ok [0.0, 3.0, 6.0, 9.0]") == 2, r.stdout
+
+
+def backend_across_hosts(comm, port):
+    import os
+
+    os.environ["TPCOMM_HOST_ID"] = "a" if comm.rank in (0, 2) else "b"
+    gloo = _init(comm, port)
+    r = dist.get_rank()
+    try:
+        pg = dist.group.WORLD
+        x = torch.randn(1000, generator=torch.Generator().manual_seed(r))
+        y = x.double()
+        dist.all_reduce(x)
+        dist.all_reduce(y, group=gloo)
+        parts = [torch.empty(3) for _ in range(4)]
+        dist.all_gather(parts, torch.full((3,), float(r)))
+        b = torch.full((2,), float(r))
+        dist.broadcast(b, 3)
+        return (
+            pg.communicator._hier is not None,
+            torch.allclose(x.double(), y, rtol=1e-5, atol=1e-5),
+            [p[0].item() for p in parts],
+            b.tolist(),
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def test_backend_on_a_group_spanning_hosts():
+    res = tpcomm.launch(backend_across_hosts, 4, args=(free_port(),), timeout=180)
+    for hier, close, gathered, b in res:
+        assert hier and close and gathered == [0.0, 1.0, 2.0, 3.0] and b == [3.0, 3.0]
