@@ -4,6 +4,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
+# tests run the GPU kernels under Triton's CPU interpreter (tests/test_cuda.py)
+TRITON_VERSION ?= 3.9.0
 BENCH_ARGS ?= -b 1K -e 64M -f 4 --compare gloo
 
 .PHONY: test bench lint install clean
@@ -13,7 +15,7 @@ $(VENV)/.installed: pyproject.toml setup.py src/tpcomm/_native.c
 	# torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build
 	$(PY) -m pip install -q --disable-pip-version-check torch==$(TORCH_VERSION)
 	$(PY) -m pip install -q --disable-pip-version-check "setuptools>=68" wheel numpy \
-		"pytest>=7" "pytest-timeout>=2" "ruff>=0.4"
+		"pytest>=7" "pytest-timeout>=2" "ruff>=0.4" triton==$(TRITON_VERSION)
 	$(PY) -m pip install -q --disable-pip-version-check --no-build-isolation -e .
 	touch $@
 
