@@ -20,7 +20,7 @@ import torch
 
 from . import _env, compiled
 from .bootstrap import exchange, host_identity
-from .dist_fallback import DistPath, private_gloo
+from .dist_fallback import DistPath, private_gloo, private_nccl
 from .errors import CommError
 from .hierarchical import Hierarchy
 from .ops import CODE_DTYPES, DTYPE_CODES, FLOAT_DTYPES, ReduceOp, as_reduce_op, op_name
@@ -202,6 +202,9 @@ class Communicator:
         # caller's (the backend's private gloo), the group's, or else a private
         # gloo group over the set-up store, made on first use (see dist_fallback.py)
         self._store = store
+        self._prefix = prefix
+        self._cuda_ar: dict = {}  # device -> tpcomm.cuda.CustomAllreduce, made on first use
+        self._cuda_dist: Optional[DistPath] = None  # NCCL, for what the custom path declines
         self._dist: Optional[DistPath] = None
         if world > 1:
             if fallback is not None:
@@ -274,6 +277,9 @@ class Communicator:
         self._closed = True
         self.__dict__.pop("all_reduce", None)
         compiled.unregister(self)
+        for car in self._cuda_ar.values():
+            car.close()
+        self._cuda_ar.clear()
         if self._engine is not None:
             self._engine.close()
             self._engine = None
@@ -363,6 +369,8 @@ class Communicator:
     def _all_reduce_checked(self, tensor: Any, op: Any) -> _Tensor:
         fn = "all_reduce"
         self._check_open(fn)
+        if isinstance(tensor, _Tensor) and tensor.is_cuda:
+            return self._cuda_all_reduce(tensor, op)
         op, reason = self._check_reduce(fn, tensor, op)
         if reason:
             return self._via_dist(fn, reason, lambda d: d.all_reduce(tensor, op), tensor)
@@ -380,6 +388,35 @@ class Communicator:
         if work is not tensor:
             tensor.copy_(work)
         return tensor
+
+    def _cuda_all_reduce(self, tensor: _Tensor, op: Any) -> _Tensor:
+        """CUDA tensors: tpcomm.cuda.CustomAllreduce first (SUM, its sizes and
+        dtypes), else NCCL (the group's, or a private one over the set-up store)."""
+        op = as_reduce_op("all_reduce", op)
+        if self._world == 1:
+            return tensor
+        if op is ReduceOp.SUM:
+            car = self._cuda_ar.get(tensor.device)
+            if car is None:
+                from .cuda import CustomAllreduce
+
+                car = self._cuda_ar[tensor.device] = CustomAllreduce(self, tensor.device)
+            res = car.custom_all_reduce(tensor)
+            if res is not None:
+                return tensor.copy_(res)
+        if self._cuda_dist is None:
+            if self._group is not None:
+                self._cuda_dist = DistPath(self._group, self._rank, self._world)
+            else:
+                store, prefix, rank, world = self._store, self._prefix, self._rank, self._world
+                timeout = self._timeout
+                self._cuda_dist = DistPath(
+                    lambda: private_nccl(store, f"{prefix}/nccl", rank, world, timeout),
+                    rank,
+                    world,
+                    label="nccl, tpcomm's own",
+                )
+        return self._cuda_dist.all_reduce(tensor, op)
 
     # -- data-moving collectives -----------------------------------------------
 

@@ -129,6 +129,10 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
         self._nccl: Any = None
         self._world = size
         self._rank = rank
+        # CUDA all-reduces: the Communicator tries tpcomm.cuda first, then this NCCL
+        self._comm._cuda_dist = DistPath(
+            self._cuda, rank, size, label="nccl, in the tpcomm backend"
+        )
 
     # -- identity -------------------------------------------------------------
 
@@ -187,15 +191,11 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
         # the hot path of plain dist.all_reduce: every attribute read here costs
         # a fraction of a microsecond (docs/PERFORMANCE.md, backend overhead)
         if len(tensors) == 1 and opts is not None:
-            t = tensors[0]
-            if not t.is_cuda:
-                red = opts.reduceOp
-                self._comm.all_reduce(t, _TSUM if red == _SUM else _op(red))
-                return _Done(tensors) if opts.asyncOp else _DONE
-        if self._on_gpu(tensors):
-            return self._cuda().allreduce(tensors, opts)
+            red = opts.reduceOp
+            self._comm.all_reduce(tensors[0], _TSUM if red == _SUM else _op(red))
+            return _Done(tensors) if opts.asyncOp else _DONE
         op = _op(opts.reduceOp) if opts is not None else ReduceOp.SUM
-        for t in tensors:
+        for t in tensors:  # CUDA tensors too: the custom all-reduce, else NCCL
             self._comm.all_reduce(t, op)
         return _Done(tensors)
 

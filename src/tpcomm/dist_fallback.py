@@ -28,7 +28,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from .ops import ReduceOp
 
-__all__ = ["DistPath", "private_gloo"]
+__all__ = ["DistPath", "private_gloo", "private_nccl"]
 
 log = logging.getLogger("tpcomm")
 
@@ -53,6 +53,21 @@ def private_gloo(store: Any, prefix: str, rank: int, world: int, timeout: float)
 def _real(t: torch.Tensor) -> torch.Tensor:
     """Complex tensors travel as their real view (as torch.distributed does)."""
     return torch.view_as_real(t) if t.is_complex() else t
+
+
+def private_nccl(store: Any, prefix: str, rank: int, world: int, timeout: float) -> Any:
+    """An NCCL ProcessGroup of its own over ``store`` (CUDA tensors), like private_gloo."""
+    from torch.distributed import PrefixStore
+
+    try:
+        from torch.distributed.distributed_c10d import ProcessGroupNCCL
+    except ImportError:
+        raise RuntimeError(
+            "tpcomm: a CUDA collective needs NCCL, and this torch has none"
+        ) from None
+    opts = ProcessGroupNCCL.Options()
+    opts._timeout = datetime.timedelta(seconds=timeout)
+    return ProcessGroupNCCL(PrefixStore(f"{prefix}/", store), rank, world, opts)
 
 
 class DistPath:

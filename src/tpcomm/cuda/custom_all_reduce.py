@@ -534,6 +534,10 @@ class CustomAllreduce:
         inputs it captured with its peers (collective).  Ranks that captured
         different numbers of calls get a ValueError, all of them."""
         self._check_usable("capture")
+        if self._graph_ptrs is None:  # allocated now: a fill inside the graph would replay
+            self._graph_ptrs = torch.zeros(
+                (GRAPH_SLOTS, self.world_size), dtype=torch.int64, device=self.device
+            )
         self._capturing = True
         try:
             yield
@@ -544,9 +548,7 @@ class CustomAllreduce:
     def _register_input(self, inp: torch.Tensor) -> torch.Tensor:
         """The row of the graph pointer table this captured call will read."""
         if self._graph_ptrs is None:
-            self._graph_ptrs = torch.zeros(
-                (GRAPH_SLOTS, self.world_size), dtype=torch.int64, device=self.device
-            )
+            raise RuntimeError("CustomAllreduce: registered inputs exist only inside capture()")
         i = len(self._graph_inputs)
         if i >= GRAPH_SLOTS:
             raise RuntimeError(f"CustomAllreduce: more than {GRAPH_SLOTS} captured all-reduces")
