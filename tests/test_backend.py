@@ -421,3 +421,38 @@ def test_backend_on_a_group_spanning_hosts():
     res = tpcomm.launch(backend_across_hosts, 4, args=(free_port(),), timeout=180)
     for hier, close, gathered, b in res:
         assert hier and close and gathered == [0.0, 1.0, 2.0, 3.0] and b == [3.0, 3.0]
+
+
+def _peer_dies_in_dist_all_reduce(comm, port, outdir):
+    import json
+    import os
+    import time
+
+    _init(comm, port)
+    r = dist.get_rank()
+    x = torch.ones(1000)
+    for _ in range(3):
+        dist.all_reduce(x)
+    if r == 1:
+        os._exit(3)  # dies between two collectives, holding nothing
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(x)
+        res = ["no error", 0.0]
+    except tpcomm.PeerFailedError as e:
+        res = [e.rank, time.monotonic() - t0]
+    with open(os.path.join(outdir, f"rank{r}"), "w") as f:
+        json.dump(res, f)
+    return res
+
+
+def test_dead_peer_under_dist_all_reduce_raises_peer_failed(tmp_path):
+    import json
+
+    from tpcomm.launch import LocalGroup
+
+    with LocalGroup(3, timeout=60) as g, pytest.raises(tpcomm.LaunchError):
+        g.run(_peer_dies_in_dist_all_reduce, free_port(), str(tmp_path), timeout=90)
+    for r in (0, 2):
+        peer, took = json.loads((tmp_path / f"rank{r}").read_text())
+        assert peer == 1 and took < 2.0, (r, peer, took)

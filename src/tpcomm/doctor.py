@@ -198,10 +198,19 @@ def _check_torch(rep: Report) -> None:
     (rep.ok if gloo else rep.warn)(
         "gloo available (fallback and between hosts)" if gloo else "gloo missing: no fallback"
     )
+    import importlib.util
+
+    have_triton = importlib.util.find_spec("triton") is not None
     if torch.cuda.is_available():
-        rep.ok(f"CUDA: {torch.cuda.device_count()} device(s); GPU tensors use tpcomm.cuda / NCCL")
+        rep.ok(f"CUDA: {torch.cuda.device_count()} device(s), CUDA {torch.version.cuda}")
+        if have_triton:
+            rep.ok("Triton present: CUDA all_reduce tries tpcomm.cuda.CustomAllreduce, then NCCL")
+        else:
+            rep.warn("Triton missing: CUDA all_reduce goes to NCCL (pip install triton)")
+        if importlib.util.find_spec("pynvml") is None:
+            rep.info("nvidia-ml-py missing: more than 2 GPUs count as not NVLink-connected")
     else:
-        rep.info("CUDA: not available (the GPU custom all-reduce is off)")
+        rep.info("CUDA: not available (the GPU custom all-reduce is off; docs/GPU.md)")
 
 
 def _check_shm(rep: Report, world: int, clean: bool) -> None:
