@@ -78,7 +78,9 @@ def _eager(comm):
     del y, got, ag, rs
     car.close()
     car.close()
+    comm.barrier()  # every rank has dropped its mappings of the others' buffers
     gc.collect()
+    torch.cuda.ipc_collect()
     torch.cuda.synchronize(dev)
     checks["no GPU memory left after close"] = torch.cuda.memory_allocated(dev) == base
     return checks

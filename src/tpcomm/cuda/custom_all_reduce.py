@@ -289,6 +289,7 @@ class CustomAllreduce:
         self._closed = False
         self._capturing = False
         self._graph_inputs: list[torch.Tensor] = []
+        self._graph_used = 0  # rows of the graph pointer table taken by earlier captures
         self._graph_keep: list[torch.Tensor] = []
         self._shared: list[Shared] = []
         if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size <= 0:
@@ -329,6 +330,7 @@ class CustomAllreduce:
         reason = why_disabled(**{**facts, "fully_connected": True})
         if reason is None and not interp:
             uuid = str(torch.cuda.get_device_properties(self.device).uuid)
+            uuid = uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"  # NVML's spelling
             uuids = self.group.all_gather_object(uuid)
             facts["fully_connected"] = _nvlink_all(uuids)
             reason = why_disabled(**facts)
@@ -549,7 +551,7 @@ class CustomAllreduce:
         """The row of the graph pointer table this captured call will read."""
         if self._graph_ptrs is None:
             raise RuntimeError("CustomAllreduce: registered inputs exist only inside capture()")
-        i = len(self._graph_inputs)
+        i = self._graph_used + len(self._graph_inputs)
         if i >= GRAPH_SLOTS:
             raise RuntimeError(f"CustomAllreduce: more than {GRAPH_SLOTS} captured all-reduces")
         self._graph_inputs.append(inp)
@@ -579,7 +581,9 @@ class CustomAllreduce:
                 row.append(peer.data_ptr() + offset)
             rows.append(row)
         if rows and self._graph_ptrs is not None:
-            self._graph_ptrs[: len(rows)].copy_(torch.tensor(rows, dtype=torch.int64))
+            lo = self._graph_used  # rows of earlier captures stay: their graphs replay them
+            self._graph_ptrs[lo : lo + len(rows)].copy_(torch.tensor(rows, dtype=torch.int64))
+            self._graph_used += len(rows)
         self._graph_inputs = []
 
     # -- lifecycle ------------------------------------------------------------------
@@ -607,6 +611,8 @@ class CustomAllreduce:
         self._shared = []
         self._graph_keep = []
         self._graph_inputs = []
+        if not was and self.device.type == "cuda":
+            torch.cuda.ipc_collect()  # blocks the peers no longer map can go now
         for name in ("_data", "_tmp", "_sig", "_cnt", "_graph_ptrs"):
             self.__dict__.pop(name, None)
 

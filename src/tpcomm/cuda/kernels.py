@@ -41,7 +41,12 @@ STAGES = 3
 
 @triton.jit
 def _signal(sig_ptrs, stage, b, rank, flag, W: tl.constexpr, BLOCKS: tl.constexpr):
-    """Tell every rank that program b of this rank reached ``stage``, then wait for them."""
+    """Tell every rank that program b of this rank reached ``stage``, then wait for them.
+
+    The CTA barriers around it order the other threads' memory operations with
+    the one thread's release store and acquire load (as the seed's
+    __syncthreads() around its flag accesses); the interpreter ignores them."""
+    tl.debug_barrier()
     for p in tl.static_range(W):
         peer = tl.load(sig_ptrs + p).to(tl.pointer_type(tl.int32))
         tl.atomic_xchg(peer + (stage * BLOCKS + b) * W + rank, flag, sem="release", scope="sys")
@@ -51,6 +56,7 @@ def _signal(sig_ptrs, stage, b, rank, flag, W: tl.constexpr, BLOCKS: tl.constexp
         seen = tl.atomic_add(slot, 0, sem="acquire", scope="sys")
         while seen != flag:
             seen = tl.atomic_add(slot, 0, sem="acquire", scope="sys")
+    tl.debug_barrier()
 
 
 @triton.jit
