@@ -14,7 +14,11 @@ trace as the op.
 
 from __future__ import annotations
 
+import contextlib
+import importlib.abc
+import importlib.util
 import itertools
+import sys
 import weakref
 from typing import Any
 
@@ -175,4 +179,35 @@ def _polyfill() -> None:
         return tensor
 
 
-_polyfill()
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Run ``callback`` right after module ``name`` is first imported (one shot)."""
+
+    def __init__(self, name: str, callback: Any):
+        self.name = name
+        self.callback = callback
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        with contextlib.suppress(ValueError):
+            sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        run = spec.loader.exec_module
+        callback = self.callback
+
+        def exec_module(module: Any) -> None:
+            run(module)
+            callback()
+
+        spec.loader.exec_module = exec_module  # this spec's own loader object
+        return spec
+
+
+# torch._dynamo costs ~2 s to import: register the polyfill when something else
+# (torch.compile) imports it, or now if it is already there.
+if "torch._dynamo" in sys.modules:
+    _polyfill()
+else:
+    sys.meta_path.insert(0, _AfterImport("torch._dynamo", _polyfill))
