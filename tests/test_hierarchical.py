@@ -128,3 +128,44 @@ def test_from_env_across_hosts_needs_no_torch_distributed():
     res = tpcomm.launch(from_env_across_hosts, 4, args=(free_port(),), timeout=120)
     for x, g, z, hosts in res:
         assert x == [10.0] * 4 and g == [0, 1, 2, 3] and z == [6.0] * 3 and hosts == 2
+
+
+def leader_dies(comm, port, outdir):
+    import json
+    import time
+
+    os.environ["TPCOMM_HOST_ID"] = "a" if comm.rank < 2 else "b"
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank, world_size=4
+    )
+    c = tpcomm.Communicator(timeout=60)
+    x = torch.ones(100)
+    c.all_reduce(x)
+    if comm.rank == 2:  # the leader of host b
+        os._exit(3)
+    t0 = time.monotonic()
+    try:
+        c.all_reduce(x)
+        res = ["no error", 0.0, ""]
+    except tpcomm.PeerFailedError as e:
+        res = [e.rank, time.monotonic() - t0, str(e)]
+    with open(os.path.join(outdir, f"rank{comm.rank}"), "w") as f:
+        json.dump(res, f)
+    return res
+
+
+def test_a_dead_leader_fails_every_host_fast(tmp_path):
+    """Rank 2, leader of host b, dies: its host peer (rank 3) sees it through shared
+    memory; the other leader sees gloo fail and aborts its own host, so rank 1
+    does not wait out the timeout."""
+    import json
+
+    from tpcomm.launch import LocalGroup
+
+    with LocalGroup(4, timeout=60) as g, pytest.raises(tpcomm.LaunchError):
+        g.run(leader_dies, free_port(), str(tmp_path), timeout=90)
+    got = {r: json.loads((tmp_path / f"rank{r}").read_text()) for r in (0, 1, 3)}
+    assert got[3][0] == 2 and "rank 2" in got[3][2], got  # global rank, not local 0
+    assert got[0][0] == -1 and "between the host leaders" in got[0][2], got
+    assert got[1][0] == 0, got  # its leader aborted the host
+    assert all(took < 10.0 for _, took, _ in got.values()), got

@@ -20,16 +20,52 @@ lowest rank.
 
 Everything else (gather, uneven all_gather, point-to-point) goes to the flat
 torch.distributed path of the Communicator.
+
+Failures: errors of the local Communicator name local ranks; they are raised
+again with the group's rank.  When the leaders' gloo group fails (a rank on
+another host died: gloo sees its connection close), the leader aborts its
+host's shared-memory engine before raising, so the ranks of its host waiting
+for it get PeerFailedError at once instead of waiting out the timeout; gloo
+does not say which rank died, so ``.rank`` is -1 there.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+import functools
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import torch
 
 from .dist_fallback import DistPath, private_gloo
+from .errors import CommError, CommTimeoutError, PeerFailedError
 from .ops import ReduceOp
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _guarded(method: _F) -> _F:
+    """Translate local ranks in errors; turn a failure between hosts into
+    PeerFailedError on this host's ranks too."""
+
+    @functools.wraps(method)
+    def run(self: Hierarchy, *args: Any) -> Any:
+        try:
+            return method(self, *args)
+        except (PeerFailedError, CommTimeoutError) as e:
+            raise self._global_error(e) from None
+        except CommError:
+            raise
+        except RuntimeError as e:  # gloo between the leaders
+            self._abort_local()
+            raise PeerFailedError(
+                f"{method.__name__}: the gloo group between the host leaders failed ({e}); "
+                f"a rank on another host died or left, and this communicator can no "
+                f"longer be used",
+                rank=-1,
+            ) from e
+
+    return run  # type: ignore[return-value]
+
 
 __all__ = ["Hierarchy"]
 
@@ -77,8 +113,29 @@ class Hierarchy:
         self.local.close()
         self.cross = None
 
+    def _global_error(self, e: Exception) -> Exception:
+        r = getattr(e, "rank", None)
+        if (
+            getattr(e, "_translated", False)
+            or r is None
+            or not 0 <= r < len(self.members[self.host])
+        ):
+            return e
+        g = self.members[self.host][r]
+        out = type(e)(f"{e} (local rank {r} of host {self.host} is rank {g})", rank=g)
+        out._translated = True  # type: ignore[attr-defined]
+        return out
+
+    def _abort_local(self) -> None:
+        from . import _native
+
+        eng = self.local._engine
+        if eng is not None and eng._native is not None and not eng.failed:
+            eng._native.abort(_native.ST_PEER_DEAD)
+
     # -- collectives (arguments already checked by the Communicator) ----------
 
+    @_guarded
     def all_reduce(self, t: torch.Tensor, op: Any) -> torch.Tensor:
         work = t if t.is_contiguous() else t.contiguous()
         step = ReduceOp.SUM if op is ReduceOp.AVG else op
@@ -97,6 +154,7 @@ class Hierarchy:
             t.copy_(work)
         return t
 
+    @_guarded
     def all_gather(self, moved: torch.Tensor) -> torch.Tensor:
         """``moved``: this rank's part, gathered dim first, the same size on every rank."""
         s, rest = moved.shape[0], tuple(moved.shape[1:])
@@ -110,6 +168,7 @@ class Hierarchy:
             out = out.view(self.world, s, *rest)[self.perm].reshape(self.world * s, *rest)
         return out
 
+    @_guarded
     def reduce_scatterv(
         self, moved: torch.Tensor, sizes: Sequence[int], op: Any, me: int
     ) -> torch.Tensor:
@@ -117,6 +176,7 @@ class Hierarchy:
         start = sum(sizes[:me])
         return full[start : start + sizes[me]].clone()
 
+    @_guarded
     def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
         work = t if t.is_contiguous() else t.contiguous()
         src_host = self.host_of[src]
@@ -130,6 +190,7 @@ class Hierarchy:
             t.copy_(work)
         return t
 
+    @_guarded
     def barrier(self) -> None:
         self.local.barrier()
         if self.cross is not None:
