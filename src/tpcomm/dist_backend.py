@@ -38,7 +38,7 @@ BACKEND_NAME = "tpcomm"
 log = logging.getLogger("tpcomm")
 
 _RED = dist.ReduceOp.RedOpType
-_SUM, _TSUM = _RED.SUM, ReduceOp.SUM
+_SUM = _RED.SUM
 _OPS = {
     _RED.SUM: ReduceOp.SUM,
     _RED.AVG: ReduceOp.AVG,
@@ -192,7 +192,10 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
         # a fraction of a microsecond (docs/PERFORMANCE.md, backend overhead)
         if len(tensors) == 1 and opts is not None:
             red = opts.reduceOp
-            self._comm.all_reduce(tensors[0], _TSUM if red == _SUM else _op(red))
+            if red == _SUM:
+                self._comm.all_reduce(tensors[0])  # no op argument: the C call's quickest form
+            else:
+                self._comm.all_reduce(tensors[0], _op(red))
             return _Done(tensors) if opts.asyncOp else _DONE
         op = _op(opts.reduceOp) if opts is not None else ReduceOp.SUM
         for t in tensors:  # CUDA tensors too: the custom all-reduce, else NCCL
