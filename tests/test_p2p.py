@@ -35,16 +35,19 @@ def many_shapes(comm, big):
     if comm.rank == 0:
         comm.send(_payload(1, big), dst=1)
         comm.send([], dst=1)
-        comm.send([torch.ones(1) * k for k in range(300)], dst=1)
+        comm.send([torch.ones(1) * k for k in range(300)], dst=1)  # > 255: pickled header
+        comm.send([torch.arange(512.0).reshape((2,) * 9)], dst=1)  # 9-d: pickled header
         return None
     if comm.rank == 1:
         a = comm.recv(src=0)
         b = comm.recv(src=0)
         c = comm.recv(src=0)
+        (d,) = comm.recv(src=0)
         want = _payload(1, big)
         ok = len(a) == len(want) and all(
             x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, want)
         )
+        ok = ok and torch.equal(d, torch.arange(512.0).reshape((2,) * 9))
         return ok, b, len(c), [float(t.item()) for t in c] == [float(k) for k in range(300)]
     return None
 

@@ -1497,7 +1497,7 @@ typedef struct {
 static int parse_pieces(PyObject *list, pieces_t *pc)
 {
     if (!PyList_Check(list)) {
-        PyErr_SetString(PyExc_TypeError, "pieces must be a list of (address, nbytes)");
+        PyErr_SetString(PyExc_TypeError, "pieces must be a list of (address, nbytes) or bytes");
         return -1;
     }
     pc->n = PyList_GET_SIZE(list);
@@ -1511,7 +1511,13 @@ static int parse_pieces(PyObject *list, pieces_t *pc)
     }
     for (Py_ssize_t i = 0; i < pc->n; i++) {
         unsigned long long a, l;
-        if (!PyArg_ParseTuple(PyList_GET_ITEM(list, i), "KK", &a, &l)) {
+        PyObject *item = PyList_GET_ITEM(list, i);
+        if (PyBytes_Check(item)) { /* a small header, copied from the bytes object */
+            pc->addr[i] = PyBytes_AS_STRING(item);
+            pc->len[i] = (size_t)PyBytes_GET_SIZE(item);
+            continue;
+        }
+        if (!PyArg_ParseTuple(item, "KK", &a, &l)) {
             PyMem_Free(pc->addr);
             PyMem_Free(pc->len);
             return -1;

@@ -21,7 +21,6 @@ the dict).
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import hashlib
 import pickle
@@ -167,16 +166,49 @@ def broadcast(
 # -- point to point ----------------------------------------------------------
 
 
+# A message's header says what tensors follow.  Plain tensor lists (no extra)
+# get a binary header: 0xB1, count, then per tensor dtype code, ndim and the
+# dims as int64; anything else is pickled (a pickle starts with 0x80).
+_BINARY = 0xB1
+_ANY_CODES = ANY_DTYPE_CODES
+_CODE_TO_DTYPE = {code: dt for dt, code in ANY_DTYPE_CODES.items()}
+_DIMS = [struct.Struct(f"<BB{n}q") for n in range(9)]
+
+
+def _binary_header(datas: Sequence[torch.Tensor]) -> bytes | None:
+    if len(datas) > 255:
+        return None
+    parts = [bytes((_BINARY, len(datas)))]
+    for t in datas:
+        code = _ANY_CODES.get(t.dtype)
+        nd = t.dim()
+        if code is None or nd >= len(_DIMS):
+            return None
+        parts.append(_DIMS[nd].pack(code, nd, *t.shape))
+    return b"".join(parts)
+
+
+def _parse_binary(header: bytes) -> list[tuple[torch.dtype, tuple]]:
+    specs = []
+    at = 2
+    for _ in range(header[1]):
+        code, nd = header[at], header[at + 1]
+        st = _DIMS[nd]
+        dims = st.unpack_from(header, at)[2:]
+        specs.append((_CODE_TO_DTYPE[code], dims))
+        at += st.size
+    return specs
+
+
 def send(eng: ShmEngine, fn: str, dst: int, tensors: Sequence[torch.Tensor], extra: Any) -> None:
     """Stream the tensors (and a picklable ``extra``) to ``dst`` (the loop is C)."""
-    datas = [t.contiguous() for t in tensors]
-    meta = ([(str(t.dtype).rsplit(".", 1)[-1], tuple(t.shape)) for t in tensors], extra)
-    header = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
+    datas = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+    header = _binary_header(datas) if extra is None else None
+    if header is None:
+        meta = ([(str(t.dtype).rsplit(".", 1)[-1], tuple(t.shape)) for t in datas], extra)
+        header = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
     sizes = [t.numel() * t.element_size() for t in datas]
-    head = ctypes.create_string_buffer(
-        _PREFIX.pack(len(header), sum(sizes)) + header, _PREFIX.size + len(header)
-    )
-    pieces = [(ctypes.addressof(head), _PREFIX.size + len(header))]
+    pieces: list = [_PREFIX.pack(len(header), sum(sizes)) + header]
     pieces += [(t.data_ptr(), n) for t, n in zip(datas, sizes) if n]
     status = eng._native.p2p_send(dst, pieces)
     if status:
@@ -196,20 +228,24 @@ def recv(
     status, header = eng._native.p2p_recv_head(src)
     if status:
         eng.raise_status(status, fn, 0, 0, 0, 0)
-    specs, extra = pickle.loads(header)
+    if header[:1] == b"\xb1":
+        specs, extra = _parse_binary(header), None
+    else:
+        named, extra = pickle.loads(header)
+        specs = [(getattr(torch, name), tuple(shape)) for name, shape in named]
     problem = None
     tensors = None
     if out is not None:
-        have = [(str(t.dtype).rsplit(".", 1)[-1], tuple(t.shape)) for t in out]
-        if have == [(n, tuple(s)) for n, s in specs] and all(t.is_contiguous() for t in out):
+        have = [(t.dtype, tuple(t.shape)) for t in out]
+        if have == specs and all(t.is_contiguous() for t in out):
             tensors = list(out)
         else:
             problem = (
-                f"{fn}: rank {src} sent {[(n, tuple(s)) for n, s in specs]} but out= "
-                f"holds {have} (or a non-contiguous tensor)"
+                f"{fn}: rank {src} sent {_show(specs)} but out= holds {_show(have)} "
+                f"(or a non-contiguous tensor)"
             )
     if tensors is None:
-        tensors = [torch.empty(shape, dtype=getattr(torch, name)) for name, shape in specs]
+        tensors = [torch.empty(shape, dtype=dt) for dt, shape in specs]
     dests = [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors if t.numel()]
     status = eng._native.p2p_recv_body(dests)
     if status:
@@ -217,6 +253,10 @@ def recv(
     if problem:
         raise ValueError(problem)
     return tensors, extra
+
+
+def _show(specs: Sequence[tuple]) -> list:
+    return [(str(dt).rsplit(".", 1)[-1], tuple(shape)) for dt, shape in specs]
 
 
 def dtype_code_any(dtype: torch.dtype) -> int:
