@@ -75,6 +75,9 @@ def test_algorithm_switch_from_the_environment(monkeypatch):
     monkeypatch.setenv("TPCOMM_CUDA_ALGO", "two_shot")
     assert choose_algorithm(2, 16) == "two_shot"
     assert choose_algorithm(2, 16, "one_shot") == "one_shot"  # the argument wins
+    monkeypatch.setenv("TPCOMM_CUDA_ALGO", "fastest")
+    with pytest.raises(ValueError, match="TPCOMM_CUDA_ALGO must be"):
+        choose_algorithm(2, 16)
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,8 @@ __all__ = [
     "yield_us",
     "nt_min_bytes",
     "host_id_override",
+    "cuda_algo",
+    "cache_dir",
 ]
 
 # Seconds any single wait may last while every peer is alive.  Dead peers are
@@ -151,3 +153,19 @@ def threads(world: int) -> int:
 def host_id_override() -> str | None:
     """TPCOMM_HOST_ID: pretend to be on this host (tests of multi-host paths)."""
     return os.environ.get("TPCOMM_HOST_ID") or None
+
+
+def cuda_algo() -> str:
+    """TPCOMM_CUDA_ALGO: the GPU custom all-reduce's one_shot, two_shot or auto (default)."""
+    value = os.environ.get("TPCOMM_CUDA_ALGO") or "auto"
+    if value not in ("one_shot", "two_shot", "auto"):
+        raise ValueError(f"TPCOMM_CUDA_ALGO must be one_shot, two_shot or auto, got {value!r}")
+    return value
+
+
+def cache_dir() -> str:
+    """TPCOMM_CACHE_DIR (default $XDG_CACHE_HOME/tpcomm or ~/.cache/tpcomm): where the
+    GPU P2P verdict of a node is kept."""
+    return os.environ.get("TPCOMM_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tpcomm"
+    )

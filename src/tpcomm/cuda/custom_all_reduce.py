@@ -28,6 +28,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
+from .. import _env
 from .ipc import Group, Shared, open_handle, share
 
 __all__ = [
@@ -94,11 +95,11 @@ def choose_algorithm(world: int, nbytes: int, override: Optional[str] = None) ->
     8 below 256 KiB; two-shot otherwise.  ``override`` ("one_shot"/"two_shot"),
     or TPCOMM_CUDA_ALGO, wins.
     """
-    override = override or os.environ.get("TPCOMM_CUDA_ALGO") or "auto"
+    if override is not None and override not in ("one_shot", "two_shot", "auto"):
+        raise ValueError(f"algorithm must be one_shot, two_shot or auto, got {override!r}")
+    override = override or _env.cuda_algo()
     if override in ("one_shot", "two_shot"):
         return override
-    if override != "auto":
-        raise ValueError(f"TPCOMM_CUDA_ALGO must be one_shot, two_shot or auto, got {override!r}")
     if world == 2:
         return "one_shot"
     if world <= 4 and nbytes < 512 * 1024:
@@ -141,10 +142,7 @@ _p2p_memo: dict[str, bool] = {}
 
 
 def _cache_path() -> str:
-    base = os.environ.get("TPCOMM_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tpcomm"
-    )
-    return os.path.join(base, "p2p.json")
+    return os.path.join(_env.cache_dir(), "p2p.json")
 
 
 def _p2p_key(host: str, uuids: Sequence[str]) -> str:
