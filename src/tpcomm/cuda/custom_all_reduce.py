@@ -418,49 +418,42 @@ class CustomAllreduce:
         from . import kernels
 
         n = inp.numel()
-        if registered:
-            data_ptrs = self._register_input(inp)
-        else:
-            self._data.local[: n * inp.element_size()].view(inp.dtype).copy_(inp)
-            data_ptrs = self._data.ptrs
+        data_ptrs = self._register_input(inp) if registered else self._stage(inp)
         algo = choose_algorithm(self.world_size, n * inp.element_size(), self.algorithm)
-        dt = _triton_dtype(inp.dtype)
-        grid = (BLOCKS,)
         if algo == "one_shot":
-            kernels.one_shot[grid](
+            self._launch(kernels.one_shot, inp.dtype, data_ptrs, self._sig.ptrs, self._cnt, out, n)
+        else:
+            # two-shot: rank p reduces part p of every input into its scratch buffer, then
+            # every rank gathers the parts; the inputs stay untouched (in a graph they are
+            # the user's)
+            part = -(-n // self.world_size)
+            self._launch(
+                kernels.two_shot,
+                inp.dtype,
                 data_ptrs,
+                self._tmp.ptrs,
                 self._sig.ptrs,
                 self._cnt,
                 out,
                 n,
-                self.rank,
-                W=self.world_size,
-                BLOCKS=BLOCKS,
-                BLOCK=BLOCK,
-                DT=dt,
+                part,
             )
-        else:
-            self._two_shot(data_ptrs, out, n, dt)
 
-    def _two_shot(self, data_ptrs: torch.Tensor, out: torch.Tensor, n: int, dt: Any) -> None:
-        """Two-shot: reduce this rank's part of every input into the scratch buffer, then
-        gather the parts.  The inputs stay untouched (they may be the user's, in a graph)."""
-        from . import kernels
+    def _stage(self, inp: torch.Tensor) -> torch.Tensor:
+        """Copy ``inp`` (flattened) into this rank's IPC buffer; the peers' address table."""
+        nbytes = inp.numel() * inp.element_size()
+        self._data.local[:nbytes].view(inp.dtype).copy_(inp.reshape(-1))
+        return self._data.ptrs
 
-        part = -(-n // self.world_size)
-        kernels.two_shot[(BLOCKS,)](
-            data_ptrs,
-            self._tmp.ptrs,
-            self._sig.ptrs,
-            self._cnt,
-            out,
-            n,
-            part,
+    def _launch(self, kernel: Any, dtype: torch.dtype, *args: Any) -> None:
+        """One program per flag slot; every kernel takes this rank last, then the shapes."""
+        kernel[(BLOCKS,)](
+            *args,
             self.rank,
             W=self.world_size,
             BLOCKS=BLOCKS,
             BLOCK=BLOCK,
-            DT=dt,
+            DT=_triton_dtype(dtype),
         )
 
     # -- all-gather and reduce-scatter --------------------------------------------
@@ -474,24 +467,14 @@ class CustomAllreduce:
             return None
         from . import kernels
 
-        n = inp.numel()
-        self._data.local[:nbytes].view(inp.dtype).copy_(inp.reshape(-1))
+        data_ptrs = self._stage(inp)
         out = torch.empty(
             (self.world_size * inp.shape[0], *inp.shape[1:]) if inp.dim() else (self.world_size,),
             dtype=inp.dtype,
             device=inp.device,
         )
-        kernels.all_gather[(BLOCKS,)](
-            self._data.ptrs,
-            self._sig.ptrs,
-            self._cnt,
-            out,
-            n,
-            self.rank,
-            W=self.world_size,
-            BLOCKS=BLOCKS,
-            BLOCK=BLOCK,
-            DT=_triton_dtype(inp.dtype),
+        self._launch(
+            kernels.all_gather, inp.dtype, data_ptrs, self._sig.ptrs, self._cnt, out, inp.numel()
         )
         return out
 
@@ -508,21 +491,12 @@ class CustomAllreduce:
         from . import kernels
 
         m = inp.numel() // self.world_size
-        self._data.local[:nbytes].view(inp.dtype).copy_(inp.reshape(-1))
+        data_ptrs = self._stage(inp)
         out = torch.empty(
             (inp.shape[0] // self.world_size, *inp.shape[1:]), dtype=inp.dtype, device=inp.device
         )
-        kernels.reduce_scatter[(BLOCKS,)](
-            self._data.ptrs,
-            self._sig.ptrs,
-            self._cnt,
-            out,
-            m,
-            self.rank,
-            W=self.world_size,
-            BLOCKS=BLOCKS,
-            BLOCK=BLOCK,
-            DT=_triton_dtype(inp.dtype),
+        self._launch(
+            kernels.reduce_scatter, inp.dtype, data_ptrs, self._sig.ptrs, self._cnt, out, m
         )
         return out
 

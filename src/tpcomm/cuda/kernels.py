@@ -60,6 +60,21 @@ def _signal(sig_ptrs, stage, b, rank, flag, W: tl.constexpr, BLOCKS: tl.constexp
 
 
 @triton.jit
+def _enter(sig_ptrs, cnt, b, rank, W: tl.constexpr, BLOCKS: tl.constexpr):
+    """This call's flag for program b, once every rank's program b has started it."""
+    flag = tl.load(cnt + b) + 1
+    _signal(sig_ptrs, 0, b, rank, flag, W, BLOCKS)
+    return flag
+
+
+@triton.jit
+def _leave(sig_ptrs, cnt, b, rank, flag, W: tl.constexpr, BLOCKS: tl.constexpr):
+    """End barrier (nobody rewrites a buffer a peer still reads), then count the call."""
+    _signal(sig_ptrs, 2, b, rank, flag, W, BLOCKS)
+    tl.store(cnt + b, flag)
+
+
+@triton.jit
 def _round(acc, OUT: tl.constexpr):
     """float32 -> the output dtype, rounding to nearest even."""
     if OUT == tl.bfloat16:  # noqa: SIM300
@@ -95,15 +110,13 @@ def one_shot(
 ):
     """out = sum over ranks of data[p][:n]; program b does elements b*BLOCK, step BLOCKS*BLOCK."""
     b = tl.program_id(0)
-    flag = tl.load(cnt + b) + 1
-    _signal(sig_ptrs, 0, b, rank, flag, W, BLOCKS)
+    flag = _enter(sig_ptrs, cnt, b, rank, W, BLOCKS)
     for start in range(b * BLOCK, n, BLOCKS * BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < n
         acc = _sum_from(data_ptrs, offs, mask, W, DT, BLOCK)
         tl.store(out + offs, _round(acc, DT), mask=mask)
-    _signal(sig_ptrs, 2, b, rank, flag, W, BLOCKS)
-    tl.store(cnt + b, flag)
+    _leave(sig_ptrs, cnt, b, rank, flag, W, BLOCKS)
 
 
 @triton.jit
@@ -128,8 +141,7 @@ def two_shot(
     the same offsets inside every part, so a per-program middle barrier is
     enough before reading the peers' reduced parts."""
     b = tl.program_id(0)
-    flag = tl.load(cnt + b) + 1
-    _signal(sig_ptrs, 0, b, rank, flag, W, BLOCKS)
+    flag = _enter(sig_ptrs, cnt, b, rank, W, BLOCKS)
     mine = tl.load(tmp_ptrs + rank).to(tl.pointer_type(DT))
     lo = rank * part
     for start in range(b * BLOCK, part, BLOCKS * BLOCK):
@@ -144,8 +156,7 @@ def two_shot(
             offs = p * part + start + tl.arange(0, BLOCK)
             mask = (offs < n) & (offs < (p + 1) * part)
             tl.store(out + offs, tl.load(src + offs, mask=mask), mask=mask)
-    _signal(sig_ptrs, 2, b, rank, flag, W, BLOCKS)
-    tl.store(cnt + b, flag)
+    _leave(sig_ptrs, cnt, b, rank, flag, W, BLOCKS)
 
 
 @triton.jit
@@ -163,16 +174,14 @@ def all_gather(
 ):
     """out[p*n : (p+1)*n] = data[p][:n] for every rank p."""
     b = tl.program_id(0)
-    flag = tl.load(cnt + b) + 1
-    _signal(sig_ptrs, 0, b, rank, flag, W, BLOCKS)
+    flag = _enter(sig_ptrs, cnt, b, rank, W, BLOCKS)
     for p in tl.static_range(W):
         src = tl.load(data_ptrs + p).to(tl.pointer_type(DT))
         for start in range(b * BLOCK, n, BLOCKS * BLOCK):
             offs = start + tl.arange(0, BLOCK)
             mask = offs < n
             tl.store(out + p * n + offs, tl.load(src + offs, mask=mask), mask=mask)
-    _signal(sig_ptrs, 2, b, rank, flag, W, BLOCKS)
-    tl.store(cnt + b, flag)
+    _leave(sig_ptrs, cnt, b, rank, flag, W, BLOCKS)
 
 
 @triton.jit
@@ -190,12 +199,10 @@ def reduce_scatter(
 ):
     """out[:m] = sum over ranks of data[p][rank*m : (rank+1)*m]."""
     b = tl.program_id(0)
-    flag = tl.load(cnt + b) + 1
-    _signal(sig_ptrs, 0, b, rank, flag, W, BLOCKS)
+    flag = _enter(sig_ptrs, cnt, b, rank, W, BLOCKS)
     for start in range(b * BLOCK, m, BLOCKS * BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < m
         acc = _sum_from(data_ptrs, rank * m + offs, mask, W, DT, BLOCK)
         tl.store(out + offs, _round(acc, DT), mask=mask)
-    _signal(sig_ptrs, 2, b, rank, flag, W, BLOCKS)
-    tl.store(cnt + b, flag)
+    _leave(sig_ptrs, cnt, b, rank, flag, W, BLOCKS)
