@@ -362,6 +362,7 @@ def test_mp_spawn_with_backend_tpcomm():
 
 
 TORCHRUN_SCRIPT = """
+import sys
 import torch, torch.distributed as dist
 import tpcomm  # registers the backend
 dist.init_process_group("cpu:tpcomm")
@@ -373,7 +374,9 @@ g = dist.new_group(backend="gloo")
 dist.all_reduce(y, group=g)
 assert isinstance(dist.group.WORLD, tpcomm.ProcessGroupTpcomm)
 assert torch.equal(x, y), (x, y)
-print("rank", r, "of", w, "ok", x.tolist())
+# one write per rank: the ranks share stdout, and print() writes each argument apart
+sys.stdout.write(f"rank {r} of {w} ok {x.tolist()}\\n")
+sys.stdout.flush()
 dist.destroy_process_group()
 """
 
