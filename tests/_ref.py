@@ -70,3 +70,22 @@ def digest(t: torch.Tensor) -> str:
     if t.numel() == 0:
         return "empty"
     return hashlib.sha1(t.view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def unexpected_errors(cases) -> list[str]:
+    """Run ``(call, exception type, text)`` cases; list every one that did not raise
+    that type with ``text`` in its message.  A case whose type is None, or whose
+    text is "no error", expects no error and is not run here."""
+    problems = []
+    for call, exc, text in cases:
+        if exc is None or text == "no error":
+            continue
+        try:
+            call()
+            problems.append(f"{text}: no error")
+        except exc as e:
+            if text not in str(e):
+                problems.append(f"{text}: got {e}")
+        except Exception as e:
+            problems.append(f"{text}: raised {type(e).__name__}: {e}")
+    return problems

@@ -14,7 +14,7 @@ import torch
 import tpcomm
 from tpcomm import _env
 
-from ._ref import DTYPES, FLOATS, MOVE_DTYPES, digest, make, reference
+from ._ref import DTYPES, FLOATS, MOVE_DTYPES, digest, make, reference, unexpected_errors
 
 WORLDS = [1, 2, 3, 4, 8]
 BIG = _env.DEFAULT_SLOT_BYTES // 4 + 37  # float32 elements: more than one slot
@@ -220,18 +220,7 @@ def bad_collective_args(comm):
             "input has",
         ),
     ]
-    problems = []
-    for call, exc, text in cases:
-        if exc is None or text == "no error":
-            continue
-        try:
-            call()
-            problems.append(f"{text}: no error")
-        except exc as e:
-            if text not in str(e):
-                problems.append(f"{text}: got {e}")
-        except Exception as e:
-            problems.append(f"{text}: raised {type(e).__name__}: {e}")
+    problems = unexpected_errors(cases)
     # still in step
     g = comm.all_gather(torch.tensor([comm.rank]))
     return problems, g.tolist()

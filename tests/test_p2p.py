@@ -19,7 +19,7 @@ import torch
 import tpcomm
 from tpcomm.launch import LocalGroup
 
-from ._ref import MOVE_DTYPES, make
+from ._ref import MOVE_DTYPES, make, unexpected_errors
 
 
 def _payload(seed: int, big: int):
@@ -128,22 +128,24 @@ def test_tensor_dicts(pools):
 
 
 def bad_p2p(comm):
-    out = []
-    for call, exc, text in [
-        (lambda: comm.send(torch.ones(2), dst=1 - comm.rank), TypeError, "must be a list or tuple"),
-        (lambda: comm.send([torch.ones(2), 3], dst=1 - comm.rank), TypeError, "tensors[1] must be"),
-        (lambda: comm.send([torch.ones(2)], dst=comm.rank), ValueError, "is this rank"),
-        (lambda: comm.send([torch.ones(2)], dst=5), ValueError, "dst=5 is out of range"),
-        (lambda: comm.recv(src=comm.rank), ValueError, "is this rank"),
-        (lambda: comm.send_tensor_dict([1], dst=1 - comm.rank), TypeError, "must be a dict"),
-    ]:
-        try:
-            call()
-            out.append(f"{text}: no error")
-        except exc as e:
-            if text not in str(e):
-                out.append(f"{text}: {e}")
-    return out
+    return unexpected_errors(
+        [
+            (
+                lambda: comm.send(torch.ones(2), dst=1 - comm.rank),
+                TypeError,
+                "must be a list or tuple",
+            ),
+            (
+                lambda: comm.send([torch.ones(2), 3], dst=1 - comm.rank),
+                TypeError,
+                "tensors[1] must be",
+            ),
+            (lambda: comm.send([torch.ones(2)], dst=comm.rank), ValueError, "is this rank"),
+            (lambda: comm.send([torch.ones(2)], dst=5), ValueError, "dst=5 is out of range"),
+            (lambda: comm.recv(src=comm.rank), ValueError, "is this rank"),
+            (lambda: comm.send_tensor_dict([1], dst=1 - comm.rank), TypeError, "must be a dict"),
+        ]
+    )
 
 
 def test_bad_p2p_arguments(pools):

@@ -429,6 +429,12 @@ class Communicator:
         if tensor.layout is not _STRIDED:
             raise ValueError(f"{fn}: {name} must be dense (strided), got layout {tensor.layout}")
 
+    def _check_same_dtype(self, fn: str, output: _Tensor, input: _Tensor) -> None:
+        if output.dtype != input.dtype:
+            raise TypeError(
+                f"{fn}: output dtype {output.dtype} differs from input dtype {input.dtype}"
+            )
+
     def _check_rank(self, fn: str, name: str, value: Any, allow_self: bool = True) -> int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{fn}: {name} must be an int rank, got {type(value).__name__}")
@@ -508,10 +514,7 @@ class Communicator:
         self._check_open(fn)
         self._check_any(fn, output, "output")
         self._check_any(fn, input, "input")
-        if output.dtype != input.dtype:
-            raise TypeError(
-                f"{fn}: output dtype {output.dtype} differs from input dtype {input.dtype}"
-            )
+        self._check_same_dtype(fn, output, input)
         if output.numel() != self._world * input.numel():
             raise ValueError(
                 f"{fn}: output has {output.numel()} elements, expected world_size "
@@ -648,10 +651,7 @@ class Communicator:
         self._check_open(fn)
         op, reason = self._check_reduce(fn, input, op)
         self._check_any(fn, output, "output")
-        if output.dtype != input.dtype:
-            raise TypeError(
-                f"{fn}: output dtype {output.dtype} differs from input dtype {input.dtype}"
-            )
+        self._check_same_dtype(fn, output, input)
         if input.numel() != self._world * output.numel():
             raise ValueError(
                 f"{fn}: input has {input.numel()} elements, expected world_size "

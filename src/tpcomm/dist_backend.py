@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .communicator import Communicator
-from .dist_fallback import DistPath, private_gloo
+from .dist_fallback import DistPath, private_gloo, private_nccl
 from .errors import CommError
 from .ops import ReduceOp
 
@@ -119,9 +119,9 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
         super().__init__(rank, size)
         seconds = timeout.total_seconds() if timeout else None
         self._store = store
-        self._timeout = timeout
         self._name = group_name
-        self._gloo = private_gloo(store, "tpcomm-gloo", rank, size, seconds or 1800.0)
+        self._seconds = seconds or 1800.0  # the private groups' timeout
+        self._gloo = private_gloo(store, "tpcomm-gloo", rank, size, self._seconds)
         self._fallback = DistPath(self._gloo, rank, size, label="gloo, in the tpcomm backend")
         self._comm = Communicator._from_store(
             store, rank, size, "tpcomm-pg", "pg", seconds, fallback=self._fallback
@@ -162,18 +162,8 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
     def _cuda(self) -> Any:
         """The private NCCL group for CUDA tensors, made on their first collective."""
         if self._nccl is None:
-            from torch.distributed import PrefixStore
-
-            try:
-                from torch.distributed.distributed_c10d import ProcessGroupNCCL
-            except ImportError:
-                raise CommError(
-                    "tpcomm backend: a CUDA tensor was given but this torch has no NCCL"
-                ) from None
-            opts = ProcessGroupNCCL.Options()
-            opts._timeout = self._timeout
-            self._nccl = ProcessGroupNCCL(
-                PrefixStore("tpcomm-nccl/", self._store), self._rank, self._world, opts
+            self._nccl = private_nccl(
+                self._store, "tpcomm-nccl", self._rank, self._world, self._seconds
             )
         return self._nccl
 

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from .errors import CommError
 from .ops import ReduceOp
 
 __all__ = ["DistPath", "private_gloo", "private_nccl"]
@@ -62,9 +63,7 @@ def private_nccl(store: Any, prefix: str, rank: int, world: int, timeout: float)
     try:
         from torch.distributed.distributed_c10d import ProcessGroupNCCL
     except ImportError:
-        raise RuntimeError(
-            "tpcomm: a CUDA collective needs NCCL, and this torch has none"
-        ) from None
+        raise CommError("tpcomm: a CUDA collective needs NCCL, and this torch has none") from None
     opts = ProcessGroupNCCL.Options()
     opts._timeout = datetime.timedelta(seconds=timeout)
     return ProcessGroupNCCL(PrefixStore(f"{prefix}/", store), rank, world, opts)

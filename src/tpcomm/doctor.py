@@ -27,6 +27,7 @@ import time
 from typing import Any, Callable, Optional
 
 from . import _env
+from .bootstrap import local_cpu_count
 from .shm.segment import PREFIX, _space_message
 
 __all__ = ["add_arguments", "run", "stale_segments", "segment_owners", "Report"]
@@ -288,10 +289,7 @@ def _check_remove_ipc(rep: Report) -> None:
 def _check_cpus(rep: Report, world: int) -> None:
     rep.section("CPUs")
     online = os.cpu_count() or 1
-    try:
-        mine = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        mine = online
+    mine = local_cpu_count()
     rep.ok(f"{online} CPUs online, {mine} in this process's affinity")
     nodes = _numa_nodes()
     if len(nodes) > 1:
@@ -334,18 +332,11 @@ def _check_paths(rep: Report, world: int) -> None:
     rep.info("groups spanning hosts (hostname + boot id, TPCOMM_HOST_ID): shared memory in each")
     rep.info("host, gloo between one leader per host (all_reduce, all_gather, reduce_scatter,")
     rep.info("broadcast, barrier); gather, uneven all_gather and send/recv: flat torch.distributed")
-    spin = 0.0 if world > _cpus() else _env.spin_us()
+    spin = 0.0 if world > local_cpu_count() else _env.spin_us()
     rep.info(
         f"waits: spin {spin:g} us, then yield up to {_env.yield_us():g} us, then sleep; "
         f"timeout {_env.timeout():g} s (TPCOMM_TIMEOUT)"
     )
-
-
-def _cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def _selftest(rep: Report, world: int) -> None:

@@ -19,6 +19,21 @@ import tpcomm
 from tpcomm.cuda import CustomAllreduce
 
 
+def _time_us(comm, dev, call, warmup, iters):
+    """Microseconds per call on the GPU, after ``warmup`` calls and a barrier."""
+    for _ in range(warmup):
+        call()
+    torch.cuda.synchronize(dev)
+    comm.barrier()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(iters):
+        call()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) * 1000 / iters
+
+
 def _rank(comm, port, sizes, iters):
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
@@ -35,28 +50,8 @@ def _rank(comm, port, sizes, iters):
             row = [nbytes]
             for algo in ("one_shot", "two_shot"):
                 car.algorithm = algo
-                for _ in range(3):
-                    car.all_reduce(x)
-                torch.cuda.synchronize(dev)
-                comm.barrier()
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                for _ in range(iters):
-                    car.all_reduce(x)
-                b.record()
-                b.synchronize()
-                row.append(a.elapsed_time(b) * 1000 / iters)
-            for _ in range(2):
-                dist.all_reduce(x)
-            torch.cuda.synchronize(dev)
-            comm.barrier()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(max(3, iters // 10)):
-                dist.all_reduce(x)
-            b.record()
-            b.synchronize()
-            row.append(a.elapsed_time(b) * 1000 / max(3, iters // 10))
+                row.append(_time_us(comm, dev, lambda x=x: car.all_reduce(x), 3, iters))
+            row.append(_time_us(comm, dev, lambda x=x: dist.all_reduce(x), 2, max(3, iters // 10)))
             rows.append(row)
         return rows
     finally:

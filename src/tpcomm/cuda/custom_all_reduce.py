@@ -29,6 +29,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 
 from .. import _env
+from ..bootstrap import host_identity
 from .ipc import Group, Shared, open_handle, share
 
 __all__ = [
@@ -315,13 +316,14 @@ class CustomAllreduce:
                 )
             )
             return
-        hosts = self.group.hosts()  # collective: every rank takes the same branches below
-        same_host = len(set(hosts)) == 1
+        # one exchange of every rank's facts: every rank takes the same branches below
+        everyone = self.group.all_gather_object((host_identity(), have_cuda, _have_triton()))
+        hosts = [h for h, _, _ in everyone]
         facts = dict(
             world=self.world_size,
-            same_host=same_host,
-            have_cuda=all(self.group.all_gather_object(have_cuda)),
-            have_triton=all(self.group.all_gather_object(_have_triton())),
+            same_host=len(set(hosts)) == 1,
+            have_cuda=all(c for _, c, _ in everyone),
+            have_triton=all(t for _, _, t in everyone),
             fully_connected=False,
             p2p_ok=None,
         )

@@ -1,8 +1,8 @@
 """Buffers every rank can address: CUDA IPC on a GPU, shared memory in tests.
 
 ``Group`` adapts what the ranks talk over during set-up (a torch.distributed
-ProcessGroup that carries CPU tensors, or a tpcomm Communicator) to the two
-things set-up needs: ``all_gather_object`` and the host identity of each rank.
+ProcessGroup that carries CPU tensors, or a tpcomm Communicator) to what
+set-up needs: ``all_gather_object``.
 
 ``share(nbytes, ...)`` allocates a zeroed buffer on this rank and returns it
 with every rank's address of its peers' buffers (a device int64 tensor, the
@@ -56,11 +56,6 @@ class Group:
         got: list = [None] * self.world
         dist.all_gather_object(got, obj, group=self.pg)
         return got
-
-    def hosts(self) -> list[str]:
-        from ..bootstrap import host_identity
-
-        return self.all_gather_object(host_identity())
 
 
 @dataclass
