@@ -282,6 +282,13 @@ def ddp(comm, port):
                 loss.backward()
                 opt.step()
             finals.append([p.detach().clone() for p in model.parameters()])
+            # Drop the DDP model while `gloo` still holds its group: torch 2.13's
+            # Reducer frees its last reference to a ProcessGroupGloo with the GIL
+            # held, and ~ProcessGroupGloo joins a worker that may still be freeing
+            # a work whose saved thread-local state (the contextvars that backward
+            # stashes) needs the GIL: a deadlock seen in CI. Freed from Python,
+            # the group's binding lets the GIL go first.
+            del model, opt
         same = all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(*finals))
         moved = any(not torch.equal(a, b) for a, b in zip(finals[0], _model().parameters()))
         return same, moved, finals[0]
