@@ -767,7 +767,7 @@ typedef struct {
     PyObject *ops[OP_COUNT];
     PyObject *dtypes[DT_COUNT];
     PyObject *fallback;
-    PyObject *d_dtype, *d_is_cpu, *d_is_contiguous, *d_data_ptr, *d_numel;
+    PyObject *d_dtype, *d_is_cpu, *d_is_contiguous, *d_data_ptr, *d_numel, *d_is_neg;
     uint32_t kind_all_reduce;
     PyObject *mapping; /* the Mapping that owns base */
     PyObject *pending; /* exception a signal handler raised during a wait */
@@ -1211,7 +1211,7 @@ static PyObject *eng_all_reduce(Engine *e, PyObject *const *args, Py_ssize_t nar
  * Python fallback set with set_fast_path(), which does the full checks and
  * raises the proper exceptions: fallback(tensor, op, status).
  */
-static PyObject *S_dtype, *S_is_cpu, *S_is_contiguous, *S_data_ptr, *S_numel;
+static PyObject *S_dtype, *S_is_cpu, *S_is_contiguous, *S_data_ptr, *S_numel, *S_is_neg;
 
 /* Call a descriptor resolved on the tensor type once (see set_fast_path):
  * skips the per-call attribute lookup and bound-method object. */
@@ -1246,14 +1246,16 @@ static PyObject *call_fallback(Engine *e, PyObject *t, PyObject *op, int status)
     return res;
 }
 
-static int is_true_attr(PyObject *t, PyObject *descr, int call)
+/* Is t.<descr> (called when `call`) the object `want` (Py_True or Py_False)?
+ * An error counts as no. */
+static int attr_is(PyObject *t, PyObject *descr, int call, PyObject *want)
 {
     PyObject *v = call ? descr_call(descr, t) : descr_get(descr, t);
     if (!v) {
         PyErr_Clear();
         return 0;
     }
-    int r = v == Py_True;
+    int r = v == want;
     Py_DECREF(v);
     return r;
 }
@@ -1299,8 +1301,11 @@ static PyObject *eng_fast_all_reduce(Engine *e, PyObject *const *args, Py_ssize_
         if (dt == e->dtypes[i])
             dtc = i;
     Py_DECREF(dt);
+    /* a negative view's memory holds the negated values (the reduce dtypes
+     * are real, so no conjugate bit): only is_neg() False qualifies */
     if (opc < 0 || dtc < 0 || (opc == OP_AVG && dtc >= DT_I32) ||
-        !is_true_attr(t, e->d_is_cpu, 0) || !is_true_attr(t, e->d_is_contiguous, 1))
+        !attr_is(t, e->d_is_cpu, 0, Py_True) || !attr_is(t, e->d_is_contiguous, 1, Py_True) ||
+        !attr_is(t, e->d_is_neg, 1, Py_False))
         return call_fallback(e, t, op, 0);
     PyObject *pv = descr_call(e->d_data_ptr, t);
     if (!pv)
@@ -1351,10 +1356,10 @@ static PyObject *eng_set_fast_path(Engine *e, PyObject *args)
     Py_XSETREF(e->fallback, fb);
     /* Resolve the tensor type's accessors once; only C descriptors qualify
      * (a Python override would need the ordinary lookup). */
-    PyObject *names[5] = {S_dtype, S_is_cpu, S_is_contiguous, S_data_ptr, S_numel};
-    PyObject **slots[5] = {&e->d_dtype, &e->d_is_cpu, &e->d_is_contiguous, &e->d_data_ptr,
-                           &e->d_numel};
-    for (int i = 0; i < 5; i++) {
+    PyObject *names[6] = {S_dtype, S_is_cpu, S_is_contiguous, S_data_ptr, S_numel, S_is_neg};
+    PyObject **slots[6] = {&e->d_dtype, &e->d_is_cpu,  &e->d_is_contiguous,
+                           &e->d_data_ptr, &e->d_numel, &e->d_is_neg};
+    for (int i = 0; i < 6; i++) {
         PyObject *d = _PyType_Lookup((PyTypeObject *)tt, names[i]);
         if (!d || !(Py_IS_TYPE(d, &PyGetSetDescr_Type) || Py_IS_TYPE(d, &PyMethodDescr_Type))) {
             PyErr_Format(PyExc_TypeError, "set_fast_path: %R.%U is not a C accessor", tt,
@@ -2005,6 +2010,7 @@ static void eng_dealloc(Engine *e)
     Py_CLEAR(e->d_is_cpu);
     Py_CLEAR(e->d_is_contiguous);
     Py_CLEAR(e->d_data_ptr);
+    Py_CLEAR(e->d_is_neg);
     Py_CLEAR(e->d_numel);
     for (int i = 0; i < OP_COUNT; i++)
         Py_CLEAR(e->ops[i]);
@@ -2279,7 +2285,8 @@ PyMODINIT_FUNC PyInit__native(void)
     S_is_contiguous = PyUnicode_InternFromString("is_contiguous");
     S_data_ptr = PyUnicode_InternFromString("data_ptr");
     S_numel = PyUnicode_InternFromString("numel");
-    if (!S_dtype || !S_is_cpu || !S_is_contiguous || !S_data_ptr || !S_numel)
+    S_is_neg = PyUnicode_InternFromString("is_neg");
+    if (!S_dtype || !S_is_cpu || !S_is_contiguous || !S_data_ptr || !S_numel || !S_is_neg)
         return NULL;
     Py_INCREF(&EngineType);
     if (PyModule_AddObject(m, "Engine", (PyObject *)&EngineType) < 0) {

@@ -23,7 +23,16 @@ from .bootstrap import exchange, host_identity
 from .dist_fallback import DistPath, private_gloo, private_nccl
 from .errors import CommError
 from .hierarchical import Hierarchy
-from .ops import CODE_DTYPES, DTYPE_CODES, FLOAT_DTYPES, ReduceOp, as_reduce_op, op_name
+from .ops import (
+    CODE_DTYPES,
+    DTYPE_CODES,
+    FLOAT_DTYPES,
+    ReduceOp,
+    as_reduce_op,
+    dense,
+    is_dense,
+    op_name,
+)
 from .shm import protocols, symmetric
 from .shm.engine import (
     KIND_ALL_GATHER,
@@ -379,7 +388,7 @@ class Communicator:
         if self._engine is None:  # world size 1
             return tensor
         codes = (DTYPE_CODES[tensor.dtype], op.value)
-        work = tensor if tensor.is_contiguous() else tensor.contiguous()
+        work = dense(tensor)
         status = self._engine.all_reduce(
             work.data_ptr(), work.numel(), codes[0], codes[1], KIND_ALL_REDUCE
         )
@@ -521,7 +530,7 @@ class Communicator:
                 f"x input = {self._world} x {input.numel()}"
             )
         n = input.numel()
-        if self._engine is not None and input.is_contiguous() and output.is_contiguous():
+        if self._engine is not None and is_dense(input) and is_dense(output):
             # the common case, without a single tensor op (each costs microseconds)
             nbytes = n * input.element_size()
             protocols.gatherv(
@@ -544,7 +553,7 @@ class Communicator:
             [n] * self._world,
             0,
             None,
-            out=output if output.is_contiguous() else None,
+            out=output if is_dense(output) else None,
         )
         if res is not output:
             output.copy_(res.view(output.shape))
@@ -560,9 +569,7 @@ class Communicator:
         root: Optional[int],
         out: Optional[_Tensor] = None,
     ) -> _Tensor:
-        moved = tensor.movedim(d, 0).contiguous() if d else tensor
-        if not moved.is_contiguous():
-            moved = moved.contiguous()
+        moved = dense(tensor.movedim(d, 0) if d else tensor)
         rest = tuple(moved.shape[1:])
         shape = (sum(sizes), *rest)
         if self._hier is not None and root is None and len(set(sizes)) == 1:
@@ -662,8 +669,8 @@ class Communicator:
             reason is None
             and not self._all_dist
             and self._engine is not None
-            and input.is_contiguous()
-            and output.is_contiguous()
+            and is_dense(input)
+            and is_dense(output)
         ):
             # the common case, without a single tensor op (each costs microseconds)
             protocols.reduce_scatterv(
@@ -684,7 +691,7 @@ class Communicator:
     def _reduce_scatter(
         self, fn: str, tensor: _Tensor, sizes: list[int], d: int, op: Any, reason: Optional[str]
     ) -> _Tensor:
-        moved = (tensor.movedim(d, 0) if d else tensor).contiguous()
+        moved = dense(tensor.movedim(d, 0) if d else tensor)
         rest = tuple(moved.shape[1:])
         inner = _prod(rest)
         if reason or (self._all_dist and self._hier is None):
@@ -722,7 +729,7 @@ class Communicator:
             return self._hier.broadcast(tensor, src)
         if self._engine is None:
             return tensor
-        work = tensor if tensor.is_contiguous() else tensor.contiguous()
+        work = dense(tensor)
         protocols.broadcast(
             self._engine,
             fn,

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from .communicator import Communicator
 from .dist_fallback import DistPath, private_gloo, private_nccl
 from .errors import CommError
-from .ops import ReduceOp
+from .ops import ReduceOp, dense, is_dense
 
 __all__ = ["ProcessGroupTpcomm", "BACKEND_NAME", "register"]
 
@@ -233,7 +233,7 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
                     f"reduce_scatter: expected {self._world} input tensors, got {len(inputs)}"
                 )
             flat = torch.cat([_flat(t) for t in inputs])
-            res = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype)
+            res = out if is_dense(out) else torch.empty(out.shape, dtype=out.dtype)
             self._comm.reduce_scatter_tensor(res, flat, op)
             if res is not out:
                 out.copy_(res)
@@ -320,7 +320,7 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
                     )
                 for r in range(self._world):
                     if r != root:
-                        comm._send("scatter", r, [_flat(parts[r]).contiguous()], _SCATTER)
+                        comm._send("scatter", r, [dense(_flat(parts[r]))], _SCATTER)
                 out.copy_(parts[root].view(out.shape))
             else:
                 got, tag = comm._recv("scatter", root)
@@ -383,7 +383,7 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
             return self._cuda().send(tensors, dst, tag)
         if tag:
             return self._gloo.send(tensors, dst, tag)
-        self._comm._send("send", dst, [t.contiguous() for t in tensors], None)
+        self._comm._send("send", dst, [dense(t) for t in tensors], None)
         return _Done(tensors)
 
     def recv(self, tensors: list, src: int, tag: int = 0) -> Any:
@@ -391,7 +391,7 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
             return self._cuda().recv(tensors, src, tag)
         if tag:
             return self._gloo.recv(tensors, src, tag)
-        direct = all(t.is_contiguous() for t in tensors)
+        direct = all(is_dense(t) for t in tensors)
         got, extra = self._comm._recv("recv", src, list(tensors) if direct else None)
         if extra is not None:
             raise CommError(

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from .errors import CommError
-from .ops import ReduceOp
+from .ops import ReduceOp, dense
 
 __all__ = ["DistPath", "private_gloo", "private_nccl"]
 
@@ -117,7 +117,7 @@ class DistPath:
             )
 
     def all_reduce(self, t: torch.Tensor, op: Any) -> torch.Tensor:
-        work = t if t.is_contiguous() else t.contiguous()
+        work = dense(t)
         opts = c10d.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM if op is ReduceOp.AVG else _OPS.get(op, op)
         if work.is_complex() and opts.reduceOp != dist.ReduceOp.SUM:
@@ -133,7 +133,7 @@ class DistPath:
         """``moved``: this rank's part with the gathered dim first."""
         top = max(sizes)
         if all(s == top for s in sizes):
-            pad = moved.contiguous()
+            pad = dense(moved)
         else:
             pad = torch.zeros((top, *moved.shape[1:]), dtype=moved.dtype)
             pad[: moved.shape[0]] = moved
@@ -151,7 +151,7 @@ class DistPath:
         opts = c10d.GatherOptions()
         opts.rootRank = dst
         into = [[_real(p) for p in parts]] if mine else []
-        self.group.gather(into, [_real(moved.contiguous())], opts).wait()
+        self.group.gather(into, [_real(dense(moved))], opts).wait()
         return torch.cat(parts) if mine else None
 
     def reduce_scatterv(self, moved: torch.Tensor, sizes: Sequence[int], op: Any) -> torch.Tensor:
@@ -159,7 +159,7 @@ class DistPath:
         return full.split(list(sizes))[self.rank].clone()
 
     def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
-        work = t if t.is_contiguous() else t.contiguous()
+        work = dense(t)
         opts = c10d.BroadcastOptions()
         opts.rootRank = src
         opts.rootTensor = 0
@@ -179,7 +179,7 @@ class DistPath:
         g.send([head], dst, 0).wait()
         for t in tensors:
             if t.numel():
-                g.send([_real(t.contiguous())], dst, 0).wait()
+                g.send([_real(dense(t))], dst, 0).wait()
 
     def recv(self, src: int) -> tuple[list[torch.Tensor], Any]:
         g = self.group

@@ -38,7 +38,7 @@ import torch
 
 from .dist_fallback import DistPath, private_gloo
 from .errors import CommError, CommTimeoutError, PeerFailedError
-from .ops import ReduceOp
+from .ops import ReduceOp, dense
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -137,7 +137,7 @@ class Hierarchy:
 
     @_guarded
     def all_reduce(self, t: torch.Tensor, op: Any) -> torch.Tensor:
-        work = t if t.is_contiguous() else t.contiguous()
+        work = dense(t)
         step = ReduceOp.SUM if op is ReduceOp.AVG else op
         self.local.all_reduce(work, step)
         if self.cross is not None:
@@ -178,7 +178,7 @@ class Hierarchy:
 
     @_guarded
     def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
-        work = t if t.is_contiguous() else t.contiguous()
+        work = dense(t)
         src_host = self.host_of[src]
         if self.host == src_host:
             self.local.broadcast(work, self.members[src_host].index(src))

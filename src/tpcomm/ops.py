@@ -90,3 +90,21 @@ for _name in ("uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2", "com
         ALL_DTYPES.append(getattr(torch, _name))
 ANY_DTYPE_CODES = {dt: i for i, dt in enumerate(ALL_DTYPES)}
 ANY_CODE_DTYPES = {i: dt for dt, i in ANY_DTYPE_CODES.items()}
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s memory holds exactly its values, contiguously.
+
+    The engine reads and writes raw memory; a contiguous view that carries a
+    pending conjugation (``x.conj()``) or negation (``x.conj().imag``) bit
+    does not qualify: its memory holds other values than it shows.
+    """
+    return t.is_contiguous() and not t.is_neg() and not t.is_conj()
+
+
+def dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when is_dense, else a dense copy of its values (a caller
+    that writes the result back copies it into ``t``: ``copy_`` honours the bits)."""
+    if is_dense(t):
+        return t
+    return t.resolve_conj().resolve_neg().contiguous()

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 
 from .. import _native
-from ..ops import ANY_DTYPE_CODES, DTYPE_CODES
+from ..ops import ANY_DTYPE_CODES, DTYPE_CODES, dense, is_dense
 from .engine import KIND_BROADCAST, KIND_REDUCE_SCATTER
 
 if TYPE_CHECKING:
@@ -202,7 +202,7 @@ def _parse_binary(header: bytes) -> list[tuple[torch.dtype, tuple]]:
 
 def send(eng: ShmEngine, fn: str, dst: int, tensors: Sequence[torch.Tensor], extra: Any) -> None:
     """Stream the tensors (and a picklable ``extra``) to ``dst`` (the loop is C)."""
-    datas = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+    datas = [dense(t) for t in tensors]
     header = _binary_header(datas) if extra is None else None
     if header is None:
         meta = ([(str(t.dtype).rsplit(".", 1)[-1], tuple(t.shape)) for t in datas], extra)
@@ -237,12 +237,12 @@ def recv(
     tensors = None
     if out is not None:
         have = [(t.dtype, tuple(t.shape)) for t in out]
-        if have == specs and all(t.is_contiguous() for t in out):
+        if have == specs and all(is_dense(t) for t in out):
             tensors = list(out)
         else:
             problem = (
                 f"{fn}: rank {src} sent {_show(specs)} but out= holds {_show(have)} "
-                f"(or a non-contiguous tensor)"
+                f"(or a tensor that is not dense: non-contiguous, or a conj/neg view)"
             )
     if tensors is None:
         tensors = [torch.empty(shape, dtype=dt) for dt, shape in specs]
