@@ -132,6 +132,7 @@ def test_should_custom_ar():
     assert not car.should_custom_ar(torch.empty(256))  # 1024 bytes: not below max_size
     assert car.should_custom_ar(torch.empty(252))
     assert not car.should_custom_ar(torch.empty(8, 8)[:, :4])  # not weakly contiguous
+    assert not car.should_custom_ar(torch._neg_view(torch.empty(4)))  # memory holds -values
     assert not _gate(world=4).should_custom_ar(torch.empty(4))  # 4 GPUs over PCIe
     assert _gate(world=4, fully_connected=True).should_custom_ar(torch.empty(4))
     car.disabled = True

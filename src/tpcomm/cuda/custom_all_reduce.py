@@ -367,10 +367,11 @@ class CustomAllreduce:
 
     def should_custom_ar(self, inp: torch.Tensor) -> bool:
         """Can ``custom_all_reduce`` take this tensor?  (dtype, 16-byte multiple,
-        weakly contiguous, smaller than max_size, on two GPUs or NVLink-connected)"""
+        weakly contiguous, not a negative view, smaller than max_size, on two GPUs
+        or NVLink-connected)"""
         if self.disabled:
             return False
-        if inp.dtype not in DTYPES:
+        if inp.dtype not in DTYPES or inp.is_neg():  # peers read raw memory (docs/COLLECTIVES.md)
             return False
         nbytes = inp.numel() * inp.element_size()
         if nbytes % 16 or not is_weak_contiguous(inp):
