@@ -203,6 +203,7 @@ def interpreted():
 
 
 @needs_triton
+@pytest.mark.timeout(600)  # the first test also pays the fixture: ~30 s quiet, 60 s loaded
 @pytest.mark.parametrize("world", [2, 4])
 def test_kernels_under_the_interpreter(interpreted, world):
     res = interpreted[f"kernels:{world}"]
@@ -213,6 +214,7 @@ def test_kernels_under_the_interpreter(interpreted, world):
 
 
 @needs_triton
+@pytest.mark.timeout(600)  # when run alone it pays the fixture
 def test_disabled_across_hosts_and_at_unsupported_sizes(interpreted):
     assert (
         interpreted["hosts:2"]
