@@ -143,6 +143,10 @@ def bad_p2p(comm):
             (lambda: comm.send([torch.ones(2)], dst=comm.rank), ValueError, "is this rank"),
             (lambda: comm.send([torch.ones(2)], dst=5), ValueError, "dst=5 is out of range"),
             (lambda: comm.recv(src=comm.rank), ValueError, "is this rank"),
+            (lambda: comm.send([torch.ones(2)], dst=True), TypeError, "dst must be an int"),
+            (lambda: comm.recv(src=5, out=[torch.ones(2)]), ValueError, "src=5 is out of range"),
+            (lambda: comm.recv(src=1 - comm.rank, out=[2]), TypeError, "tensors[0] must be"),
+            (lambda: comm.recv(src=1 - comm.rank, out=torch.ones(2)), TypeError, "list or tuple"),
             (lambda: comm.send_tensor_dict([1], dst=1 - comm.rank), TypeError, "must be a dict"),
         ]
     )
@@ -170,6 +174,8 @@ def killed_while_others_wait(comm, where, outdir):
             comm.gather(torch.ones(10), dst=1)
         elif where == "broadcast":
             comm.broadcast(torch.ones(10), src=0)
+        elif where == "recv_into":
+            comm.recv(src=0, out=[torch.empty(10)])
         elif where == "send":  # fill both slots, then wait for a receiver that is gone
             for _ in range(3):
                 comm.send([torch.ones(10)], dst=0)
@@ -180,7 +186,7 @@ def killed_while_others_wait(comm, where, outdir):
     return res
 
 
-@pytest.mark.parametrize("where", ["recv", "gather", "broadcast", "send"])
+@pytest.mark.parametrize("where", ["recv", "recv_into", "gather", "broadcast", "send"])
 def test_dead_peer_during_p2p_and_rooted_collectives(tmp_path, where):
     with LocalGroup(3, timeout=60) as g, pytest.raises(tpcomm.LaunchError) as info:
         g.run(killed_while_others_wait, where, str(tmp_path), timeout=60)
@@ -197,6 +203,9 @@ def recv_into(comm):
         comm.send([torch.arange(6).reshape(2, 3), torch.tensor(1.5)], dst=1)
         comm.send([torch.ones(4)], dst=1)
         comm.send([torch.ones(2)], dst=1)
+        comm.send((torch.arange(512.0).reshape((2,) * 9),), dst=1)  # 9-d: pickled header
+        comm.send([torch.nn.Parameter(torch.full((3,), 2.0))], dst=1)  # a subclass
+        comm.send([torch.arange(4).to(torch.int16)], dst=1)
         return None
     a, b = torch.empty(2, 3, dtype=torch.int64), torch.empty((), dtype=torch.float32)
     got = comm.recv(0, out=[a, b])
@@ -207,6 +216,18 @@ def recv_into(comm):
     except ValueError as e:
         err = str(e)
     nxt = comm.recv(0)[0].tolist()  # the channel is still in step
+    nine = torch.empty((2,) * 9)
+    same = same and comm.recv(0, out=(nine,))[0] is nine
+    same = same and torch.equal(nine, torch.arange(512.0).reshape((2,) * 9))
+    (p,) = comm.recv(0, out=[torch.empty(3)])
+    same = same and p.tolist() == [2.0, 2.0, 2.0]
+    wrong = torch.empty(4, dtype=torch.int32)  # same shape, another dtype
+    try:
+        comm.recv(0, out=[wrong])
+        err2 = "no error"
+    except ValueError as e:
+        err2 = str(e)
+    same = same and "int16" in err2 and "int32" in err2
     return same, err, nxt
 
 

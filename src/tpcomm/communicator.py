@@ -24,6 +24,7 @@ from .dist_fallback import DistPath, private_gloo, private_nccl
 from .errors import CommError
 from .hierarchical import Hierarchy
 from .ops import (
+    ALL_DTYPES,
     CODE_DTYPES,
     DTYPE_CODES,
     FLOAT_DTYPES,
@@ -252,6 +253,8 @@ class Communicator:
         # The instance attribute shadows the method below: one C call per
         # all_reduce in the common case (see _native.c fast_all_reduce).
         self.all_reduce = native.fast_all_reduce
+        # send/recv's common case in C too (p2p_send_tensors, p2p_recv_into)
+        native.set_p2p_dtypes(tuple(ALL_DTYPES), tuple(dt.itemsize for dt in ALL_DTYPES))
 
     # -- properties -----------------------------------------------------------
 
@@ -788,6 +791,13 @@ class Communicator:
         rank to another arrive in order; ``send`` returns as soon as the data is in
         shared memory (it waits only when the receiver is two chunks behind).
         """
+        eng = self._engine
+        if eng is not None:  # plain tensors: one C call (None: the general path below)
+            status = eng._native.p2p_send_tensors(dst, tensors)
+            if status is not None:
+                if status:
+                    eng.raise_status(status, "send", 0, 0, 0, 0)
+                return
         fn = "send"
         self._check_open(fn)
         tensors = self._check_list(fn, tensors)
@@ -805,6 +815,15 @@ class Communicator:
                 ``ValueError``.
         """
         fn = "recv"
+        eng = self._engine
+        if eng is not None and out is not None:  # see send
+            got = eng._native.p2p_recv_into(src, out)
+            if got is not None:
+                if type(got) is int:
+                    if got:
+                        eng.raise_status(got, fn, 0, 0, 0, 0)
+                    return list(out)
+                return protocols.recv_rest(eng, fn, src, out, got)[0]
         self._check_open(fn)
         src = self._check_rank(fn, "src", src, allow_self=False)
         if out is not None:

@@ -383,7 +383,7 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
             return self._cuda().send(tensors, dst, tag)
         if tag:
             return self._gloo.send(tensors, dst, tag)
-        self._comm._send("send", dst, [dense(t) for t in tensors], None)
+        self._comm.send(tensors, dst)
         return _Done(tensors)
 
     def recv(self, tensors: list, src: int, tag: int = 0) -> Any:

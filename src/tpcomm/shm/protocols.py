@@ -228,6 +228,13 @@ def recv(
     status, header = eng._native.p2p_recv_head(src)
     if status:
         eng.raise_status(status, fn, 0, 0, 0, 0)
+    return recv_rest(eng, fn, src, out, header)
+
+
+def recv_rest(
+    eng: ShmEngine, fn: str, src: int, out: Sequence[torch.Tensor] | None, header: bytes
+) -> tuple[list[torch.Tensor], Any]:
+    """The rest of ``recv`` once the message's header is read."""
     if header[:1] == b"\xb1":
         specs, extra = _parse_binary(header), None
     else:
