@@ -1418,6 +1418,220 @@ static PyObject *eng_sync(Engine *e, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromLong(st);
 }
 
+/*
+ * The data-moving rounds of protocols.py in C: the loops there cost 5-8 us of
+ * Python per call on the development VM, more than the copies of a small
+ * message.  Each round: copy this rank's part into its slot of parity
+ * (round + 1) & 1, publish and compare the metadata (round_sync), copy out of
+ * the peers' slots.  Slot p is rewritten only two rounds later, after every
+ * peer published the round in between, so it was read by then.
+ */
+
+/* Parse a list of `world` non-negative ints into v (PyMem); -1 with an exception */
+static int int_list(Engine *e, PyObject *o, size_t **v, const char *fn)
+{
+    if (!PyList_Check(o) || PyList_GET_SIZE(o) != e->world) {
+        PyErr_Format(PyExc_ValueError, "%s: expected a list of %d sizes", fn, e->world);
+        return -1;
+    }
+    *v = PyMem_Calloc((size_t)e->world + 1, sizeof(size_t));
+    if (!*v) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (int r = 0; r < e->world; r++) {
+        long long x = PyLong_AsLongLong(PyList_GET_ITEM(o, r));
+        if (x < 0) {
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_ValueError, "%s: negative size", fn);
+            PyMem_Free(*v);
+            return -1;
+        }
+        (*v)[r] = (size_t)x;
+    }
+    return 0;
+}
+
+/* The `want` arguments as unsigned 64-bit ints (None and lists read as 0:
+ * the caller takes those from args itself); -1 with an exception */
+static int u64_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, const char *fn,
+                    unsigned long long *v)
+{
+    if (nargs != want) {
+        PyErr_Format(PyExc_TypeError, "%s expects %zd arguments", fn, want);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < want; i++)
+        v[i] = args[i] == Py_None || PyList_Check(args[i]) ? 0
+                                                           : PyLong_AsUnsignedLongLong(args[i]);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+static inline size_t part_of(size_t have, size_t lo, size_t cap)
+{
+    return have > lo ? (have - lo < cap ? have - lo : cap) : 0;
+}
+
+/* enter() for the collectives below: 0 go, 1 aborted (status), -1 error */
+static int enter_data(Engine *e, size_t bytes, PyThreadState **ts)
+{
+    int en = enter(e);
+    if (en == 0 && bytes >= GIL_RELEASE_BYTES)
+        *ts = PyEval_SaveThread();
+    return en;
+}
+
+static PyObject *leave_data(Engine *e, int st, PyThreadState *ts)
+{
+    if (ts)
+        PyEval_RestoreThread(ts);
+    e->busy = 0;
+    return PyLong_FromLong(st);
+}
+
+/* gatherv(kind, mine, [bytes per rank], out | None, dtype, numel, arg) -> status:
+ * every rank's bytes, in rank order, at out (None: this rank receives nothing) */
+static PyObject *eng_gatherv(Engine *e, PyObject *const *args, Py_ssize_t nargs)
+{
+    unsigned long long v[7];
+    size_t *cnt;
+    if (u64_args(args, nargs, 7, "gatherv", v) < 0 || int_list(e, args[2], &cnt, "gatherv") < 0)
+        return NULL;
+    const uint32_t kind = (uint32_t)v[0], dtype = (uint32_t)v[4];
+    char *mine = (char *)(uintptr_t)v[1], *out = (char *)(uintptr_t)v[3]; /* None: NULL */
+    const uint64_t numel = v[5], arg = v[6];
+    const int w = e->world, me = e->rank;
+    const size_t cap = e->slot_bytes;
+    size_t total = 0, rounds = 1;
+    for (int r = 0; r < w; r++) {
+        total += cnt[r];
+        if ((cnt[r] + cap - 1) / cap > rounds)
+            rounds = (cnt[r] + cap - 1) / cap;
+    }
+    PyThreadState *ts = NULL;
+    int st = enter_data(e, total, &ts);
+    if (st != 0) {
+        PyMem_Free(cnt);
+        return st < 0 ? NULL : PyLong_FromLong(ST_ABORTED);
+    }
+    for (size_t k = 0; k < rounds && st == ST_OK; k++) {
+        size_t lo = k * cap, n = part_of(cnt[me], lo, cap);
+        int p = (int)((e->round + 1) & 1);
+        if (n)
+            copy_in(slot_of(e, me, p), mine + lo, n);
+        st = round_sync(e, kind, dtype, 0, numel, arg, &ts);
+        if (st != ST_OK || !out)
+            continue;
+        size_t off = 0;
+        for (int r = 0; r < w; r++) {
+            n = part_of(cnt[r], lo, cap);
+            if (n)
+                memcpy(out + off + lo, r == me ? mine + lo : slot_of(e, r, p), n);
+            off += cnt[r];
+        }
+    }
+    PyMem_Free(cnt);
+    return leave_data(e, st, ts);
+}
+
+/* broadcast(kind, data, nbytes, src, dtype, numel) -> status: src's bytes everywhere */
+static PyObject *eng_broadcast(Engine *e, PyObject *const *args, Py_ssize_t nargs)
+{
+    unsigned long long v[6];
+    if (u64_args(args, nargs, 6, "broadcast", v) < 0)
+        return NULL;
+    char *data = (char *)(uintptr_t)v[1];
+    const size_t total = (size_t)v[2];
+    if (v[3] >= (unsigned long long)e->world) {
+        PyErr_Format(PyExc_ValueError, "broadcast: src %lld is out of range", (long long)v[3]);
+        return NULL;
+    }
+    const int src = (int)v[3];
+    const size_t cap = e->slot_bytes;
+    size_t rounds = total ? (total + cap - 1) / cap : 1;
+    PyThreadState *ts = NULL;
+    int st = enter_data(e, total, &ts);
+    if (st != 0)
+        return st < 0 ? NULL : PyLong_FromLong(ST_ABORTED);
+    for (size_t k = 0; k < rounds && st == ST_OK; k++) {
+        size_t lo = k * cap, n = part_of(total, lo, cap);
+        int p = (int)((e->round + 1) & 1);
+        if (e->rank == src && n)
+            copy_in(slot_of(e, e->rank, p), data + lo, n);
+        st = round_sync(e, (uint32_t)v[0], (uint32_t)v[4], 0, v[5], (uint64_t)src, &ts);
+        if (st == ST_OK && e->rank != src && n)
+            memcpy(data + lo, slot_of(e, src, p), n);
+    }
+    return leave_data(e, st, ts);
+}
+
+/* reduce_scatterv(kind, x, dtype, [elements per rank], out, op, arg) -> status: out
+ * gets the reduction of shard `rank` of every rank's x (W shards, in order) */
+static PyObject *eng_reduce_scatterv(Engine *e, PyObject *const *args, Py_ssize_t nargs)
+{
+    unsigned long long v[7];
+    if (u64_args(args, nargs, 7, "reduce_scatterv", v) < 0)
+        return NULL;
+    const uint32_t kind = (uint32_t)v[0];
+    char *x = (char *)(uintptr_t)v[1], *out = (char *)(uintptr_t)v[4];
+    const unsigned long long dtype = v[2], op = v[5], arg = v[6];
+    if (dtype >= DT_COUNT || op >= OP_COUNT) {
+        PyErr_SetString(PyExc_ValueError, "reduce_scatterv: bad dtype or op");
+        return NULL;
+    }
+    size_t *sizes;
+    if (int_list(e, args[3], &sizes, "reduce_scatterv") < 0)
+        return NULL;
+    const int w = e->world, me = e->rank;
+    const size_t es = dt_size[dtype];
+    size_t per = e->slot_bytes / es / (size_t)w / 32 * 32; /* elements per shard per round */
+    if (per < 32)
+        per = 32;
+    size_t numel = 0, rounds = 1, *offs = PyMem_Calloc((size_t)w + 1, sizeof(size_t));
+    void **srcs = PyMem_Calloc((size_t)w, sizeof(void *));
+    if (!offs || !srcs) {
+        PyMem_Free(sizes);
+        PyMem_Free(offs);
+        PyMem_Free(srcs);
+        return PyErr_NoMemory();
+    }
+    for (int r = 0; r < w; r++) {
+        offs[r] = numel;
+        numel += sizes[r];
+        if ((sizes[r] + per - 1) / per > rounds)
+            rounds = (sizes[r] + per - 1) / per;
+    }
+    PyThreadState *ts = NULL;
+    int st = enter_data(e, numel * es, &ts);
+    if (st != 0) {
+        PyMem_Free(sizes);
+        PyMem_Free(offs);
+        PyMem_Free(srcs);
+        return st < 0 ? NULL : PyLong_FromLong(ST_ABORTED);
+    }
+    for (size_t k = 0; k < rounds && st == ST_OK; k++) {
+        size_t lo = k * per;
+        int p = (int)((e->round + 1) & 1);
+        char *base = slot_of(e, me, p);
+        for (int j = 0; j < w; j++) {
+            size_t n = part_of(sizes[j], lo, per);
+            if (n && j != me)
+                copy_in(base + (size_t)j * per * es, x + (offs[j] + lo) * es, n * es);
+        }
+        st = round_sync(e, kind, (uint32_t)dtype, (uint32_t)op, numel, arg, &ts);
+        size_t n = part_of(sizes[me], lo, per);
+        if (st != ST_OK || !n)
+            continue;
+        for (int r = 0; r < w; r++)
+            srcs[r] = r == me ? x + (offs[me] + lo) * es : slot_of(e, r, p) + (size_t)me * per * es;
+        par_reduce(e->pool, (int)dtype, (int)op, out + lo * es, srcs, w, n);
+    }
+    PyMem_Free(sizes);
+    PyMem_Free(offs);
+    PyMem_Free(srcs);
+    return leave_data(e, st, ts);
+}
+
 /* 0 when the engine is open and r names another rank; else -1 with the
  * exception set */
 static int check_rank(Engine *e, long r, const char *fn)
@@ -2422,6 +2636,9 @@ static PyMethodDef eng_methods[] = {
     {"set_threads", (PyCFunction)eng_set_threads, METH_O, NULL},
     {"reraise", (PyCFunction)eng_reraise, METH_NOARGS, NULL},
     {"p2p_send", (PyCFunction)eng_p2p_send, METH_VARARGS, NULL},
+    {"gatherv", (PyCFunction)(void (*)(void))eng_gatherv, METH_FASTCALL, NULL},
+    {"broadcast", (PyCFunction)(void (*)(void))eng_broadcast, METH_FASTCALL, NULL},
+    {"reduce_scatterv", (PyCFunction)(void (*)(void))eng_reduce_scatterv, METH_FASTCALL, NULL},
     {"p2p_send_tensors", (PyCFunction)(void (*)(void))eng_p2p_send_tensors, METH_FASTCALL, NULL},
     {"p2p_recv_into", (PyCFunction)(void (*)(void))eng_p2p_recv_into, METH_FASTCALL, NULL},
     {"set_p2p_dtypes", (PyCFunction)eng_set_p2p_dtypes, METH_VARARGS, NULL},
