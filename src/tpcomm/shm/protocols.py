@@ -164,10 +164,29 @@ def recv(
     received whole (into new tensors, so the channel stays in step) and then
     raises ValueError.
     """
+    if out is not None:
+        got = recv_into(eng, fn, src, out)
+        if got is not None:
+            return got
     status, header = eng._native.p2p_recv_head(src)
     if status:
         eng.raise_status(status, fn, 0, 0, 0, 0)
     return recv_rest(eng, fn, src, out, header)
+
+
+def recv_into(
+    eng: ShmEngine, fn: str, src: int, out: Sequence[torch.Tensor]
+) -> tuple[list[torch.Tensor], Any] | None:
+    """``recv`` with ``out`` in one C call (_native.c p2p_recv_into); None when
+    that call declined before receiving anything (the general path then runs)."""
+    got = eng._native.p2p_recv_into(src, out)
+    if got is None:
+        return None
+    if type(got) is int:
+        if got:
+            eng.raise_status(got, fn, 0, 0, 0, 0)
+        return list(out), None
+    return recv_rest(eng, fn, src, out, got)  # the header, when it did not describe `out`
 
 
 def recv_rest(
