@@ -322,6 +322,14 @@ def fallbacks(comm, port):
             dist.recv(torch.empty(1))  # any source: not on per-pair channels
         except tpcomm.CommError as e:
             errors.append(str(e))
+        buf = torch.empty(2)
+        if r == 0:  # rank 1 receives where rank 0 scatters: it is told so
+            dist.scatter(buf, [torch.ones(2), torch.full((2,), 2.0)], src=0)
+        else:
+            try:
+                dist.recv(buf, src=0)
+            except tpcomm.CommError as e:
+                errors.append(str(e))
         try:
             dist.all_reduce(torch.ones(3 + r))  # sizes differ between ranks
         except ValueError as e:
@@ -333,10 +341,12 @@ def fallbacks(comm, port):
 
 def test_what_the_engine_lacks_goes_to_gloo_and_errors_are_clear():
     res = tpcomm.launch(fallbacks, 2, args=(free_port(),), timeout=120)
-    for x, notes, errors in res:
+    for r, (x, notes, errors) in enumerate(res):
         assert x == [6.0] * 3
         assert len(notes) == 1 and "float64" in notes[0]
         assert "source rank" in errors[0]
+        if r == 1:
+            assert "rank 0 is in a scatter, not a send" in errors.pop(1)
         assert len(errors) == 2 and "all_reduce" in errors[1]
 
 
