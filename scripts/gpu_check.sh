@@ -17,7 +17,18 @@ print("torch", torch.__version__, "triton", triton.__version__, "cuda", torch.ve
       "|", torch.cuda.get_device_name(0))
 PYEOF
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || true
-timeout 120 $PY setup.py -q build_ext --inplace >/dev/null || { echo "C core build failed"; exit 1; }
+if ! timeout 120 $PY setup.py -q build_ext --inplace >/tmp/tpcomm-build.log 2>&1; then
+    # no Python headers or setuptools there: a core built here by
+    # scripts/gpu_prebuild.sh for this Python, carried in .gpu/
+    SUF=$($PY -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
+    if [ -f ".gpu/_native$SUF" ]; then
+        cp ".gpu/_native$SUF" src/tpcomm/ && echo "# C core: prebuilt .gpu/_native$SUF"
+    else
+        tail -20 /tmp/tpcomm-build.log
+        echo "C core build failed, and no .gpu/_native$SUF (scripts/gpu_prebuild.sh)"
+        exit 1
+    fi
+fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 SHM=$(mktemp -d /dev/shm/tpc-gpu-XXXXXX)
 export TPCOMM_SHM_DIR=$SHM TPCOMM_CACHE_DIR=$SHM/cache
