@@ -522,6 +522,19 @@ class Communicator:
         rank's ``input`` in rank order, flattened along dim 0.  Returns ``output``."""
         if _compiling():
             return compiled.all_gather_into_tensor(self, output, input)
+        eng = self._engine
+        if eng is not None:  # plain tensors: two C calls check them (_native.c plain)
+            a = eng._native.plain(input)
+            b = eng._native.plain(output) if a is not None else None
+            if b is not None and a[0] == b[0] and b[2] == self._world * a[2]:
+                n, w = a[2], self._world
+                key = protocols.layout_key(KIND_ALL_GATHER, (), 0, (n,) * w, None)
+                nbytes = n * _ANY_SIZE[a[0]]
+                fn = "all_gather_into_tensor"
+                protocols.gatherv(
+                    eng, fn, KIND_ALL_GATHER, a[1], [nbytes] * w, b[1], a[0], n * w, key
+                )
+                return output
         fn = "all_gather_into_tensor"
         self._check_open(fn)
         self._check_any(fn, output, "output")
@@ -657,6 +670,21 @@ class Communicator:
         ``input`` (world_size x output's elements, flattened).  Returns ``output``."""
         if _compiling():
             return compiled.reduce_scatter_tensor(self, output, input, op)
+        eng = self._engine
+        if eng is not None and type(op) is ReduceOp:  # see all_gather_into_tensor
+            b = eng._native.plain(output)
+            a = eng._native.plain(input) if b is not None else None
+            code = _ANY_TO_REDUCE.get(a[0]) if a is not None and a[0] == b[0] else None
+            if (
+                code is not None
+                and a[2] == self._world * b[2]
+                and (op is not ReduceOp.AVG or code in _FLOAT_CODES)
+            ):
+                sizes = [b[2]] * self._world
+                key = protocols.layout_key((), 0, tuple(sizes))
+                fn = "reduce_scatter_tensor"
+                protocols.reduce_scatterv(eng, fn, a[1], code, sizes, b[1], op.value, key)
+                return output
         fn = "reduce_scatter_tensor"
         self._check_open(fn)
         op, reason = self._check_reduce(fn, input, op)
@@ -680,7 +708,7 @@ class Communicator:
                 self._engine,
                 fn,
                 input.data_ptr(),
-                input.dtype,
+                DTYPE_CODES[input.dtype],
                 sizes,
                 output.data_ptr(),
                 op.value,
@@ -712,7 +740,7 @@ class Communicator:
                 self._engine,
                 fn,
                 moved.data_ptr(),
-                tensor.dtype,
+                DTYPE_CODES[tensor.dtype],
                 [s * inner for s in sizes],
                 res.data_ptr(),
                 op.value,
@@ -888,6 +916,12 @@ class Communicator:
         if self._engine is None:
             self._check_open(fn)
         self._engine.raise_status(status, fn, kind, codes[0], codes[1], count)
+
+
+# what the C checks (plain) return, by dtype code of a message (ops.ALL_DTYPES)
+_ANY_SIZE = tuple(dt.itemsize for dt in ALL_DTYPES)
+_ANY_TO_REDUCE = {ALL_DTYPES.index(dt): code for dt, code in DTYPE_CODES.items()}
+_FLOAT_CODES = frozenset(DTYPE_CODES[dt] for dt in FLOAT_DTYPES)
 
 
 def _prod(shape: Any) -> int:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from ..ops import ANY_DTYPE_CODES, DTYPE_CODES, dense, is_dense
+from ..ops import ANY_DTYPE_CODES, dense, is_dense
 from .engine import KIND_BROADCAST, KIND_REDUCE_SCATTER
 
 if TYPE_CHECKING:
@@ -78,16 +78,16 @@ def reduce_scatterv(
     eng: ShmEngine,
     fn: str,
     xa: int,
-    dtype: torch.dtype,
+    code: int,
     sizes: Sequence[int],
     oa: int,
     op: int,
     arg: int,
 ) -> None:
-    """The buffer at ``xa`` (contiguous ``dtype`` elements) is the concatenation
-    of W shards of ``sizes[j]`` elements; rank r gets the reduction of shard r
-    into the buffer at ``oa``.  The rounds run in C (_native.c reduce_scatterv)."""
-    code = DTYPE_CODES[dtype]
+    """The buffer at ``xa`` (contiguous elements of the dtype with DTYPE_CODES
+    ``code``) is the concatenation of W shards of ``sizes[j]`` elements; rank r
+    gets the reduction of shard r into the buffer at ``oa``.  The rounds run in
+    C (_native.c reduce_scatterv)."""
     status = eng._native.reduce_scatterv(KIND_REDUCE_SCATTER, xa, code, sizes, oa, op, arg)
     if status:
         eng.raise_status(status, fn, KIND_REDUCE_SCATTER, code, op, sum(sizes), arg)
