@@ -25,6 +25,7 @@ from .errors import CommError
 from .hierarchical import Hierarchy
 from .ops import (
     ALL_DTYPES,
+    ANY_DTYPE_CODES,
     CODE_DTYPES,
     DTYPE_CODES,
     FLOAT_DTYPES,
@@ -254,7 +255,7 @@ class Communicator:
         # all_reduce in the common case (see _native.c fast_all_reduce).
         self.all_reduce = native.fast_all_reduce
         # send/recv's common case in C too (p2p_send_tensors, p2p_recv_into)
-        native.set_p2p_dtypes(tuple(ALL_DTYPES), tuple(dt.itemsize for dt in ALL_DTYPES))
+        native.set_p2p_dtypes(tuple(ALL_DTYPES), _ANY_SIZE)
 
     # -- properties -----------------------------------------------------------
 
@@ -523,7 +524,9 @@ class Communicator:
         if _compiling():
             return compiled.all_gather_into_tensor(self, output, input)
         eng = self._engine
-        if eng is not None:  # plain tensors: two C calls check them (_native.c plain)
+        # the common case: two C calls check plain tensors (_native.c plain); the
+        # general path below does every check and handles views and subclasses
+        if eng is not None:
             a = eng._native.plain(input)
             b = eng._native.plain(output) if a is not None else None
             if b is not None and a[0] == b[0] and b[2] == self._world * a[2]:
@@ -545,28 +548,11 @@ class Communicator:
                 f"{fn}: output has {output.numel()} elements, expected world_size "
                 f"x input = {self._world} x {input.numel()}"
             )
-        n = input.numel()
-        if self._engine is not None and is_dense(input) and is_dense(output):
-            # the common case, without a single tensor op (each costs microseconds)
-            nbytes = n * input.element_size()
-            protocols.gatherv(
-                self._engine,
-                fn,
-                KIND_ALL_GATHER,
-                input.data_ptr(),
-                [nbytes] * self._world,
-                output.data_ptr(),
-                protocols.dtype_code_any(input.dtype),
-                n * self._world,
-                protocols.layout_key(KIND_ALL_GATHER, (), 0, (n,) * self._world, None),
-            )
-            return output
-        flat = input.reshape(-1)
         res = self._gather(
             fn,
             KIND_ALL_GATHER,
-            flat,
-            [n] * self._world,
+            input.reshape(-1),
+            [input.numel()] * self._world,
             0,
             None,
             out=output if is_dense(output) else None,
@@ -696,25 +682,6 @@ class Communicator:
                 f"x output = {self._world} x {output.numel()}"
             )
         sizes = [output.numel()] * self._world
-        if (
-            reason is None
-            and not self._all_dist
-            and self._engine is not None
-            and is_dense(input)
-            and is_dense(output)
-        ):
-            # the common case, without a single tensor op (each costs microseconds)
-            protocols.reduce_scatterv(
-                self._engine,
-                fn,
-                input.data_ptr(),
-                DTYPE_CODES[input.dtype],
-                sizes,
-                output.data_ptr(),
-                op.value,
-                protocols.layout_key((), 0, tuple(sizes)),
-            )
-            return output
         res = self._reduce_scatter(fn, input.reshape(-1), sizes, 0, op, reason)
         output.copy_(res.view(output.shape))
         return output
@@ -920,7 +887,7 @@ class Communicator:
 
 # what the C checks (plain) return, by dtype code of a message (ops.ALL_DTYPES)
 _ANY_SIZE = tuple(dt.itemsize for dt in ALL_DTYPES)
-_ANY_TO_REDUCE = {ALL_DTYPES.index(dt): code for dt, code in DTYPE_CODES.items()}
+_ANY_TO_REDUCE = {ANY_DTYPE_CODES[dt]: code for dt, code in DTYPE_CODES.items()}
 _FLOAT_CODES = frozenset(DTYPE_CODES[dt] for dt in FLOAT_DTYPES)
 
 
