@@ -96,6 +96,27 @@ def _sum_from(data_ptrs, offs, mask, W: tl.constexpr, DT: tl.constexpr, BLOCK: t
 
 
 @triton.jit
+def _reduce_range(
+    data_ptrs,
+    out,
+    base,
+    m,
+    b,
+    W: tl.constexpr,
+    BLOCKS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    DT: tl.constexpr,
+):
+    """out[:m] = sum over ranks of data[p][base : base + m], program b's blocks
+    (b*BLOCK, step BLOCKS*BLOCK), in rank order, rounded once."""
+    for start in range(b * BLOCK, m, BLOCKS * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < m
+        acc = _sum_from(data_ptrs, base + offs, mask, W, DT, BLOCK)
+        tl.store(out + offs, _round(acc, DT), mask=mask)
+
+
+@triton.jit
 def one_shot(
     data_ptrs,
     sig_ptrs,
@@ -111,11 +132,7 @@ def one_shot(
     """out = sum over ranks of data[p][:n]; program b does elements b*BLOCK, step BLOCKS*BLOCK."""
     b = tl.program_id(0)
     flag = _enter(sig_ptrs, cnt, b, rank, W, BLOCKS)
-    for start in range(b * BLOCK, n, BLOCKS * BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < n
-        acc = _sum_from(data_ptrs, offs, mask, W, DT, BLOCK)
-        tl.store(out + offs, _round(acc, DT), mask=mask)
+    _reduce_range(data_ptrs, out, 0, n, b, W, BLOCKS, BLOCK, DT)
     _leave(sig_ptrs, cnt, b, rank, flag, W, BLOCKS)
 
 
@@ -144,11 +161,7 @@ def two_shot(
     flag = _enter(sig_ptrs, cnt, b, rank, W, BLOCKS)
     mine = tl.load(tmp_ptrs + rank).to(tl.pointer_type(DT))
     lo = rank * part
-    for start in range(b * BLOCK, part, BLOCKS * BLOCK):
-        offs = lo + start + tl.arange(0, BLOCK)
-        mask = (offs < n) & (offs < lo + part)
-        acc = _sum_from(data_ptrs, offs, mask, W, DT, BLOCK)
-        tl.store(mine + offs, _round(acc, DT), mask=mask)
+    _reduce_range(data_ptrs, mine + lo, lo, tl.minimum(part, n - lo), b, W, BLOCKS, BLOCK, DT)
     _signal(sig_ptrs, 1, b, rank, flag, W, BLOCKS)
     for p in tl.static_range(W):
         src = tl.load(tmp_ptrs + p).to(tl.pointer_type(DT))
@@ -200,9 +213,5 @@ def reduce_scatter(
     """out[:m] = sum over ranks of data[p][rank*m : (rank+1)*m]."""
     b = tl.program_id(0)
     flag = _enter(sig_ptrs, cnt, b, rank, W, BLOCKS)
-    for start in range(b * BLOCK, m, BLOCKS * BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < m
-        acc = _sum_from(data_ptrs, rank * m + offs, mask, W, DT, BLOCK)
-        tl.store(out + offs, _round(acc, DT), mask=mask)
+    _reduce_range(data_ptrs, out, rank * m, m, b, W, BLOCKS, BLOCK, DT)
     _leave(sig_ptrs, cnt, b, rank, flag, W, BLOCKS)
