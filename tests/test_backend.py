@@ -476,3 +476,26 @@ def test_dead_peer_under_dist_all_reduce_raises_peer_failed(tmp_path):
     for r in (0, 2):
         peer, took = json.loads((tmp_path / f"rank{r}").read_text())
         assert peer == 1 and took < 2.0, (r, peer, took)
+
+
+def shut_down(comm, port):
+    _init(comm, port)
+    pg = dist.group.WORLD
+    x = torch.ones(4) * (dist.get_rank() + 1)
+    dist.all_reduce(x)
+    dist.destroy_process_group()
+    # the private groups are dropped at once, not left to the cycle collector
+    released = pg._gloo is None and pg._fallback.group is None and pg._comm.closed
+    pg.shutdown()  # idempotent
+    try:
+        pg.send([torch.ones(1)], 1 - comm.rank, 1)  # tag != 0: the private gloo group
+        err = "no error"
+    except tpcomm.CommError as e:
+        err = str(e)
+    return x.tolist(), released, err
+
+
+def test_destroy_process_group_frees_private_groups():
+    for x, released, err in tpcomm.launch(shut_down, 2, args=(free_port(),), timeout=120):
+        assert x == [3.0] * 4 and released
+        assert "shut down" in err

@@ -57,6 +57,18 @@ def gather_family(comm, dtypes, big):
                 comm.gather(x, dst=dst, dim=dim),
                 torch.cat(parts, dim) if r == dst else None,
             )
+            # gather into a preallocated out= on dst (dim != 0: a copy into it)
+            gshape = list(shape)
+            gshape[dim] *= w
+            o = torch.full(gshape, 3, dtype=dtype) if r == dst else None
+            got = comm.gather(x, dst=dst, dim=dim, out=o)
+            check(
+                f"gather out= {dtype} {shape}",
+                got,
+                torch.cat(parts, dim) if r == dst else None,
+            )
+            if r == dst and got is not o:
+                problems.append(f"gather out= {dtype} {shape}: did not return out")
             b = x.clone()
             src = w // 2
             comm.broadcast(b, src=src)
@@ -259,3 +271,39 @@ def test_mismatched_collectives(pools, what):
     for msg, ok in pools.run(2, mismatched_gathers, what):
         assert "mismatched collective" in msg, msg
         assert ok == [0, 1]
+
+
+def gather_bad_out(comm):
+    """An out= that does not fit is seen on dst only: the gather still completes
+    (the peers are not left waiting), dst raises, and the next collective works."""
+    r, w = comm.rank, comm.world_size
+    x = torch.full((2,), float(r))
+    bad = torch.zeros(2 * w + 1) if r == 0 else None
+    try:
+        comm.gather(x, dst=0, out=bad)
+        err = None
+    except ValueError as e:
+        err = str(e)
+    untouched = bad is None or bool((bad == 0).all())
+    wrong_dtype = torch.zeros(2 * w, dtype=torch.int64) if r == 0 else None
+    try:
+        comm.gather(x, dst=0, out=wrong_dtype)
+        err2 = None
+    except ValueError as e:
+        err2 = str(e)
+    after = comm.all_gather(x)
+    return err, err2, untouched, after.tolist()
+
+
+def test_gather_bad_out_raises_on_dst_only(pools):
+    w = 3
+    res = pools.run(w, gather_bad_out)
+    err, err2, untouched, after = res[0]
+    assert "out has dtype torch.float32 and shape (7,), expected torch.float32 and (6,)" in err
+    assert "the gather itself completed" in err and "expected torch.float32" in err2
+    assert untouched
+    want = [float(q) for q in range(w) for _ in range(2)]
+    for r in range(w):
+        assert res[r][3] == want
+        if r:
+            assert res[r][:2] == (None, None)

@@ -75,6 +75,9 @@ def across_hosts(comm, port):
             g = c.gather(x, dst=1)
             everyone = _gloo_all_gather(x)  # collective: called on every rank
             checks["gather"] = torch.equal(g, everyone) if r == 1 else g is None
+            o = torch.empty_like(everyone) if r == 1 else None
+            g = c.gather(x, dst=1, out=o)
+            checks["gather out="] = g is o and torch.equal(o, everyone) if r == 1 else g is None
             rs = c.reduce_scatter(torch.ones(w * 2, 3) * (r + 1))
             checks["reduce_scatter"] = torch.equal(
                 rs, torch.full((2, 3), float(sum(range(1, w + 1))))

@@ -65,8 +65,8 @@ def test_any_tensors_arrive_intact(pools, world):
 def ordered_and_nonblocking(comm):
     r, w = comm.rank, comm.world_size
     # every rank sends 50 small messages to its right neighbour before receiving:
-    # send must not wait for the receiver while a slot is free... but with two slots
-    # per channel, the 3rd send waits; interleave to keep the ring moving
+    # send must not wait for the receiver while a chunk of the channel is free; a
+    # send once the channel's ring is full waits; interleave to keep the ring moving
     right, left = (r + 1) % w, (r - 1) % w
     got = []
     t0 = time.monotonic()
@@ -176,8 +176,8 @@ def killed_while_others_wait(comm, where, outdir):
             comm.broadcast(torch.ones(10), src=0)
         elif where == "recv_into":
             comm.recv(src=0, out=[torch.empty(10)])
-        elif where == "send":  # fill both slots, then wait for a receiver that is gone
-            for _ in range(3):
+        elif where == "send":  # fill the channel's ring, then wait for a receiver that is gone
+            for _ in range(comm._engine.p2p_ring + 1):
                 comm.send([torch.ones(10)], dst=0)
         res = "no error"
     except tpcomm.PeerFailedError as e:
@@ -236,3 +236,41 @@ def test_recv_into_buffers(pools):
     assert same
     assert "recv: rank 0 sent" in err and "out=" in err
     assert nxt == [1.0, 1.0]
+
+
+def eager_up_to_the_ring(comm):
+    """A channel holds p2p_ring messages: that many sends return before the
+    receiver takes any (the next one would wait), and they arrive in order."""
+    ring = comm._engine.p2p_ring
+    if comm.rank == 0:
+        for k in range(ring):
+            comm.send([torch.tensor([k])], dst=1)
+        comm.barrier()  # reached only if no send waited for the receiver
+        return ring
+    comm.barrier()
+    return [int(comm.recv(src=0)[0]) for _ in range(ring)]
+
+
+def test_sends_are_eager_up_to_the_ring(pools):
+    ring, got = pools.run(2, eager_up_to_the_ring)
+    assert ring >= 16 and got == list(range(ring))
+
+
+def large_one_way(comm, n):
+    # one message of n float64 values through a ring of small chunks, both into
+    # a fresh tensor and into out=
+    if comm.rank == 0:
+        x = torch.arange(n, dtype=torch.float64)
+        comm.send([x], dst=1)
+        comm.send([x * 2], dst=1)
+        return None
+    a = comm.recv(src=0)[0]
+    b = torch.empty(n, dtype=torch.float64)
+    comm.recv(src=0, out=[b])
+    want = torch.arange(n, dtype=torch.float64)
+    return bool(torch.equal(a, want)) and bool(torch.equal(b, want * 2))
+
+
+@pytest.mark.parametrize("n", [1, 8191, 8192 * 16 + 5, 3 * (1 << 20) // 8 + 7])
+def test_messages_across_chunk_boundaries(pools, n):
+    assert pools.run(2, large_one_way, n)[1] is True

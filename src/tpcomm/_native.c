@@ -22,7 +22,8 @@
  *   | rank 0 slot parity 1     |
  *   | rank 1 slot parity 0 ... |
  *   +--------------------------+ p2p_off
- *   | pair (s, d) slot 0, 1    |  p2p_bytes each, one pair per s != d
+ *   | pair (s, d): P2P_RING    |  2 x p2p_bytes per ordered pair s != d, cut
+ *   | pieces                   |  into P2P_RING pieces (a ring of chunks)
  *   | ...                      |
  *   +--------------------------+ total
  *
@@ -84,7 +85,7 @@
 #endif
 
 #define MAGIC 0x314d4d4f43505454ULL /* "TTPCOMM1" little endian */
-#define VERSION 2u
+#define VERSION 3u
 #define PAGE 4096u
 #define LINE 64u
 #define NCHAN 1          /* channels per rank: 0 = collectives */
@@ -94,6 +95,7 @@
 #define P2P_BINARY 0xB1  /* first byte of a binary message header (protocols.py) */
 #define P2P_MAX_TENSORS 255
 #define P2P_MAX_DIMS 8
+#define P2P_RING 64    /* chunks in flight per point-to-point channel (pipelining) */
 #define ARG_ZERO_COPY 3  /* all-reduce metadata arg: 1 one-shot, 2 two-shot, 3 + ... zero-copy */
 /* per-rank control block: pid line, 2 lines per channel, then one "sent to d"
  * and one "consumed from s" line per peer (point-to-point), page rounded */
@@ -753,7 +755,7 @@ typedef struct {
     int rank;
     int world;
     uint64_t slot_bytes;
-    size_t ctrl_bytes, slot_off, p2p_off, p2p_bytes;
+    size_t ctrl_bytes, slot_off, p2p_off, p2p_bytes, p2p_piece;
     uint64_t round;   /* last collective round this rank published */
     uint64_t timeout_ns;
     uint64_t spin_ns;  /* spin with pause this long before yielding */
@@ -812,11 +814,12 @@ static inline char *slot_of(Engine *e, int r, int parity)
     return e->base + e->slot_off + ((size_t)r * 2 + parity) * e->slot_bytes;
 }
 
-/* slot `parity` of the channel from rank s to rank d */
-static inline char *p2p_slot_of(Engine *e, int s, int d, int parity)
+/* where chunk k of the channel from rank s to rank d goes: piece k % P2P_RING
+ * of the pair's 2 x p2p_bytes, each piece p2p_piece bytes */
+static inline char *p2p_slot_of(Engine *e, int s, int d, uint64_t k)
 {
     size_t pair = (size_t)s * (size_t)(e->world - 1) + (size_t)(d < s ? d : d - 1);
-    return e->base + e->p2p_off + (pair * 2 + (size_t)parity) * e->p2p_bytes;
+    return e->base + e->p2p_off + pair * 2 * e->p2p_bytes + (size_t)(k % P2P_RING) * e->p2p_piece;
 }
 
 static inline uint32_t *futex_word(_Atomic uint64_t *p)
@@ -1705,20 +1708,24 @@ static PyObject *eng_layout(Engine *e, PyObject *unused)
     (void)unused;
     if (!e->base)
         return eng_closed_error();
-    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:i,s:i}", "slot_off",
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:i,s:i,s:i}", "slot_off",
                          (unsigned long long)e->slot_off, "slot_bytes",
                          (unsigned long long)e->slot_bytes, "p2p_off",
                          (unsigned long long)e->p2p_off, "p2p_bytes",
-                         (unsigned long long)e->p2p_bytes, "size", (unsigned long long)e->size,
+                         (unsigned long long)e->p2p_bytes, "p2p_piece",
+                         (unsigned long long)e->p2p_piece, "size", (unsigned long long)e->size,
                          "p2p_sent_line", P2P_SENT_LINE(0), "p2p_done_line",
-                         P2P_DONE_LINE(e->world, 0));
+                         P2P_DONE_LINE(e->world, 0), "p2p_ring", P2P_RING);
 }
 
 /*
- * Point to point.  The channel s -> d: slots p2p_slot_of(s, d, k & 1), the
- * sender's line P2P_SENT_LINE(d) counts chunks sent, the receiver's line
- * P2P_DONE_LINE(w, s) counts chunks consumed.  Chunk k may be written once
- * chunk k - 2 is consumed.  The byte stream of a message is
+ * Point to point.  The channel s -> d: a ring of P2P_RING chunks
+ * p2p_slot_of(s, d, k), the sender's line P2P_SENT_LINE(d) counts chunks
+ * sent, the receiver's line P2P_DONE_LINE(w, s) counts chunks consumed.
+ * Chunk k may be written once chunk k - P2P_RING is consumed.  Chunks are
+ * small (p2p_piece: 64 KiB at world 2), so the receiver copies chunk k out
+ * while the sender copies chunk k + 1 in: a message costs about one copy, not
+ * two in a row.  The byte stream of a message is
  * [header length, data length] (16 bytes) + header + data (see protocols.py).
  */
 typedef struct {
@@ -1768,7 +1775,7 @@ static int send_pieces(Engine *e, int dst, const pieces_t *pc)
     for (Py_ssize_t i = 0; i < pc->n; i++)
         total += pc->len[i];
     const int me = e->rank;
-    const size_t cap = e->p2p_bytes;
+    const size_t cap = e->p2p_piece;
     line_t *done = ctrl_line(e, dst, P2P_DONE_LINE(e->world, me));
     line_t *sent = ctrl_line(e, me, P2P_SENT_LINE(dst));
     PyThreadState *ts = total >= GIL_RELEASE_BYTES ? PyEval_SaveThread() : NULL;
@@ -1778,9 +1785,9 @@ static int send_pieces(Engine *e, int dst, const pieces_t *pc)
     int st = ST_OK;
     for (;;) {
         k++;
-        if (k > 2 && (st = wait_seq(e, &done->seq, k - 2, dst, &ts)) != ST_OK)
+        if (k > P2P_RING && (st = wait_seq(e, &done->seq, k - P2P_RING, dst, &ts)) != ST_OK)
             break;
-        char *slot = p2p_slot_of(e, me, dst, (int)(k & 1));
+        char *slot = p2p_slot_of(e, me, dst, k);
         size_t fill = 0;
         while (fill < cap && piece < pc->n) {
             size_t n = pc->len[piece] - off < cap - fill ? pc->len[piece] - off : cap - fill;
@@ -2026,7 +2033,7 @@ static int rx_next(Engine *e, PyThreadState **ts)
     int st = wait_seq(e, &ctrl_line(e, e->rx_src, P2P_SENT_LINE(e->rank))->seq, e->rx_k,
                       e->rx_src, ts);
     e->rx_used = 0;
-    e->rx_limit = e->rx_total - e->rx_pos < e->p2p_bytes ? e->rx_total - e->rx_pos : e->p2p_bytes;
+    e->rx_limit = e->rx_total - e->rx_pos < e->p2p_piece ? e->rx_total - e->rx_pos : e->p2p_piece;
     return st;
 }
 
@@ -2039,7 +2046,7 @@ static int rx_copy(Engine *e, char *dst, size_t n, PyThreadState **ts)
             if (st != ST_OK)
                 return st;
         }
-        char *slot = p2p_slot_of(e, e->rx_src, e->rank, (int)(e->rx_k & 1));
+        char *slot = p2p_slot_of(e, e->rx_src, e->rank, e->rx_k);
         size_t m = e->rx_limit - e->rx_used < n ? e->rx_limit - e->rx_used : n;
         memcpy(dst, slot + e->rx_used, m);
         e->rx_used += m;
@@ -2065,11 +2072,11 @@ static PyObject *recv_head(Engine *e, int src, int *st)
     if (*st != ST_OK)
         return PyBytes_FromStringAndSize("", 0);
     uint64_t lens[2];
-    memcpy(lens, p2p_slot_of(e, src, e->rank, (int)(e->rx_k & 1)), sizeof lens);
+    memcpy(lens, p2p_slot_of(e, src, e->rank, e->rx_k), sizeof lens);
     e->rx_total = 16 + lens[0] + lens[1];
     e->rx_pos = 0;
     e->rx_used = 16;
-    e->rx_limit = e->rx_total < e->p2p_bytes ? e->rx_total : e->p2p_bytes;
+    e->rx_limit = e->rx_total < e->p2p_piece ? e->rx_total : e->p2p_piece;
     PyObject *hdr = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)lens[0]);
     if (!hdr)
         return NULL;
@@ -2477,6 +2484,7 @@ static int eng_init(Engine *e, PyObject *args, PyObject *kw)
     e->ctrl_bytes = (size_t)ctrl_size((uint32_t)world);
     e->slot_off = PAGE + (size_t)world * e->ctrl_bytes;
     e->p2p_bytes = (size_t)p2p_size((uint32_t)world, slot_bytes);
+    e->p2p_piece = 2 * e->p2p_bytes / P2P_RING; /* p2p_bytes: a multiple of 4 KiB, >= 64 KiB */
     e->p2p_off = e->slot_off + (size_t)world * 2 * slot_bytes;
     e->round = 0;
     e->timeout_ns = (uint64_t)(timeout * 1e9);

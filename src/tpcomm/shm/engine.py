@@ -134,6 +134,7 @@ class ShmEngine:
         self._base = self._native.address()
         self._slot_off = lay["slot_off"]
         self.p2p_bytes = lay["p2p_bytes"]
+        self.p2p_ring = lay["p2p_ring"]  # chunks per point-to-point channel
         self.symmetric: list = []  # mappings of Communicator.empty buffers, kept alive
         # the pre-bound hot path
         self.all_reduce = self._native.all_reduce

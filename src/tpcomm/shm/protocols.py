@@ -11,10 +11,12 @@ rounds.  The rounds' loops run in C (``gatherv``, ``reduce_scatterv``,
 module passes addresses and sizes and turns a status into an exception.
 
 Point-to-point messages use a channel per ordered pair (sender -> receiver):
-two slots, a "sent" counter in the sender's control block and a "consumed"
-counter in the receiver's.  Chunk k of the byte stream goes to slot k & 1
-once the receiver has consumed chunk k - 2, so ``send`` returns without
-waiting for the receiver whenever a slot is free.  A message is
+a ring of 64 small chunks (``_native.c`` P2P_RING), a "sent" counter in the
+sender's control block and a "consumed" counter in the receiver's.  Chunk k
+of the byte stream goes to ring entry k % 64 once the receiver has consumed
+chunk k - 64, so ``send`` returns without waiting for the receiver whenever
+the ring has room, and a large message is copied out by the receiver while
+the sender is still copying its next chunks in.  A message is
 ``[header length, data length] + pickled header + tensor bytes``; the header
 carries every tensor's dtype and shape (and, for tensor dicts, the rest of
 the dict).

@@ -1,0 +1,149 @@
+"""The MPI side of ``tpcomm perf --compare mpi``: the same collective, sizes and
+data through mpi4py, run under ``mpirun`` by the perf command.
+
+Each rank pins itself the way tpcomm perf pins its ranks (rank r on CPU
+r mod #cpus), times the call with the same loop (warm-up, a 5-call probe, an
+iteration count agreed across ranks, a barrier, the timed loop), checks the
+result against the same reference on fresh data, and rank 0 prints one JSON
+line: ``{"library": ..., "rows": [{"size", "time", "wrong"}, ...]}``; a row
+whose dtype or op MPI lacks (bfloat16, float16, AVG) has ``"time": null``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+from .ops import ReduceOp
+from .perf import COLLECTIVES, MPI_DTYPES, MPI_OPS, _concat
+
+
+def supported(dtype: torch.dtype, op: str) -> bool:
+    return dtype in MPI_DTYPES and op in MPI_OPS
+
+
+def _calls(MPI, comm, name: str, mpi_op):
+    """(make, run, out) for one collective, on numpy views of torch tensors."""
+    coll = COLLECTIVES[name]
+    rank, world = comm.rank, comm.size
+
+    def make(count, dtype, salt):
+        st = coll.make(rank, world, count, dtype, ReduceOp.SUM, salt)
+        if name == "gather":  # one flat receive buffer on the root instead of a list
+            st["y"] = torch.empty(count, dtype=dtype) if rank == 0 else None
+        return st
+
+    def n(t):
+        return t.numpy()
+
+    if name == "all_reduce":
+
+        def run(st):
+            comm.Allreduce(MPI.IN_PLACE, n(st["x"]), op=mpi_op)
+
+    elif name == "all_gather":
+
+        def run(st):
+            comm.Allgather(n(st["x"]), n(st["y"]))
+
+    elif name == "reduce_scatter":
+
+        def run(st):
+            comm.Reduce_scatter_block(n(st["x"]), n(st["y"]), op=mpi_op)
+
+    elif name == "broadcast":
+
+        def run(st):
+            comm.Bcast(n(st["x"]), root=0)
+
+    elif name == "gather":
+
+        def run(st):
+            comm.Gather(n(st["x"]), n(st["y"]) if rank == 0 else None, root=0)
+
+    elif name == "sendrecv":
+        # the same ordered ring as tpcomm's side (perf._sendrecv): rank 0 sends
+        # first, the others receive first
+        def run(st):
+            if rank == 0:
+                comm.Send(n(st["x"]), 1 % world)
+                comm.Recv(n(st["y"]), world - 1)
+            else:
+                comm.Recv(n(st["y"]), rank - 1)
+                comm.Send(n(st["x"]), (rank + 1) % world)
+
+    else:  # pragma: no cover - the perf command only passes known names
+        raise ValueError(f"no MPI call for {name!r}")
+
+    def out(st):
+        return st["y"] if name == "gather" else coll.out(st)
+
+    return make, run, out
+
+
+def _expect(name, world, count, dtype, op, salt, rank):
+    if name == "gather":
+        return _concat(world, count, dtype, salt) if rank == 0 else None
+    return COLLECTIVES[name].expect(world, count, dtype, ReduceOp[op], salt, rank)
+
+
+def main(cfg: dict) -> None:
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, world = comm.rank, comm.size
+    torch.set_num_threads(1)
+    if cfg["pin"]:
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
+    dtype = getattr(torch, cfg["dtype"])
+    op = cfg["op"]
+    name = cfg["collective"]
+    coll = COLLECTIVES[name]
+    es = torch.empty(0, dtype=dtype).element_size()
+    rows = []
+    if not supported(dtype, op):
+        rows = [{"size": s, "time": None, "wrong": None} for s in cfg["sizes"]]
+    else:
+        make, run, out = _calls(MPI, comm, name, getattr(MPI, op))
+        for size in cfg["sizes"]:
+            count = max(1, size // es)
+            if coll.parts:
+                count = max(world, count // world * world)
+            st = make(count, dtype, 0)
+            for _ in range(cfg["warmup"]):
+                run(st)
+            iters = cfg["iters"]
+            if iters <= 0:
+                t0 = time.perf_counter()
+                for _ in range(5):
+                    run(st)
+                probe = (time.perf_counter() - t0) / 5
+                iters = int(min(200000, max(20, cfg["target"] / max(probe, 1e-7))))
+                iters = comm.allreduce(iters, op=MPI.MAX)
+            comm.Barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                run(st)
+            elapsed = comm.allreduce((time.perf_counter() - t0) / iters, op=MPI.MAX)
+            wrong = 0
+            for salt in range(1, cfg["check"] + 1):
+                chk = make(count, dtype, salt)
+                run(chk)
+                want = _expect(name, world, count, dtype, op, salt, rank)
+                if want is not None:
+                    wrong += int((out(chk).reshape(-1) != want.reshape(-1)).sum())
+            wrong = comm.allreduce(wrong, op=MPI.SUM)
+            rows.append({"size": count * es, "time": elapsed, "wrong": wrong})
+            comm.Barrier()
+    if rank == 0:
+        library = MPI.Get_library_version().splitlines()[0].split(",")[0].strip()
+        print(json.dumps({"library": library, "rows": rows}), flush=True)
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))
