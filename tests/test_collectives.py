@@ -307,3 +307,31 @@ def test_gather_bad_out_raises_on_dst_only(pools):
         assert res[r][3] == want
         if r:
             assert res[r][:2] == (None, None)
+
+
+def broadcast_mixed_paths(comm):
+    """A plain tensor takes broadcast's one-call C path, a strided view the
+    general Python path; both send the same metadata, so ranks on different
+    paths work together (and different srcs still raise on every rank)."""
+    r = comm.rank
+    out = []
+    for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.complex64):
+        base = (torch.arange(24) * (r + 1) % 5).to(dtype).reshape(4, 6)
+        t = base.clone() if r % 2 == 0 else base.clone().t().contiguous().t()  # strided view
+        if r % 2 == 1:
+            assert not t.is_contiguous()
+        comm.broadcast(t, src=1)
+        want = (torch.arange(24) * 2 % 5).to(dtype).reshape(4, 6)
+        out.append(bool(torch.equal(t, want)))
+    try:
+        comm.broadcast(torch.ones(3), src=r % 2)
+        err = None
+    except ValueError as e:
+        err = str(e)
+    return out, err
+
+
+def test_broadcast_fast_and_general_paths_agree(pools):
+    for out, err in pools.run(3, broadcast_mixed_paths):
+        assert all(out), out
+        assert err is not None and "broadcast" in err

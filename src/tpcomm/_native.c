@@ -1540,34 +1540,85 @@ static PyObject *eng_gatherv(Engine *e, PyObject *const *args, Py_ssize_t nargs)
     return leave_data(e, st, ts);
 }
 
+/* The rounds of a broadcast of `total` bytes at data from rank src.  Called
+ * between enter_data and leave_data. */
+static int bcast_rounds(Engine *e, uint32_t kind, char *data, size_t total, int src,
+                        uint32_t dtype, uint64_t numel, PyThreadState **ts)
+{
+    const size_t cap = e->slot_bytes;
+    size_t rounds = total ? (total + cap - 1) / cap : 1;
+    int st = ST_OK;
+    for (size_t k = 0; k < rounds && st == ST_OK; k++) {
+        size_t lo = k * cap, n = part_of(total, lo, cap);
+        int p = (int)((e->round + 1) & 1);
+        if (e->rank == src && n)
+            memcpy(slot_of(e, e->rank, p), data + lo, n);
+        st = round_sync(e, kind, dtype, 0, numel, (uint64_t)src, ts);
+        if (st == ST_OK && e->rank != src && n)
+            memcpy(data + lo, slot_of(e, src, p), n);
+    }
+    return st;
+}
+
 /* broadcast(kind, data, nbytes, src, dtype, numel) -> status: src's bytes everywhere */
 static PyObject *eng_broadcast(Engine *e, PyObject *const *args, Py_ssize_t nargs)
 {
     unsigned long long v[6];
     if (u64_args(args, nargs, 6, "broadcast", v) < 0)
         return NULL;
-    char *data = (char *)(uintptr_t)v[1];
-    const size_t total = (size_t)v[2];
     if (v[3] >= (unsigned long long)e->world) {
         PyErr_Format(PyExc_ValueError, "broadcast: src %lld is out of range", (long long)v[3]);
         return NULL;
     }
-    const int src = (int)v[3];
-    const size_t cap = e->slot_bytes;
-    size_t rounds = total ? (total + cap - 1) / cap : 1;
+    PyThreadState *ts = NULL;
+    int st = enter_data(e, (size_t)v[2], &ts);
+    if (st != 0)
+        return st < 0 ? NULL : PyLong_FromLong(ST_ABORTED);
+    st = bcast_rounds(e, (uint32_t)v[0], (char *)(uintptr_t)v[1], (size_t)v[2], (int)v[3],
+                      (uint32_t)v[4], v[5], &ts);
+    return leave_data(e, st, ts);
+}
+
+static int plain_code(Engine *e, PyObject *t);
+static char *data_of(Engine *e, PyObject *t);
+
+/*
+ * fast_broadcast(t, src, kind) -> status, or None: Communicator.broadcast's
+ * common case in one call (a plain tensor, an exact int src in range); None
+ * sends the caller down the general Python path, which checks and reports.
+ * The metadata is the general path's (dtype code, element count, src).
+ */
+static PyObject *eng_fast_broadcast(Engine *e, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3 || !e->base || e->failed || !e->n_any || !e->d_numel ||
+        !PyLong_CheckExact(args[1]) || !PyLong_CheckExact(args[2]))
+        Py_RETURN_NONE;
+    long src = PyLong_AsLong(args[1]);
+    long kind = PyLong_AsLong(args[2]);
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    if (src < 0 || src >= e->world)
+        Py_RETURN_NONE;
+    PyObject *t = args[0];
+    int code = plain_code(e, t);
+    if (code < 0)
+        Py_RETURN_NONE;
+    PyObject *nv = descr_call(e->d_numel, t);
+    long long n = nv ? PyLong_AsLongLong(nv) : -1;
+    Py_XDECREF(nv);
+    char *a = n > 0 ? data_of(e, t) : NULL;
+    if (n < 0 || (n > 0 && !a)) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    size_t total = (size_t)n * e->any_size[code];
     PyThreadState *ts = NULL;
     int st = enter_data(e, total, &ts);
     if (st != 0)
         return st < 0 ? NULL : PyLong_FromLong(ST_ABORTED);
-    for (size_t k = 0; k < rounds && st == ST_OK; k++) {
-        size_t lo = k * cap, n = part_of(total, lo, cap);
-        int p = (int)((e->round + 1) & 1);
-        if (e->rank == src && n)
-            memcpy(slot_of(e, e->rank, p), data + lo, n);
-        st = round_sync(e, (uint32_t)v[0], (uint32_t)v[4], 0, v[5], (uint64_t)src, &ts);
-        if (st == ST_OK && e->rank != src && n)
-            memcpy(data + lo, slot_of(e, src, p), n);
-    }
+    st = bcast_rounds(e, (uint32_t)kind, a, total, (int)src, (uint32_t)code, (uint64_t)n, &ts);
     return leave_data(e, st, ts);
 }
 
@@ -2678,6 +2729,7 @@ static PyMethodDef eng_methods[] = {
     {"p2p_recv_into", (PyCFunction)(void (*)(void))eng_p2p_recv_into, METH_FASTCALL, NULL},
     {"set_p2p_dtypes", (PyCFunction)eng_set_p2p_dtypes, METH_VARARGS, NULL},
     {"plain", (PyCFunction)eng_plain, METH_O, NULL},
+    {"fast_broadcast", (PyCFunction)(void (*)(void))eng_fast_broadcast, METH_FASTCALL, NULL},
     {"p2p_recv_head", (PyCFunction)eng_p2p_recv_head, METH_O, NULL},
     {"p2p_recv_body", (PyCFunction)eng_p2p_recv_body, METH_O, NULL},
     {"sync", (PyCFunction)(void (*)(void))eng_sync, METH_FASTCALL, NULL},

@@ -40,6 +40,7 @@ from .shm.engine import (
     KIND_ALL_GATHER,
     KIND_ALL_REDUCE,
     KIND_BARRIER,
+    KIND_BROADCAST,
     KIND_GATHER,
     ShmEngine,
 )
@@ -798,6 +799,16 @@ class Communicator:
         """Overwrite ``tensor`` with rank ``src``'s, in place; returns it."""
         if _compiling():
             return compiled.broadcast(self, tensor, src)
+        eng = self._engine
+        if eng is not None:  # a plain tensor: one C call (None: the general path below)
+            status = eng._native.fast_broadcast(tensor, src, KIND_BROADCAST)
+            if status is not None:
+                if status:
+                    code = protocols.dtype_code_any(tensor.dtype)
+                    eng.raise_status(
+                        status, "broadcast", KIND_BROADCAST, code, 0, tensor.numel(), src
+                    )
+                return tensor
         fn = "broadcast"
         self._check_open(fn)
         self._check_any(fn, tensor)
