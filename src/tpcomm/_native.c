@@ -1579,8 +1579,7 @@ static PyObject *eng_broadcast(Engine *e, PyObject *const *args, Py_ssize_t narg
     return leave_data(e, st, ts);
 }
 
-static int plain_code(Engine *e, PyObject *t);
-static char *data_of(Engine *e, PyObject *t);
+static int plain_info(Engine *e, PyObject *t, int *code, char **addr, long long *n);
 
 /*
  * fast_broadcast(t, src, kind) -> status, or None: Communicator.broadcast's
@@ -1601,18 +1600,11 @@ static PyObject *eng_fast_broadcast(Engine *e, PyObject *const *args, Py_ssize_t
     }
     if (src < 0 || src >= e->world)
         Py_RETURN_NONE;
-    PyObject *t = args[0];
-    int code = plain_code(e, t);
-    if (code < 0)
+    int code;
+    char *a;
+    long long n;
+    if (plain_info(e, args[0], &code, &a, &n) < 0)
         Py_RETURN_NONE;
-    PyObject *nv = descr_call(e->d_numel, t);
-    long long n = nv ? PyLong_AsLongLong(nv) : -1;
-    Py_XDECREF(nv);
-    char *a = n > 0 ? data_of(e, t) : NULL;
-    if (n < 0 || (n > 0 && !a)) {
-        PyErr_Clear();
-        Py_RETURN_NONE;
-    }
     size_t total = (size_t)n * e->any_size[code];
     PyThreadState *ts = NULL;
     int st = enter_data(e, total, &ts);
@@ -1921,6 +1913,24 @@ static char *data_of(Engine *e, PyObject *t)
     return a;
 }
 
+/* A plain tensor's dtype code, data address (NULL when empty: an empty tensor
+ * may have none) and element count: 0, or -1 (no exception) if not plain */
+static int plain_info(Engine *e, PyObject *t, int *code, char **addr, long long *n)
+{
+    *code = plain_code(e, t);
+    if (*code < 0)
+        return -1;
+    PyObject *nv = descr_call(e->d_numel, t);
+    *n = nv ? PyLong_AsLongLong(nv) : -1;
+    Py_XDECREF(nv);
+    *addr = *n > 0 ? data_of(e, t) : NULL;
+    if (*n < 0 || (*n > 0 && !*addr)) {
+        PyErr_Clear();
+        return -1;
+    }
+    return 0;
+}
+
 /* A valid peer rank given as an exact int, or -1 */
 static int peer_arg(Engine *e, PyObject *v)
 {
@@ -2030,19 +2040,11 @@ static PyObject *eng_p2p_send_tensors(Engine *e, PyObject *const *args, Py_ssize
  */
 static PyObject *eng_plain(Engine *e, PyObject *t)
 {
-    if (!e->base || e->failed || !e->n_any || !e->d_numel)
+    int code;
+    char *a;
+    long long n;
+    if (!e->base || e->failed || !e->n_any || !e->d_numel || plain_info(e, t, &code, &a, &n) < 0)
         Py_RETURN_NONE;
-    int code = plain_code(e, t);
-    if (code < 0)
-        Py_RETURN_NONE;
-    PyObject *nv = descr_call(e->d_numel, t);
-    long long n = nv ? PyLong_AsLongLong(nv) : -1;
-    Py_XDECREF(nv);
-    char *a = n > 0 ? data_of(e, t) : NULL; /* an empty tensor may have none */
-    if (n < 0 || (n > 0 && !a)) {
-        PyErr_Clear();
-        Py_RETURN_NONE;
-    }
     return Py_BuildValue("(iKL)", code, (unsigned long long)(uintptr_t)a, n);
 }
 
