@@ -274,3 +274,37 @@ def large_one_way(comm, n):
 @pytest.mark.parametrize("n", [1, 8191, 8192 * 16 + 5, 3 * (1 << 20) // 8 + 7])
 def test_messages_across_chunk_boundaries(pools, n):
     assert pools.run(2, large_one_way, n)[1] is True
+
+
+def tiny_chunks(comm):
+    """With the smallest slot (4 KiB) a channel's chunks are 128 bytes: headers,
+    pickled headers, dicts and data all cross chunk boundaries."""
+    lay = comm._engine._native.layout()
+    if comm.rank == 0:
+        comm.send([torch.arange(1000.0), torch.tensor(7), torch.zeros(0, 3)], dst=1)
+        comm.send([torch.arange(512.0).reshape((2,) * 9)], dst=1)  # 9-d: pickled header
+        comm.send_tensor_dict({"a": torch.arange(300).reshape(3, 100), "n": "x" * 500}, dst=1)
+        for k in range(200):  # far more messages than the ring holds
+            comm.send([torch.tensor([k])], dst=1)
+        return lay["p2p_piece"]
+    a, b, c = comm.recv(src=0)
+    (d,) = comm.recv(src=0)
+    e = comm.recv_tensor_dict(src=0)
+    out = torch.empty(1, dtype=torch.int64)
+    ks = [int(comm.recv(src=0, out=[out])[0]) for _ in range(200)]
+    return (
+        torch.equal(a, torch.arange(1000.0))
+        and int(b) == 7
+        and tuple(c.shape) == (0, 3)
+        and torch.equal(d, torch.arange(512.0).reshape((2,) * 9))
+        and torch.equal(e["a"], torch.arange(300).reshape(3, 100))
+        and e["n"] == "x" * 500
+        and ks == list(range(200))
+    )
+
+
+def test_tiny_slots_stream_across_chunks(monkeypatch):
+    monkeypatch.setenv("TPCOMM_SLOT_BYTES", "4096")
+    with LocalGroup(2, timeout=30) as g:
+        piece, ok = g.run(tiny_chunks, timeout=120)
+    assert piece == 128 and ok is True
