@@ -335,3 +335,49 @@ def test_broadcast_fast_and_general_paths_agree(pools):
     for out, err in pools.run(3, broadcast_mixed_paths):
         assert all(out), out
         assert err is not None and "broadcast" in err
+
+
+def all_gather_mixed_paths(comm):
+    """all_gather_into_tensor of plain tensors is one C call, with a strided
+    output it takes the general path, all_gather(t) of a 1-d tensor its own
+    Python fast path: all three send the same metadata, so they work together;
+    ranks that disagree on the size still raise on every rank."""
+    r, w = comm.rank, comm.world_size
+    out = []
+    for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.uint8):
+        x = (torch.arange(6) + 10 * r).to(dtype)
+        want = torch.cat([(torch.arange(6) + 10 * q).to(dtype) for q in range(w)])
+        if r % 3 == 0:
+            o = torch.empty(6 * w, dtype=dtype)
+            comm.all_gather_into_tensor(o, x)
+        elif r % 3 == 1:
+            o = torch.empty(6 * w, 2, dtype=dtype)[:, 0]  # strided: the general path
+            comm.all_gather_into_tensor(o, x)
+        else:
+            o = comm.all_gather(x)
+        out.append(bool(torch.equal(o, want)))
+    try:
+        comm.all_gather_into_tensor(torch.empty(w * (3 + r % 2)), torch.ones(3 + r % 2))
+        err = None
+    except ValueError as e:
+        err = str(e)
+    return out, err
+
+
+def test_all_gather_fast_and_general_paths_agree(pools):
+    for out, err in pools.run(3, all_gather_mixed_paths):
+        assert all(out), out
+        assert err is not None and "all_gather" in err
+
+
+def all_gather_1d_mismatch(comm):
+    try:
+        comm.all_gather(torch.ones(3 + comm.rank))
+        return None
+    except ValueError as e:
+        return str(e)
+
+
+def test_all_gather_1d_size_mismatch_raises_everywhere(pools):
+    for err in pools.run(2, all_gather_1d_mismatch):
+        assert err is not None and err.startswith("all_gather:"), err

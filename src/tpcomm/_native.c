@@ -1495,6 +1495,10 @@ static PyObject *leave_data(Engine *e, int st, PyThreadState *ts)
     return PyLong_FromLong(st);
 }
 
+static int plain_info(Engine *e, PyObject *t, int *code, char **addr, long long *n);
+static int gather_rounds(Engine *e, uint32_t kind, const char *mine, const size_t *cnt, char *out,
+                         uint32_t dtype, uint64_t numel, uint64_t arg);
+
 /* gatherv(kind, mine, [bytes per rank], out | None, dtype, numel, arg) -> status:
  * every rank's bytes, in rank order, at out (None: this rank receives nothing) */
 static PyObject *eng_gatherv(Engine *e, PyObject *const *args, Py_ssize_t nargs)
@@ -1503,9 +1507,58 @@ static PyObject *eng_gatherv(Engine *e, PyObject *const *args, Py_ssize_t nargs)
     size_t *cnt;
     if (u64_args(args, nargs, 7, "gatherv", v) < 0 || int_list(e, args[2], &cnt, "gatherv") < 0)
         return NULL;
-    const uint32_t kind = (uint32_t)v[0], dtype = (uint32_t)v[4];
-    char *mine = (char *)(uintptr_t)v[1], *out = (char *)(uintptr_t)v[3]; /* None: NULL */
-    const uint64_t numel = v[5], arg = v[6];
+    int st = gather_rounds(e, (uint32_t)v[0], (const char *)(uintptr_t)v[1], cnt,
+                           (char *)(uintptr_t)v[3], (uint32_t)v[4], v[5], v[6]);
+    PyMem_Free(cnt);
+    return st < 0 ? NULL : PyLong_FromLong(st);
+}
+
+/* The key of a flat, even layout: protocols.flat_key, bit for bit */
+static uint64_t flat_key(uint64_t kind, uint64_t n, uint64_t world)
+{
+    uint64_t x = kind * 0x100000001B3ull;
+    x ^= n * 0x9E3779B97F4A7C15ull;
+    x ^= world << 48;
+    return x & 0x7FFFFFFFFFFFFFFFull;
+}
+
+/*
+ * fast_all_gather(output, input, kind) -> status, or None: the torch-style
+ * all_gather_into_tensor's common case in one call (plain tensors of one
+ * dtype, output = world x input elements); None sends the caller down the
+ * general path.  The metadata is the general path's (its layout key is
+ * protocols.flat_key for this layout).
+ */
+static PyObject *eng_fast_all_gather(Engine *e, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3 || !e->base || e->failed || !e->n_any || !e->d_numel ||
+        !PyLong_CheckExact(args[2]))
+        Py_RETURN_NONE;
+    long kind = PyLong_AsLong(args[2]);
+    int ci, co;
+    char *ai, *ao;
+    long long ni, no;
+    if (kind < 0 || plain_info(e, args[1], &ci, &ai, &ni) < 0 ||
+        plain_info(e, args[0], &co, &ao, &no) < 0 || ci != co || no != ni * e->world) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    const int w = e->world;
+    size_t *cnt = PyMem_Malloc((size_t)w * sizeof(size_t));
+    if (!cnt)
+        return PyErr_NoMemory();
+    for (int r = 0; r < w; r++)
+        cnt[r] = (size_t)ni * e->any_size[ci];
+    uint64_t key = flat_key((uint64_t)kind, (uint64_t)ni, (uint64_t)w);
+    int st = gather_rounds(e, (uint32_t)kind, ai, cnt, ao, (uint32_t)ci, (uint64_t)no, key);
+    PyMem_Free(cnt);
+    return st < 0 ? NULL : PyLong_FromLong(st);
+}
+
+/* The rounds of a gather: -1 with an exception, or a status */
+static int gather_rounds(Engine *e, uint32_t kind, const char *mine, const size_t *cnt, char *out,
+                         uint32_t dtype, uint64_t numel, uint64_t arg)
+{
     const int w = e->world, me = e->rank;
     const size_t cap = e->slot_bytes;
     size_t total = 0, rounds = 1;
@@ -1516,10 +1569,8 @@ static PyObject *eng_gatherv(Engine *e, PyObject *const *args, Py_ssize_t nargs)
     }
     PyThreadState *ts = NULL;
     int st = enter_data(e, total, &ts);
-    if (st != 0) {
-        PyMem_Free(cnt);
-        return st < 0 ? NULL : PyLong_FromLong(ST_ABORTED);
-    }
+    if (st != 0)
+        return st < 0 ? -1 : ST_ABORTED;
     for (size_t k = 0; k < rounds && st == ST_OK; k++) {
         size_t lo = k * cap, n = part_of(cnt[me], lo, cap);
         int p = (int)((e->round + 1) & 1);
@@ -1536,8 +1587,10 @@ static PyObject *eng_gatherv(Engine *e, PyObject *const *args, Py_ssize_t nargs)
             off += cnt[r];
         }
     }
-    PyMem_Free(cnt);
-    return leave_data(e, st, ts);
+    if (ts)
+        PyEval_RestoreThread(ts);
+    e->busy = 0;
+    return st;
 }
 
 /* The rounds of a broadcast of `total` bytes at data from rank src.  Called
@@ -1579,7 +1632,6 @@ static PyObject *eng_broadcast(Engine *e, PyObject *const *args, Py_ssize_t narg
     return leave_data(e, st, ts);
 }
 
-static int plain_info(Engine *e, PyObject *t, int *code, char **addr, long long *n);
 
 /*
  * fast_broadcast(t, src, kind) -> status, or None: Communicator.broadcast's
@@ -2732,6 +2784,7 @@ static PyMethodDef eng_methods[] = {
     {"set_p2p_dtypes", (PyCFunction)eng_set_p2p_dtypes, METH_VARARGS, NULL},
     {"plain", (PyCFunction)eng_plain, METH_O, NULL},
     {"fast_broadcast", (PyCFunction)(void (*)(void))eng_fast_broadcast, METH_FASTCALL, NULL},
+    {"fast_all_gather", (PyCFunction)(void (*)(void))eng_fast_all_gather, METH_FASTCALL, NULL},
     {"p2p_recv_head", (PyCFunction)eng_p2p_recv_head, METH_O, NULL},
     {"p2p_recv_body", (PyCFunction)eng_p2p_recv_body, METH_O, NULL},
     {"sync", (PyCFunction)(void (*)(void))eng_sync, METH_FASTCALL, NULL},

@@ -492,6 +492,15 @@ class Communicator:
         # the common case (a plain tensor, dim 0): one C check, the same rounds and
         # layout key as the general path below, ~8 us less per call
         if eng is not None and type(dim) is int and dim == 0:
+            if (
+                type(tensor) is _Tensor and tensor.dim() == 1
+            ):  # one C call, as all_gather_into_tensor
+                out = torch.empty(self._world * tensor.shape[0], dtype=tensor.dtype)
+                status = eng._native.fast_all_gather(out, tensor, KIND_ALL_GATHER)
+                if status == 0:
+                    return out
+                if status is not None:
+                    self._raise_flat_gather(status, "all_gather", tensor)
             a = eng._native.plain(tensor)
             if a is not None and tensor.dim():
                 w = self._world
@@ -597,19 +606,14 @@ class Communicator:
         if _compiling():
             return compiled.all_gather_into_tensor(self, output, input)
         eng = self._engine
-        # the common case: two C calls check plain tensors (_native.c plain); the
+        # the common case (plain tensors, output = world x input): one C call
+        # (_native.c fast_all_gather) with the general path's metadata; None: the
         # general path below does every check and handles views and subclasses
         if eng is not None:
-            a = eng._native.plain(input)
-            b = eng._native.plain(output) if a is not None else None
-            if b is not None and a[0] == b[0] and b[2] == self._world * a[2]:
-                n, w = a[2], self._world
-                key = protocols.layout_key(KIND_ALL_GATHER, (), 0, (n,) * w, None)
-                nbytes = n * _ANY_SIZE[a[0]]
-                fn = "all_gather_into_tensor"
-                protocols.gatherv(
-                    eng, fn, KIND_ALL_GATHER, a[1], [nbytes] * w, b[1], a[0], n * w, key
-                )
+            status = eng._native.fast_all_gather(output, input, KIND_ALL_GATHER)
+            if status is not None:
+                if status:
+                    self._raise_flat_gather(status, "all_gather_into_tensor", input)
                 return output
         fn = "all_gather_into_tensor"
         self._check_open(fn)
@@ -633,6 +637,13 @@ class Communicator:
         if res is not output:
             output.copy_(res.view(output.shape))
         return output
+
+    def _raise_flat_gather(self, status: int, fn: str, input: _Tensor) -> None:
+        """The error of a failed fast_all_gather (its metadata: protocols.flat_key)."""
+        n, w = input.numel(), self._world
+        code = protocols.dtype_code_any(input.dtype)
+        key = protocols.flat_key(KIND_ALL_GATHER, n, w)
+        self._engine.raise_status(status, fn, KIND_ALL_GATHER, code, 0, n * w, key)
 
     def _gather(
         self,
