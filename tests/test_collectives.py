@@ -378,3 +378,46 @@ def all_gather_1d_mismatch(comm):
 def test_all_gather_1d_size_mismatch_raises_everywhere(pools):
     for err in pools.run(2, all_gather_1d_mismatch):
         assert err is not None and err.startswith("all_gather:"), err
+
+
+def reduce_scatter_mixed_paths(comm):
+    """reduce_scatter_tensor of plain tensors is one C call; a strided output
+    takes the general path, reduce_scatter(t) its own: same metadata, so they
+    work together; a different op or size on one rank raises on every rank."""
+    r, w = comm.rank, comm.world_size
+    out = []
+    for dtype, op in (
+        (torch.float32, tpcomm.ReduceOp.SUM),
+        (torch.bfloat16, tpcomm.ReduceOp.AVG),
+        (torch.int64, tpcomm.ReduceOp.MAX),
+        (torch.int32, tpcomm.ReduceOp.MIN),
+    ):
+        x = ((torch.arange(4 * w) * 7 + 3 * r) % 11).to(dtype)
+        parts = [((torch.arange(4 * w) * 7 + 3 * q) % 11).to(dtype) for q in range(w)]
+        want = reference(parts, op).chunk(w)[r]
+        if r % 3 == 0:
+            o = torch.empty(4, dtype=dtype)
+            comm.reduce_scatter_tensor(o, x, op)
+        elif r % 3 == 1:
+            o = torch.empty(4, 2, dtype=dtype)[:, 0]  # strided: the general path
+            comm.reduce_scatter_tensor(o, x, op)
+        else:
+            o = comm.reduce_scatter(x, op=op)
+        out.append(bool(torch.equal(o, want)))
+    errs = []
+    for kw in ({"op": tpcomm.ReduceOp.MAX if r == 0 else tpcomm.ReduceOp.SUM}, {"n": 4 + r % 2}):
+        n = kw.get("n", 4)
+        try:
+            comm.reduce_scatter_tensor(
+                torch.empty(n), torch.ones(n * w), kw.get("op", tpcomm.ReduceOp.SUM)
+            )
+            errs.append(None)
+        except ValueError as e:
+            errs.append(str(e))
+    return out, errs
+
+
+def test_reduce_scatter_fast_and_general_paths_agree(pools):
+    for out, errs in pools.run(3, reduce_scatter_mixed_paths):
+        assert all(out), out
+        assert all(e is not None and "reduce_scatter" in e for e in errs), errs

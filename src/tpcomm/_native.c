@@ -1668,21 +1668,74 @@ static PyObject *eng_fast_broadcast(Engine *e, PyObject *const *args, Py_ssize_t
 
 /* reduce_scatterv(kind, x, dtype, [elements per rank], out, op, arg) -> status: out
  * gets the reduction of shard `rank` of every rank's x (W shards, in order) */
+static int rs_rounds(Engine *e, uint32_t kind, const char *x, int dtype, const size_t *sizes,
+                     char *out, int op, uint64_t arg);
+
 static PyObject *eng_reduce_scatterv(Engine *e, PyObject *const *args, Py_ssize_t nargs)
 {
     unsigned long long v[7];
     if (u64_args(args, nargs, 7, "reduce_scatterv", v) < 0)
         return NULL;
-    const uint32_t kind = (uint32_t)v[0];
-    char *x = (char *)(uintptr_t)v[1], *out = (char *)(uintptr_t)v[4];
-    const unsigned long long dtype = v[2], op = v[5], arg = v[6];
-    if (dtype >= DT_COUNT || op >= OP_COUNT) {
+    if (v[2] >= DT_COUNT || v[5] >= OP_COUNT) {
         PyErr_SetString(PyExc_ValueError, "reduce_scatterv: bad dtype or op");
         return NULL;
     }
     size_t *sizes;
     if (int_list(e, args[3], &sizes, "reduce_scatterv") < 0)
         return NULL;
+    int st = rs_rounds(e, (uint32_t)v[0], (const char *)(uintptr_t)v[1], (int)v[2], sizes,
+                       (char *)(uintptr_t)v[4], (int)v[5], v[6]);
+    PyMem_Free(sizes);
+    return st < 0 ? NULL : PyLong_FromLong(st);
+}
+
+#define RS_FLAT 0x5253 /* protocols.RS_FLAT */
+
+/*
+ * fast_reduce_scatter(output, input, op, kind) -> status, or None: the
+ * torch-style reduce_scatter_tensor's common case in one call (plain tensors
+ * of one reducible dtype, input = world x output elements, a ReduceOp the
+ * engine does, AVG on floats only); None: the general path.  The metadata is
+ * the general path's (flat_key(RS_FLAT, n, w) for this layout).
+ */
+static PyObject *eng_fast_reduce_scatter(Engine *e, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4 || !e->base || e->failed || !e->n_any || !e->d_numel ||
+        !PyLong_CheckExact(args[3]))
+        Py_RETURN_NONE;
+    int opc = -1, dtc = -1, ci, co;
+    for (int i = 0; i < OP_COUNT; i++)
+        if (args[2] == e->ops[i])
+            opc = i;
+    long kind = PyLong_AsLong(args[3]);
+    char *ai, *ao;
+    long long ni, no;
+    if (opc < 0 || kind < 0 || plain_info(e, args[0], &co, &ao, &no) < 0 ||
+        plain_info(e, args[1], &ci, &ai, &ni) < 0 || ci != co || ni != no * e->world) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    for (int i = 0; i < DT_COUNT; i++)
+        if (e->dtypes[i] == e->any_dtypes[ci])
+            dtc = i;
+    if (dtc < 0 || (opc == OP_AVG && dtc >= DT_I32))
+        Py_RETURN_NONE;
+    const int w = e->world;
+    size_t *sizes = PyMem_Malloc((size_t)w * sizeof(size_t));
+    if (!sizes)
+        return PyErr_NoMemory();
+    for (int r = 0; r < w; r++)
+        sizes[r] = (size_t)no;
+    int st = rs_rounds(e, (uint32_t)kind, ai, dtc, sizes, ao, opc,
+                       flat_key(RS_FLAT, (uint64_t)no, (uint64_t)w));
+    PyMem_Free(sizes);
+    return st < 0 ? NULL : PyLong_FromLong(st);
+}
+
+/* The rounds of a reduce-scatter: -1 with an exception, or a status */
+static int rs_rounds(Engine *e, uint32_t kind, const char *x, int dtype, const size_t *sizes,
+                     char *out, int op, uint64_t arg)
+{
     const int w = e->world, me = e->rank;
     const size_t es = dt_size[dtype];
     size_t per = e->slot_bytes / es / (size_t)w / 32 * 32; /* elements per shard per round */
@@ -1691,10 +1744,10 @@ static PyObject *eng_reduce_scatterv(Engine *e, PyObject *const *args, Py_ssize_
     size_t numel = 0, rounds = 1, *offs = PyMem_Calloc((size_t)w + 1, sizeof(size_t));
     void **srcs = PyMem_Calloc((size_t)w, sizeof(void *));
     if (!offs || !srcs) {
-        PyMem_Free(sizes);
         PyMem_Free(offs);
         PyMem_Free(srcs);
-        return PyErr_NoMemory();
+        PyErr_NoMemory();
+        return -1;
     }
     for (int r = 0; r < w; r++) {
         offs[r] = numel;
@@ -1705,10 +1758,9 @@ static PyObject *eng_reduce_scatterv(Engine *e, PyObject *const *args, Py_ssize_
     PyThreadState *ts = NULL;
     int st = enter_data(e, numel * es, &ts);
     if (st != 0) {
-        PyMem_Free(sizes);
         PyMem_Free(offs);
         PyMem_Free(srcs);
-        return st < 0 ? NULL : PyLong_FromLong(ST_ABORTED);
+        return st < 0 ? -1 : ST_ABORTED;
     }
     for (size_t k = 0; k < rounds && st == ST_OK; k++) {
         size_t lo = k * per;
@@ -1724,13 +1776,16 @@ static PyObject *eng_reduce_scatterv(Engine *e, PyObject *const *args, Py_ssize_
         if (st != ST_OK || !n)
             continue;
         for (int r = 0; r < w; r++)
-            srcs[r] = r == me ? x + (offs[me] + lo) * es : slot_of(e, r, p) + (size_t)me * per * es;
-        par_reduce(e->pool, (int)dtype, (int)op, out + lo * es, srcs, w, n);
+            srcs[r] = r == me ? (void *)(x + (offs[me] + lo) * es)
+                              : (void *)(slot_of(e, r, p) + (size_t)me * per * es);
+        par_reduce(e->pool, dtype, op, out + lo * es, srcs, w, n);
     }
-    PyMem_Free(sizes);
     PyMem_Free(offs);
     PyMem_Free(srcs);
-    return leave_data(e, st, ts);
+    if (ts)
+        PyEval_RestoreThread(ts);
+    e->busy = 0;
+    return st;
 }
 
 /* 0 when the engine is open and r names another rank; else -1 with the
@@ -2785,6 +2840,8 @@ static PyMethodDef eng_methods[] = {
     {"plain", (PyCFunction)eng_plain, METH_O, NULL},
     {"fast_broadcast", (PyCFunction)(void (*)(void))eng_fast_broadcast, METH_FASTCALL, NULL},
     {"fast_all_gather", (PyCFunction)(void (*)(void))eng_fast_all_gather, METH_FASTCALL, NULL},
+    {"fast_reduce_scatter", (PyCFunction)(void (*)(void))eng_fast_reduce_scatter, METH_FASTCALL,
+     NULL},
     {"p2p_recv_head", (PyCFunction)eng_p2p_recv_head, METH_O, NULL},
     {"p2p_recv_body", (PyCFunction)eng_p2p_recv_body, METH_O, NULL},
     {"sync", (PyCFunction)(void (*)(void))eng_sync, METH_FASTCALL, NULL},

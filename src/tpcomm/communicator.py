@@ -42,6 +42,7 @@ from .shm.engine import (
     KIND_BARRIER,
     KIND_BROADCAST,
     KIND_GATHER,
+    KIND_REDUCE_SCATTER,
     ShmEngine,
 )
 
@@ -748,19 +749,17 @@ class Communicator:
         if _compiling():
             return compiled.reduce_scatter_tensor(self, output, input, op)
         eng = self._engine
-        if eng is not None and type(op) is ReduceOp:  # see all_gather_into_tensor
-            b = eng._native.plain(output)
-            a = eng._native.plain(input) if b is not None else None
-            code = _ANY_TO_REDUCE.get(a[0]) if a is not None and a[0] == b[0] else None
-            if (
-                code is not None
-                and a[2] == self._world * b[2]
-                and (op is not ReduceOp.AVG or code in _FLOAT_CODES)
-            ):
-                sizes = [b[2]] * self._world
-                key = protocols.layout_key((), 0, tuple(sizes))
-                fn = "reduce_scatter_tensor"
-                protocols.reduce_scatterv(eng, fn, a[1], code, sizes, b[1], op.value, key)
+        if eng is not None:  # one C call, as all_gather_into_tensor (None: the general path)
+            status = eng._native.fast_reduce_scatter(output, input, op, KIND_REDUCE_SCATTER)
+            if status is not None:
+                if status:
+                    n, w = output.numel(), self._world
+                    code = _ANY_TO_REDUCE[protocols.dtype_code_any(input.dtype)]
+                    key = protocols.flat_key(protocols.RS_FLAT, n, w)
+                    eng.raise_status(
+                        status, "reduce_scatter_tensor", KIND_REDUCE_SCATTER, code, op.value,
+                        n * w, key,
+                    )  # fmt: skip
                 return output
         fn = "reduce_scatter_tensor"
         self._check_open(fn)
@@ -991,7 +990,6 @@ class Communicator:
 # what the C checks (plain) return, by dtype code of a message (ops.ALL_DTYPES)
 _ANY_SIZE = tuple(dt.itemsize for dt in ALL_DTYPES)
 _ANY_TO_REDUCE = {ANY_DTYPE_CODES[dt]: code for dt, code in DTYPE_CODES.items()}
-_FLOAT_CODES = frozenset(DTYPE_CODES[dt] for dt in FLOAT_DTYPES)
 
 
 def _prod(shape: Any) -> int:

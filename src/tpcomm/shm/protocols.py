@@ -51,6 +51,7 @@ _PREFIX = struct.Struct("<QQ")  # header bytes, data bytes
 
 
 _M64 = (1 << 64) - 1
+RS_FLAT = 0x5253  # flat_key's kind for reduce_scatter layouts (_native.c RS_FLAT)
 
 
 def flat_key(kind: int, n: int, world: int) -> int:
@@ -71,6 +72,10 @@ def layout_key(*parts: Any) -> int:
         sizes = parts[3]
         if sizes and all(s == sizes[0] for s in sizes):
             return flat_key(parts[0], sizes[0], len(sizes))
+    if len(parts) == 3 and parts[0] == () and parts[1] == 0:  # reduce_scatter's (rest, d, sizes)
+        sizes = parts[2]
+        if sizes and all(s == sizes[0] for s in sizes):
+            return flat_key(RS_FLAT, sizes[0], len(sizes))
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & 0x7FFFFFFFFFFFFFFF
 
