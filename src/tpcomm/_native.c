@@ -1478,6 +1478,8 @@ static inline size_t part_of(size_t have, size_t lo, size_t cap)
     return have > lo ? (have - lo < cap ? have - lo : cap) : 0;
 }
 
+static int plain_info(Engine *e, PyObject *t, int *code, char **addr, long long *n);
+
 /* enter() for the collectives below: 0 go, 1 aborted (status), -1 error */
 static int enter_data(Engine *e, size_t bytes, PyThreadState **ts)
 {
@@ -1487,15 +1489,49 @@ static int enter_data(Engine *e, size_t bytes, PyThreadState **ts)
     return en;
 }
 
-static PyObject *leave_data(Engine *e, int st, PyThreadState *ts)
+/* the end of what enter_data began; returns st */
+static int leave_data(Engine *e, int st, PyThreadState *ts)
 {
     if (ts)
         PyEval_RestoreThread(ts);
     e->busy = 0;
-    return PyLong_FromLong(st);
+    return st;
 }
 
-static int plain_info(Engine *e, PyObject *t, int *code, char **addr, long long *n);
+/* A status as the Python methods return it: NULL (-1, exception) or
+ * the status */
+static PyObject *status_result(int st)
+{
+    return st < 0 ? NULL : PyLong_FromLong(st);
+}
+
+/* For the one-call paths of the torch-style collectives: big and small are
+ * plain tensors of one dtype (*code) with big = world x small elements; their
+ * addresses and small's element count.  -1 (no exception): not that case. */
+static int flat_pair(Engine *e, PyObject *big, PyObject *small, int *code, char **abig,
+                     char **asmall, long long *nsmall)
+{
+    int cb;
+    long long nb;
+    if (plain_info(e, big, &cb, abig, &nb) < 0 || plain_info(e, small, code, asmall, nsmall) < 0 ||
+        cb != *code || nb != *nsmall * e->world)
+        return -1;
+    return 0;
+}
+
+/* world copies of v (PyMem), or NULL with MemoryError */
+static size_t *even_sizes(Engine *e, size_t v)
+{
+    size_t *a = PyMem_Malloc((size_t)e->world * sizeof(size_t));
+    if (!a) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (int r = 0; r < e->world; r++)
+        a[r] = v;
+    return a;
+}
+
 static int gather_rounds(Engine *e, uint32_t kind, const char *mine, const size_t *cnt, char *out,
                          uint32_t dtype, uint64_t numel, uint64_t arg);
 
@@ -1510,7 +1546,7 @@ static PyObject *eng_gatherv(Engine *e, PyObject *const *args, Py_ssize_t nargs)
     int st = gather_rounds(e, (uint32_t)v[0], (const char *)(uintptr_t)v[1], cnt,
                            (char *)(uintptr_t)v[3], (uint32_t)v[4], v[5], v[6]);
     PyMem_Free(cnt);
-    return st < 0 ? NULL : PyLong_FromLong(st);
+    return status_result(st);
 }
 
 /* The key of a flat, even layout: protocols.flat_key, bit for bit */
@@ -1535,24 +1571,21 @@ static PyObject *eng_fast_all_gather(Engine *e, PyObject *const *args, Py_ssize_
         !PyLong_CheckExact(args[2]))
         Py_RETURN_NONE;
     long kind = PyLong_AsLong(args[2]);
-    int ci, co;
+    int ci;
     char *ai, *ao;
-    long long ni, no;
-    if (kind < 0 || plain_info(e, args[1], &ci, &ai, &ni) < 0 ||
-        plain_info(e, args[0], &co, &ao, &no) < 0 || ci != co || no != ni * e->world) {
+    long long ni;
+    if (kind < 0 || flat_pair(e, args[0], args[1], &ci, &ao, &ai, &ni) < 0) {
         PyErr_Clear();
         Py_RETURN_NONE;
     }
-    const int w = e->world;
-    size_t *cnt = PyMem_Malloc((size_t)w * sizeof(size_t));
+    size_t *cnt = even_sizes(e, (size_t)ni * e->any_size[ci]);
     if (!cnt)
-        return PyErr_NoMemory();
-    for (int r = 0; r < w; r++)
-        cnt[r] = (size_t)ni * e->any_size[ci];
-    uint64_t key = flat_key((uint64_t)kind, (uint64_t)ni, (uint64_t)w);
-    int st = gather_rounds(e, (uint32_t)kind, ai, cnt, ao, (uint32_t)ci, (uint64_t)no, key);
+        return NULL;
+    uint64_t key = flat_key((uint64_t)kind, (uint64_t)ni, (uint64_t)e->world);
+    int st = gather_rounds(e, (uint32_t)kind, ai, cnt, ao, (uint32_t)ci,
+                           (uint64_t)ni * (uint64_t)e->world, key);
     PyMem_Free(cnt);
-    return st < 0 ? NULL : PyLong_FromLong(st);
+    return status_result(st);
 }
 
 /* The rounds of a gather: -1 with an exception, or a status */
@@ -1587,30 +1620,30 @@ static int gather_rounds(Engine *e, uint32_t kind, const char *mine, const size_
             off += cnt[r];
         }
     }
-    if (ts)
-        PyEval_RestoreThread(ts);
-    e->busy = 0;
-    return st;
+    return leave_data(e, st, ts);
 }
 
-/* The rounds of a broadcast of `total` bytes at data from rank src.  Called
- * between enter_data and leave_data. */
+/* The rounds of a broadcast of `total` bytes at data from rank src: -1 with
+ * an exception, or a status */
 static int bcast_rounds(Engine *e, uint32_t kind, char *data, size_t total, int src,
-                        uint32_t dtype, uint64_t numel, PyThreadState **ts)
+                        uint32_t dtype, uint64_t numel)
 {
     const size_t cap = e->slot_bytes;
     size_t rounds = total ? (total + cap - 1) / cap : 1;
-    int st = ST_OK;
+    PyThreadState *ts = NULL;
+    int st = enter_data(e, total, &ts);
+    if (st != 0)
+        return st < 0 ? -1 : ST_ABORTED;
     for (size_t k = 0; k < rounds && st == ST_OK; k++) {
         size_t lo = k * cap, n = part_of(total, lo, cap);
         int p = (int)((e->round + 1) & 1);
         if (e->rank == src && n)
             memcpy(slot_of(e, e->rank, p), data + lo, n);
-        st = round_sync(e, kind, dtype, 0, numel, (uint64_t)src, ts);
+        st = round_sync(e, kind, dtype, 0, numel, (uint64_t)src, &ts);
         if (st == ST_OK && e->rank != src && n)
             memcpy(data + lo, slot_of(e, src, p), n);
     }
-    return st;
+    return leave_data(e, st, ts);
 }
 
 /* broadcast(kind, data, nbytes, src, dtype, numel) -> status: src's bytes everywhere */
@@ -1623,15 +1656,9 @@ static PyObject *eng_broadcast(Engine *e, PyObject *const *args, Py_ssize_t narg
         PyErr_Format(PyExc_ValueError, "broadcast: src %lld is out of range", (long long)v[3]);
         return NULL;
     }
-    PyThreadState *ts = NULL;
-    int st = enter_data(e, (size_t)v[2], &ts);
-    if (st != 0)
-        return st < 0 ? NULL : PyLong_FromLong(ST_ABORTED);
-    st = bcast_rounds(e, (uint32_t)v[0], (char *)(uintptr_t)v[1], (size_t)v[2], (int)v[3],
-                      (uint32_t)v[4], v[5], &ts);
-    return leave_data(e, st, ts);
+    return status_result(bcast_rounds(e, (uint32_t)v[0], (char *)(uintptr_t)v[1], (size_t)v[2],
+                                      (int)v[3], (uint32_t)v[4], v[5]));
 }
-
 
 /*
  * fast_broadcast(t, src, kind) -> status, or None: Communicator.broadcast's
@@ -1657,13 +1684,8 @@ static PyObject *eng_fast_broadcast(Engine *e, PyObject *const *args, Py_ssize_t
     long long n;
     if (plain_info(e, args[0], &code, &a, &n) < 0)
         Py_RETURN_NONE;
-    size_t total = (size_t)n * e->any_size[code];
-    PyThreadState *ts = NULL;
-    int st = enter_data(e, total, &ts);
-    if (st != 0)
-        return st < 0 ? NULL : PyLong_FromLong(ST_ABORTED);
-    st = bcast_rounds(e, (uint32_t)kind, a, total, (int)src, (uint32_t)code, (uint64_t)n, &ts);
-    return leave_data(e, st, ts);
+    return status_result(bcast_rounds(e, (uint32_t)kind, a, (size_t)n * e->any_size[code],
+                                      (int)src, (uint32_t)code, (uint64_t)n));
 }
 
 /* reduce_scatterv(kind, x, dtype, [elements per rank], out, op, arg) -> status: out
@@ -1686,7 +1708,7 @@ static PyObject *eng_reduce_scatterv(Engine *e, PyObject *const *args, Py_ssize_
     int st = rs_rounds(e, (uint32_t)v[0], (const char *)(uintptr_t)v[1], (int)v[2], sizes,
                        (char *)(uintptr_t)v[4], (int)v[5], v[6]);
     PyMem_Free(sizes);
-    return st < 0 ? NULL : PyLong_FromLong(st);
+    return status_result(st);
 }
 
 #define RS_FLAT 0x5253 /* protocols.RS_FLAT */
@@ -1703,15 +1725,14 @@ static PyObject *eng_fast_reduce_scatter(Engine *e, PyObject *const *args, Py_ss
     if (nargs != 4 || !e->base || e->failed || !e->n_any || !e->d_numel ||
         !PyLong_CheckExact(args[3]))
         Py_RETURN_NONE;
-    int opc = -1, dtc = -1, ci, co;
+    int opc = -1, dtc = -1, ci;
     for (int i = 0; i < OP_COUNT; i++)
         if (args[2] == e->ops[i])
             opc = i;
     long kind = PyLong_AsLong(args[3]);
     char *ai, *ao;
-    long long ni, no;
-    if (opc < 0 || kind < 0 || plain_info(e, args[0], &co, &ao, &no) < 0 ||
-        plain_info(e, args[1], &ci, &ai, &ni) < 0 || ci != co || ni != no * e->world) {
+    long long no;
+    if (opc < 0 || kind < 0 || flat_pair(e, args[1], args[0], &ci, &ai, &ao, &no) < 0) {
         PyErr_Clear();
         Py_RETURN_NONE;
     }
@@ -1720,16 +1741,13 @@ static PyObject *eng_fast_reduce_scatter(Engine *e, PyObject *const *args, Py_ss
             dtc = i;
     if (dtc < 0 || (opc == OP_AVG && dtc >= DT_I32))
         Py_RETURN_NONE;
-    const int w = e->world;
-    size_t *sizes = PyMem_Malloc((size_t)w * sizeof(size_t));
+    size_t *sizes = even_sizes(e, (size_t)no);
     if (!sizes)
-        return PyErr_NoMemory();
-    for (int r = 0; r < w; r++)
-        sizes[r] = (size_t)no;
+        return NULL;
     int st = rs_rounds(e, (uint32_t)kind, ai, dtc, sizes, ao, opc,
-                       flat_key(RS_FLAT, (uint64_t)no, (uint64_t)w));
+                       flat_key(RS_FLAT, (uint64_t)no, (uint64_t)e->world));
     PyMem_Free(sizes);
-    return st < 0 ? NULL : PyLong_FromLong(st);
+    return status_result(st);
 }
 
 /* The rounds of a reduce-scatter: -1 with an exception, or a status */
@@ -1782,10 +1800,7 @@ static int rs_rounds(Engine *e, uint32_t kind, const char *x, int dtype, const s
     }
     PyMem_Free(offs);
     PyMem_Free(srcs);
-    if (ts)
-        PyEval_RestoreThread(ts);
-    e->busy = 0;
-    return st;
+    return leave_data(e, st, ts);
 }
 
 /* 0 when the engine is open and r names another rank; else -1 with the
@@ -2301,7 +2316,7 @@ static PyObject *eng_p2p_recv_body(Engine *e, PyObject *list)
     int st = recv_body(e, &pc);
     PyMem_Free(pc.addr);
     PyMem_Free(pc.len);
-    return st < 0 ? NULL : PyLong_FromLong(st);
+    return status_result(st);
 }
 
 /*

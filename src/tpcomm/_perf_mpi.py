@@ -14,12 +14,11 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 
 import torch
 
 from .ops import ReduceOp
-from .perf import COLLECTIVES, MPI_DTYPES, MPI_OPS, _concat, _toucher
+from .perf import COLLECTIVES, MPI_DTYPES, MPI_OPS, _concat, _fresh_timed, _timed
 
 
 def supported(dtype: torch.dtype, op: str) -> bool:
@@ -84,19 +83,6 @@ def _calls(MPI, comm, name: str, mpi_op):
     return make, run, out
 
 
-def _fresh_timed(both, touch, iters, barrier) -> float:
-    barrier()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        both()
-    t = (time.perf_counter() - t0) / iters
-    barrier()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        touch()
-    return max(t - (time.perf_counter() - t0) / iters, 0.0)
-
-
 def _expect(name, world, count, dtype, op, salt, rank):
     if name == "gather":
         return _concat(world, count, dtype, salt) if rank == 0 else None
@@ -130,36 +116,21 @@ def main(cfg: dict) -> None:
             for _ in range(cfg["warmup"]):
                 run(st)
             if i == 0:  # as tpcomm.perf: ~0.2 s more of calls absorb start-up
-                t0 = time.perf_counter()
-                for _ in range(5):
-                    run(st)
-                probe = (time.perf_counter() - t0) / 5
+                probe = _timed(lambda st=st: run(st), 5)
                 for _ in range(
                     comm.allreduce(int(min(100000, 0.2 / max(probe, 1e-7))), op=MPI.MAX)
                 ):
                     run(st)
             iters = cfg["iters"]
             if iters <= 0:
-                t0 = time.perf_counter()
-                for _ in range(5):
-                    run(st)
-                probe = (time.perf_counter() - t0) / 5
+                probe = _timed(lambda st=st: run(st), 5)
                 iters = int(min(200000, max(20, cfg["target"] / max(probe, 1e-7))))
                 iters = comm.allreduce(iters, op=MPI.MAX)
-            if cfg["fresh"]:  # as tpcomm.perf._fresh_timed
-                touch = _toucher(st["x"])
-
-                def both(st=st, touch=touch):
-                    touch()
-                    run(st)
-
-                mine = _fresh_timed(both, touch, iters, comm.Barrier)
+            if cfg["fresh"]:
+                mine = _fresh_timed(run, st, iters, comm.Barrier)
             else:
                 comm.Barrier()
-                t0 = time.perf_counter()
-                for _ in range(iters):
-                    run(st)
-                mine = (time.perf_counter() - t0) / iters
+                mine = _timed(lambda st=st: run(st), iters)
             elapsed = comm.allreduce(mine, op=MPI.MAX)
             wrong = 0
             for salt in range(1, cfg["check"] + 1):

@@ -493,9 +493,8 @@ class Communicator:
         # the common case (a plain tensor, dim 0): one C check, the same rounds and
         # layout key as the general path below, ~8 us less per call
         if eng is not None and type(dim) is int and dim == 0:
-            if (
-                type(tensor) is _Tensor and tensor.dim() == 1
-            ):  # one C call, as all_gather_into_tensor
+            # 1-d: one C call, as all_gather_into_tensor (same key: protocols.flat_key)
+            if type(tensor) is _Tensor and tensor.dim() == 1:
                 out = torch.empty(self._world * tensor.shape[0], dtype=tensor.dtype)
                 status = eng._native.fast_all_gather(out, tensor, KIND_ALL_GATHER)
                 if status == 0:
