@@ -41,7 +41,10 @@ def gather_family(comm, dtypes, big):
 
     seed = 0
     for dtype in dtypes:
-        shapes = SHAPES + ([((big,), 0)] if dtype in (torch.float32, torch.uint8) else [])
+        shapes = SHAPES + [((0, 3), 1), ((2, 3, 0), 1)]
+        if dtype in (torch.float32, torch.uint8):
+            # more than a slot: dim 0, and rows whose blocks straddle the rounds
+            shapes += [((big,), 0), ((5, big // 5 + 3), 1), ((3, 7, big // 21 + 1), -2)]
         for shape, dim in shapes:
             seed += 1
             x = make(r, shape, dtype, seed)
@@ -57,7 +60,7 @@ def gather_family(comm, dtypes, big):
                 comm.gather(x, dst=dst, dim=dim),
                 torch.cat(parts, dim) if r == dst else None,
             )
-            # gather into a preallocated out= on dst (dim != 0: a copy into it)
+            # gather into a preallocated out= on dst, at every dim
             gshape = list(shape)
             gshape[dim] *= w
             o = torch.full(gshape, 3, dtype=dtype) if r == dst else None
@@ -118,13 +121,16 @@ def scatter_family(comm, big):
             if op is tpcomm.ReduceOp.AVG and dtype not in FLOATS:
                 continue
             shapes = [((0, 3), 0), ((w, 3), 0), ((5, 2 * w), 1), ((2, 3, w), -1), ((3 * w,), 0)]
+            shapes += [((0, 2 * w), 1), ((2, w, 0), 1)]
             if op is tpcomm.ReduceOp.SUM and dtype in (torch.float32, torch.bfloat16):
-                shapes.append(((w * (big // w + 3),), 0))
+                # more than a slot: dim 0, and rows whose blocks straddle the rounds
+                shapes += [((w * (big // w + 3),), 0), ((3, w * (big // (3 * w) + 5)), 1)]
             for shape, dim in shapes:
                 seed += 1
                 inputs = [make(q, shape, dtype, seed) for q in range(w)]
                 full = reference(inputs, op)
-                want = full.chunk(w, dim)[r] if full.numel() else full
+                part = full.shape[dim] // w
+                want = full.narrow(dim, r * part, part)
                 got = comm.reduce_scatter(inputs[r], dim=dim, op=op)
                 if got.shape != want.shape or not torch.equal(got, want):
                     problems.append(f"reduce_scatter {dtype} {op.name} {shape} dim={dim}")

@@ -1478,6 +1478,38 @@ static inline size_t part_of(size_t have, size_t lo, size_t cap)
     return have > lo ? (have - lo < cap ? have - lo : cap) : 0;
 }
 
+/*
+ * Blocked layouts (a collective along a dim other than 0): a tensor of `outer`
+ * rows, each row the ranks' blocks side by side.  Rank r's contribution (or
+ * shard) is its blocks, one per row, of blk bytes at byte offset off of every
+ * row of row bytes; counted in that order, byte q of it is byte q % blk of
+ * block q / blk.  With outer 1 the contribution is the contiguous range at off.
+ */
+static void put_blocks(char *out, const char *src, size_t q, size_t n, size_t blk, size_t row,
+                       size_t off)
+{
+    while (n) {
+        size_t a = q / blk, in = q % blk, m = blk - in < n ? blk - in : n;
+        memcpy(out + a * row + off + in, src, m);
+        src += m;
+        q += m;
+        n -= m;
+    }
+}
+
+/* the inverse of put_blocks: n bytes of the contribution, from byte q on, to dst */
+static void take_blocks(char *dst, const char *x, size_t q, size_t n, size_t blk, size_t row,
+                        size_t off)
+{
+    while (n) {
+        size_t a = q / blk, in = q % blk, m = blk - in < n ? blk - in : n;
+        memcpy(dst, x + a * row + off + in, m);
+        dst += m;
+        q += m;
+        n -= m;
+    }
+}
+
 static int plain_info(Engine *e, PyObject *t, int *code, char **addr, long long *n);
 
 /* enter() for the collectives below: 0 go, 1 aborted (status), -1 error */
@@ -1533,18 +1565,33 @@ static size_t *even_sizes(Engine *e, size_t v)
 }
 
 static int gather_rounds(Engine *e, uint32_t kind, const char *mine, const size_t *cnt, char *out,
-                         uint32_t dtype, uint64_t numel, uint64_t arg);
+                         uint32_t dtype, uint64_t numel, uint64_t arg, size_t outer);
 
-/* gatherv(kind, mine, [bytes per rank], out | None, dtype, numel, arg) -> status:
- * every rank's bytes, in rank order, at out (None: this rank receives nothing) */
+/* 0 when outer (> 0) divides every count; else -1 with ValueError */
+static int check_outer(Engine *e, const size_t *cnt, unsigned long long outer, const char *fn)
+{
+    int ok = outer > 0;
+    for (int r = 0; ok && r < e->world; r++)
+        ok = cnt[r] % outer == 0;
+    if (!ok)
+        PyErr_Format(PyExc_ValueError, "%s: %llu rows do not divide every rank's part", fn, outer);
+    return ok ? 0 : -1;
+}
+
+/* gatherv(kind, mine, [bytes per rank], out | None, dtype, numel, arg, outer) -> status:
+ * every rank's bytes, in rank order, at out (None: this rank receives nothing);
+ * with outer rows (put_blocks), rank r's bytes are outer blocks and row a of
+ * out is every rank's block a in rank order */
 static PyObject *eng_gatherv(Engine *e, PyObject *const *args, Py_ssize_t nargs)
 {
-    unsigned long long v[7];
+    unsigned long long v[8];
     size_t *cnt;
-    if (u64_args(args, nargs, 7, "gatherv", v) < 0 || int_list(e, args[2], &cnt, "gatherv") < 0)
+    if (u64_args(args, nargs, 8, "gatherv", v) < 0 || int_list(e, args[2], &cnt, "gatherv") < 0)
         return NULL;
-    int st = gather_rounds(e, (uint32_t)v[0], (const char *)(uintptr_t)v[1], cnt,
-                           (char *)(uintptr_t)v[3], (uint32_t)v[4], v[5], v[6]);
+    int st = check_outer(e, cnt, v[7], "gatherv");
+    if (st == 0)
+        st = gather_rounds(e, (uint32_t)v[0], (const char *)(uintptr_t)v[1], cnt,
+                           (char *)(uintptr_t)v[3], (uint32_t)v[4], v[5], v[6], (size_t)v[7]);
     PyMem_Free(cnt);
     return status_result(st);
 }
@@ -1583,14 +1630,14 @@ static PyObject *eng_fast_all_gather(Engine *e, PyObject *const *args, Py_ssize_
         return NULL;
     uint64_t key = flat_key((uint64_t)kind, (uint64_t)ni, (uint64_t)e->world);
     int st = gather_rounds(e, (uint32_t)kind, ai, cnt, ao, (uint32_t)ci,
-                           (uint64_t)ni * (uint64_t)e->world, key);
+                           (uint64_t)ni * (uint64_t)e->world, key, 1);
     PyMem_Free(cnt);
     return status_result(st);
 }
 
 /* The rounds of a gather: -1 with an exception, or a status */
 static int gather_rounds(Engine *e, uint32_t kind, const char *mine, const size_t *cnt, char *out,
-                         uint32_t dtype, uint64_t numel, uint64_t arg)
+                         uint32_t dtype, uint64_t numel, uint64_t arg, size_t outer)
 {
     const int w = e->world, me = e->rank;
     const size_t cap = e->slot_bytes;
@@ -1616,8 +1663,9 @@ static int gather_rounds(Engine *e, uint32_t kind, const char *mine, const size_
         for (int r = 0; r < w; r++) {
             n = part_of(cnt[r], lo, cap);
             if (n)
-                memcpy(out + off + lo, r == me ? mine + lo : slot_of(e, r, p), n);
-            off += cnt[r];
+                put_blocks(out, r == me ? mine + lo : slot_of(e, r, p), lo, n, cnt[r] / outer,
+                           total / outer, off);
+            off += cnt[r] / outer;
         }
     }
     return leave_data(e, st, ts);
@@ -1691,13 +1739,17 @@ static PyObject *eng_fast_broadcast(Engine *e, PyObject *const *args, Py_ssize_t
 /* reduce_scatterv(kind, x, dtype, [elements per rank], out, op, arg) -> status: out
  * gets the reduction of shard `rank` of every rank's x (W shards, in order) */
 static int rs_rounds(Engine *e, uint32_t kind, const char *x, int dtype, const size_t *sizes,
-                     char *out, int op, uint64_t arg);
+                     char *out, int op, uint64_t arg, size_t outer);
 
 static PyObject *eng_reduce_scatterv(Engine *e, PyObject *const *args, Py_ssize_t nargs)
 {
-    unsigned long long v[7];
-    if (u64_args(args, nargs, 7, "reduce_scatterv", v) < 0)
+    unsigned long long v[8];
+    if (u64_args(args, nargs, 8, "reduce_scatterv", v) < 0)
         return NULL;
+    if (v[7] == 0) {
+        PyErr_SetString(PyExc_ValueError, "reduce_scatterv: no rows");
+        return NULL;
+    }
     if (v[2] >= DT_COUNT || v[5] >= OP_COUNT) {
         PyErr_SetString(PyExc_ValueError, "reduce_scatterv: bad dtype or op");
         return NULL;
@@ -1706,7 +1758,7 @@ static PyObject *eng_reduce_scatterv(Engine *e, PyObject *const *args, Py_ssize_
     if (int_list(e, args[3], &sizes, "reduce_scatterv") < 0)
         return NULL;
     int st = rs_rounds(e, (uint32_t)v[0], (const char *)(uintptr_t)v[1], (int)v[2], sizes,
-                       (char *)(uintptr_t)v[4], (int)v[5], v[6]);
+                       (char *)(uintptr_t)v[4], (int)v[5], v[6], (size_t)v[7]);
     PyMem_Free(sizes);
     return status_result(st);
 }
@@ -1745,14 +1797,14 @@ static PyObject *eng_fast_reduce_scatter(Engine *e, PyObject *const *args, Py_ss
     if (!sizes)
         return NULL;
     int st = rs_rounds(e, (uint32_t)kind, ai, dtc, sizes, ao, opc,
-                       flat_key(RS_FLAT, (uint64_t)no, (uint64_t)e->world));
+                       flat_key(RS_FLAT, (uint64_t)no, (uint64_t)e->world), 1);
     PyMem_Free(sizes);
     return status_result(st);
 }
 
 /* The rounds of a reduce-scatter: -1 with an exception, or a status */
 static int rs_rounds(Engine *e, uint32_t kind, const char *x, int dtype, const size_t *sizes,
-                     char *out, int op, uint64_t arg)
+                     char *out, int op, uint64_t arg, size_t outer)
 {
     const int w = e->world, me = e->rank;
     const size_t es = dt_size[dtype];
@@ -1770,9 +1822,11 @@ static int rs_rounds(Engine *e, uint32_t kind, const char *x, int dtype, const s
     for (int r = 0; r < w; r++) {
         offs[r] = numel;
         numel += sizes[r];
-        if ((sizes[r] + per - 1) / per > rounds)
-            rounds = (sizes[r] + per - 1) / per;
+        if ((outer * sizes[r] + per - 1) / per > rounds)
+            rounds = (outer * sizes[r] + per - 1) / per;
     }
+    const size_t row = numel * es; /* bytes per row (take_blocks) */
+    numel *= outer;
     PyThreadState *ts = NULL;
     int st = enter_data(e, numel * es, &ts);
     if (st != 0) {
@@ -1784,18 +1838,21 @@ static int rs_rounds(Engine *e, uint32_t kind, const char *x, int dtype, const s
         size_t lo = k * per;
         int p = (int)((e->round + 1) & 1);
         char *base = slot_of(e, me, p);
+        /* shard j's part of this round to its place in the slot; with rows,
+         * this rank's own part too (the reduction reads it contiguous) */
         for (int j = 0; j < w; j++) {
-            size_t n = part_of(sizes[j], lo, per);
-            if (n && j != me)
-                memcpy(base + (size_t)j * per * es, x + (offs[j] + lo) * es, n * es);
+            size_t n = part_of(outer * sizes[j], lo, per);
+            if (n && (j != me || outer > 1))
+                take_blocks(base + (size_t)j * per * es, x, lo * es, n * es, sizes[j] * es, row,
+                            offs[j] * es);
         }
         st = round_sync(e, kind, (uint32_t)dtype, (uint32_t)op, numel, arg, &ts);
-        size_t n = part_of(sizes[me], lo, per);
+        size_t n = part_of(outer * sizes[me], lo, per);
         if (st != ST_OK || !n)
             continue;
         for (int r = 0; r < w; r++)
-            srcs[r] = r == me ? (void *)(x + (offs[me] + lo) * es)
-                              : (void *)(slot_of(e, r, p) + (size_t)me * per * es);
+            srcs[r] = r == me && outer == 1 ? (void *)(x + (offs[me] + lo) * es)
+                                            : (void *)(slot_of(e, r, p) + (size_t)me * per * es);
         par_reduce(e->pool, dtype, op, out + lo * es, srcs, w, n);
     }
     PyMem_Free(offs);

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import datetime
 import hashlib
+import math
 import os
 import pickle
 import weakref
@@ -73,6 +74,9 @@ def _timeout_seconds(fn: str, timeout: Timeout) -> float:
     if not timeout > 0:
         raise ValueError(f"{fn}: timeout must be positive, got {timeout}")
     return float(timeout)
+
+
+_NOT_PLAIN = object()  # _plain_gather: not its case
 
 
 class Communicator:
@@ -490,30 +494,20 @@ class Communicator:
         if _compiling():
             return compiled.all_gather(self, tensor, dim)
         eng = self._engine
-        # the common case (a plain tensor, dim 0): one C check, the same rounds and
-        # layout key as the general path below, ~8 us less per call
-        if eng is not None and type(dim) is int and dim == 0:
+        # the common case (a plain tensor, an int dim): one C check, the same rounds
+        # and layout key as the general path below, ~8 us less per call
+        if eng is not None and type(dim) is int:
             # 1-d: one C call, as all_gather_into_tensor (same key: protocols.flat_key)
-            if type(tensor) is _Tensor and tensor.dim() == 1:
+            if dim == 0 and type(tensor) is _Tensor and tensor.dim() == 1:
                 out = torch.empty(self._world * tensor.shape[0], dtype=tensor.dtype)
                 status = eng._native.fast_all_gather(out, tensor, KIND_ALL_GATHER)
                 if status == 0:
                     return out
                 if status is not None:
                     self._raise_flat_gather(status, "all_gather", tensor)
-            a = eng._native.plain(tensor)
-            if a is not None and tensor.dim():
-                w = self._world
-                shape = tensor.shape
-                rest = tuple(shape[1:])
-                out = torch.empty((w * shape[0], *rest), dtype=tensor.dtype)
-                key = protocols.layout_key(KIND_ALL_GATHER, rest, 0, (shape[0],) * w, None)
-                nbytes = a[2] * _ANY_SIZE[a[0]]
-                protocols.gatherv(
-                    eng, "all_gather", KIND_ALL_GATHER, a[1], [nbytes] * w,
-                    out.data_ptr(), a[0], a[2] * w, key,
-                )  # fmt: skip
-                return out
+            res = self._plain_gather(eng, "all_gather", KIND_ALL_GATHER, tensor, dim, None, None)
+            if res is not _NOT_PLAIN:
+                return res
         fn = "all_gather"
         self._check_open(fn)
         self._check_any(fn, tensor)
@@ -547,30 +541,11 @@ class Communicator:
         the peers are not left waiting) and then ``dst`` raises ``ValueError``.
         """
         eng = self._engine
-        # the common case (plain tensors, dim 0, a fitting out= or none): see all_gather
-        if eng is not None and type(dim) is int and dim == 0 and type(dst) is int:
-            a = eng._native.plain(tensor)
-            w, me = self._world, self._rank
-            if a is not None and tensor.dim() and 0 <= dst < w:
-                shape = tensor.shape
-                rest = tuple(shape[1:])
-                full = (w * shape[0], *rest)
-                res = None
-                if me == dst:
-                    if out is None:
-                        res = torch.empty(full, dtype=tensor.dtype)
-                    else:
-                        b = eng._native.plain(out)
-                        if b is not None and b[0] == a[0] and out.shape == full:
-                            res = out
-                if me != dst or res is not None:
-                    key = protocols.layout_key(KIND_GATHER, rest, 0, (shape[0],) * w, dst)
-                    nbytes = a[2] * _ANY_SIZE[a[0]]
-                    protocols.gatherv(
-                        eng, "gather", KIND_GATHER, a[1], [nbytes] * w,
-                        res.data_ptr() if res is not None else None, a[0], a[2] * w, key,
-                    )  # fmt: skip
-                    return res
+        # the common case (a plain tensor, a fitting out= or none): see all_gather
+        if eng is not None and type(dim) is int and type(dst) is int and 0 <= dst < self._world:
+            res = self._plain_gather(eng, "gather", KIND_GATHER, tensor, dim, dst, out)
+            if res is not _NOT_PLAIN:
+                return res
         fn = "gather"
         self._check_open(fn)
         self._check_any(fn, tensor)
@@ -591,7 +566,7 @@ class Communicator:
             except (TypeError, ValueError) as e:
                 bad = e
             else:
-                if d == 0 and is_dense(out):
+                if is_dense(out):
                     return self._gather(fn, KIND_GATHER, tensor, sizes, d, dst, out=out)
         res = self._gather(fn, KIND_GATHER, tensor, sizes, d, dst)
         if self._rank != dst:
@@ -645,6 +620,48 @@ class Communicator:
         key = protocols.flat_key(KIND_ALL_GATHER, n, w)
         self._engine.raise_status(status, fn, KIND_ALL_GATHER, code, 0, n * w, key)
 
+    def _plain_gather(
+        self,
+        eng: Any,
+        fn: str,
+        kind: int,
+        tensor: _Tensor,
+        dim: int,
+        root: Optional[int],
+        out: Optional[_Tensor],
+    ) -> Any:
+        """all_gather / gather (root) of a plain tensor (``_native.plain``) along an
+        int dim in range, into a fitting ``out`` or a new tensor: one C check and
+        the rounds, with _gather's rows and layout key.  _NOT_PLAIN when the call
+        is not that case (the general path then checks and reports)."""
+        a = eng._native.plain(tensor)
+        if a is None:
+            return _NOT_PLAIN
+        nd = tensor.dim()
+        if not -nd <= dim < nd:
+            return _NOT_PLAIN
+        d = dim % nd
+        shape = tensor.shape
+        w = self._world
+        full = (*shape[:d], w * shape[d], *shape[d + 1 :])
+        res = None
+        if root is None or root == self._rank:
+            if out is None:
+                res = torch.empty(full, dtype=tensor.dtype)
+            else:
+                b = eng._native.plain(out)
+                if b is None or b[0] != a[0] or out.shape != full:
+                    return _NOT_PLAIN
+                res = out
+        rest = tuple(shape[:d]) + tuple(shape[d + 1 :])
+        key = protocols.layout_key(kind, rest, d, (shape[d],) * w, root)
+        protocols.gatherv(
+            eng, fn, kind, a[1], [a[2] * _ANY_SIZE[a[0]]] * w,
+            res.data_ptr() if res is not None else None, a[0], a[2] * w, key,
+            math.prod(shape[:d]) or 1,
+        )  # fmt: skip
+        return res
+
     def _gather(
         self,
         fn: str,
@@ -655,56 +672,67 @@ class Communicator:
         root: Optional[int],
         out: Optional[_Tensor] = None,
     ) -> _Tensor:
+        hier = self._hier is not None and root is None and len(set(sizes)) == 1
+        if hier or self._all_dist or self._engine is None:
+            return self._gather_moved(fn, tensor, sizes, d, root, out, hier)
+        # the engine gathers along d where the data is: rank r's tensor is
+        # `rows` blocks (one per index of the dims before d), and row a of the
+        # result is every rank's block a in rank order (gatherv's rows)
+        x = dense(tensor)
+        shape = tuple(x.shape)
+        rows = _prod(shape[:d])
+        rest = shape[:d] + shape[d + 1 :]
+        full = (*shape[:d], sum(sizes), *shape[d + 1 :])
+        res = None
+        if root is None or root == self._rank:
+            res = out if out is not None else torch.empty(full, dtype=tensor.dtype)
+        inner = _prod(shape[d + 1 :]) * rows * tensor.element_size()
+        key = protocols.layout_key(kind, rest, d, tuple(sizes), root)
+        protocols.gatherv(
+            self._engine,
+            fn,
+            kind,
+            x.data_ptr(),
+            [s * inner for s in sizes],
+            res.data_ptr() if res is not None else None,
+            protocols.dtype_code_any(tensor.dtype),
+            sum(sizes) * _prod(rest),
+            key,
+            max(rows, 1),
+        )
+        return res
+
+    def _gather_moved(
+        self,
+        fn: str,
+        tensor: _Tensor,
+        sizes: list[int],
+        d: int,
+        root: Optional[int],
+        out: Optional[_Tensor],
+        hier: bool,
+    ) -> Optional[_Tensor]:
+        """_gather across hosts (hier), through torch.distributed, or at world
+        size 1: along dim 0 of the tensor with dim d moved first."""
         moved = dense(tensor.movedim(d, 0) if d else tensor)
-        rest = tuple(moved.shape[1:])
-        shape = (sum(sizes), *rest)
-        if self._hier is not None and root is None and len(set(sizes)) == 1:
+        if hier:
             got = self._hier.all_gather(moved)
-            if out is not None:
-                out.view(shape).copy_(got)
-                return out
-            return got.movedim(0, d).contiguous() if d else got
-        if self._all_dist:
+        elif self._all_dist:
             if root is None:
                 got = self._via_dist(fn, None, lambda p: p.all_gatherv(moved, sizes), None)
             else:
                 got = self._via_dist(fn, None, lambda p: p.gather(moved, root), None)
             if got is None:
                 return None
-            if out is not None:
-                out.view(shape).copy_(got)
-                return out
-            return got.movedim(0, d).contiguous() if d else got
-        if self._engine is None:  # world size 1: a copy, like every other rank count
-            if out is not None:
-                out.view(shape).copy_(moved)
-                return out
-            res = moved.clone()
-            return res.movedim(0, d).contiguous() if d else res
-        want = root is None or root == self._rank
-        if want:
-            res = out.view(shape) if out is not None else torch.empty(shape, dtype=tensor.dtype)
-        else:
-            res = None
-        inner = _prod(rest) * tensor.element_size()
-        key = protocols.layout_key(kind, rest, d, tuple(sizes), root)
-        numel = sum(sizes) * _prod(rest)
-        protocols.gatherv(
-            self._engine,
-            fn,
-            kind,
-            moved.data_ptr(),
-            [s * inner for s in sizes],
-            res.data_ptr() if res is not None else None,
-            protocols.dtype_code_any(tensor.dtype),
-            numel,
-            key,
-        )
-        if res is None:
-            return None
+        else:  # world size 1: a copy, like every other rank count
+            got = moved if out is not None else moved.clone()
         if out is not None:
+            if d:
+                out.copy_(got.movedim(0, d))
+            else:
+                out.view(got.shape).copy_(got)
             return out
-        return res.movedim(0, d).contiguous() if d else res
+        return got.movedim(0, d).contiguous() if d else got
 
     def reduce_scatter(self, tensor: _Tensor, dim: int = 0, op: ReduceOp = ReduceOp.SUM) -> _Tensor:
         """This rank's shard of the reduction: the reduction of every rank's
@@ -778,31 +806,37 @@ class Communicator:
     def _reduce_scatter(
         self, fn: str, tensor: _Tensor, sizes: list[int], d: int, op: Any, reason: Optional[str]
     ) -> _Tensor:
-        moved = dense(tensor.movedim(d, 0) if d else tensor)
-        rest = tuple(moved.shape[1:])
-        inner = _prod(rest)
-        if reason or (self._all_dist and self._hier is None):
-            res = self._via_dist(
-                fn, reason, lambda p: p.reduce_scatterv(moved, sizes, op), moved.clone
-            )
-        elif self._hier is not None:
-            res = self._hier.reduce_scatterv(moved, sizes, op, self._rank)
-        elif self._engine is None:
-            res = moved.clone()
-        else:
-            res = torch.empty((sizes[self._rank], *rest), dtype=tensor.dtype)
-            key = protocols.layout_key(rest, d, tuple(sizes))
-            protocols.reduce_scatterv(
-                self._engine,
-                fn,
-                moved.data_ptr(),
-                DTYPE_CODES[tensor.dtype],
-                [s * inner for s in sizes],
-                res.data_ptr(),
-                op.value,
-                key,
-            )
-        return res.movedim(0, d).contiguous() if d else res
+        if reason or self._all_dist or self._hier is not None or self._engine is None:
+            moved = dense(tensor.movedim(d, 0) if d else tensor)
+            if reason or (self._all_dist and self._hier is None):
+                res = self._via_dist(
+                    fn, reason, lambda p: p.reduce_scatterv(moved, sizes, op), moved.clone
+                )
+            elif self._hier is not None:
+                res = self._hier.reduce_scatterv(moved, sizes, op, self._rank)
+            else:
+                res = moved.clone()
+            return res.movedim(0, d).contiguous() if d else res
+        # along d where the data is: `rows` rows (one per index of the dims
+        # before d), each the ranks' blocks side by side (reduce_scatterv's rows)
+        x = dense(tensor)
+        shape = tuple(x.shape)
+        rows = _prod(shape[:d])
+        inner = _prod(shape[d + 1 :]) if rows else 0  # no rows: nothing to move
+        res = torch.empty((*shape[:d], sizes[self._rank], *shape[d + 1 :]), dtype=tensor.dtype)
+        key = protocols.layout_key(shape[:d] + shape[d + 1 :], d, tuple(sizes))
+        protocols.reduce_scatterv(
+            self._engine,
+            fn,
+            x.data_ptr(),
+            DTYPE_CODES[tensor.dtype],
+            [s * inner for s in sizes],
+            res.data_ptr(),
+            op.value,
+            key,
+            max(rows, 1),
+        )
+        return res
 
     def broadcast(self, tensor: _Tensor, src: int = 0) -> _Tensor:
         """Overwrite ``tensor`` with rank ``src``'s, in place; returns it."""

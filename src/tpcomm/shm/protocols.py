@@ -90,11 +90,15 @@ def gatherv(
     dtype_code: int,
     numel: int,
     arg: int,
+    rows: int = 1,
 ) -> None:
     """Every rank contributes ``counts[r]`` bytes (at address ``mine`` here);
     the buffer at ``out`` (None on ranks that receive nothing, as in gather)
-    gets them all in rank order.  The rounds run in C (_native.c gatherv)."""
-    status = eng._native.gatherv(kind, mine, counts, out, dtype_code, numel, arg)
+    gets them all in rank order.  With ``rows`` > 1 (a gather along a dim
+    other than 0), every contribution is ``rows`` equal blocks and row ``a`` of
+    ``out`` is every rank's block ``a`` in rank order.  The rounds run in C
+    (_native.c gatherv)."""
+    status = eng._native.gatherv(kind, mine, counts, out, dtype_code, numel, arg, rows)
     if status:
         eng.raise_status(status, fn, kind, dtype_code, 0, numel, arg)
 
@@ -108,14 +112,16 @@ def reduce_scatterv(
     oa: int,
     op: int,
     arg: int,
+    rows: int = 1,
 ) -> None:
     """The buffer at ``xa`` (contiguous elements of the dtype with DTYPE_CODES
-    ``code``) is the concatenation of W shards of ``sizes[j]`` elements; rank r
-    gets the reduction of shard r into the buffer at ``oa``.  The rounds run in
-    C (_native.c reduce_scatterv)."""
-    status = eng._native.reduce_scatterv(KIND_REDUCE_SCATTER, xa, code, sizes, oa, op, arg)
+    ``code``) is ``rows`` rows, each the concatenation of W blocks of
+    ``sizes[j]`` elements; rank r gets the reduction of its blocks (block r of
+    every row, in row order) into the buffer at ``oa``.  The rounds run in C
+    (_native.c reduce_scatterv)."""
+    status = eng._native.reduce_scatterv(KIND_REDUCE_SCATTER, xa, code, sizes, oa, op, arg, rows)
     if status:
-        eng.raise_status(status, fn, KIND_REDUCE_SCATTER, code, op, sum(sizes), arg)
+        eng.raise_status(status, fn, KIND_REDUCE_SCATTER, code, op, rows * sum(sizes), arg)
 
 
 def broadcast(
