@@ -86,6 +86,36 @@ def test_bfloat16_denormals_round_like_torch():
     assert (out.float().abs() < 1.1754944e-38).any() and (out != 0).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("world", [2, 3])
+def test_special_values_like_torch(dtype, world):
+    """NaN, infinities, sums that overflow, rounding ties and denormals, spread over
+    full vector steps and a tail: every op gives torch's values (NaN where torch
+    has NaN)."""
+    from ._ref import reference
+
+    big = torch.finfo(dtype).max
+    tiny = torch.finfo(dtype).smallest_normal / 4  # a denormal
+    vals = [float("nan"), float("inf"), -float("inf"), big, -big, 1.0, 1.00390625, tiny, -0.0]
+    n = 3 * 32 + 7
+    g = torch.Generator().manual_seed(world)
+    inputs = [
+        torch.tensor(vals, dtype=torch.float32)[torch.randint(len(vals), (n,), generator=g)].to(
+            dtype
+        )
+        for _ in range(world)
+    ]
+    out = torch.empty(n, dtype=dtype)
+    for op in ReduceOp:
+        _native.reduce(
+            DTYPE_CODES[dtype], op.value, out.data_ptr(), [x.data_ptr() for x in inputs], n
+        )
+        ref = reference(inputs, op)
+        nan = ref.isnan()
+        assert torch.equal(out.isnan(), nan), (dtype, op)
+        assert torch.equal(out[~nan], ref[~nan]), (dtype, op)
+
+
 @pytest.mark.parametrize("switch", ["TPCOMM_NO_AVX512", "TPCOMM_NO_AVX512BF16"])
 def test_other_kernel_paths(switch):
     """The portable kernels (and AVX-512 without the BF16 instruction) pass the same
