@@ -449,35 +449,7 @@ AVX512 static inline __m512i bf16_round32(__m512 x)
     return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), r, nan);
 }
 
-/* With AVX512_BF16, vcvtne2ps2bf16 rounds two vectors in one instruction; it
- * flushes denormal inputs to zero, so a vector holding any falls back to the
- * integer rounding (torch keeps denormals). */
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) static inline int
-st32_bf16_native(void *p, size_t i, __m512 a, __m512 b)
-{
-    const __m512 tiny = _mm512_set1_ps(1.17549435e-38f);
-    const __m512i absmask = _mm512_set1_epi32(0x7fffffff);
-    __m512 aa = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(a), absmask));
-    __m512 ab = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(b), absmask));
-    __mmask16 da = _mm512_cmp_ps_mask(aa, tiny, _CMP_LT_OQ) & _mm512_cmp_ps_mask(aa, _mm512_setzero_ps(), _CMP_NEQ_OQ);
-    __mmask16 db = _mm512_cmp_ps_mask(ab, tiny, _CMP_LT_OQ) & _mm512_cmp_ps_mask(ab, _mm512_setzero_ps(), _CMP_NEQ_OQ);
-    if (da | db)
-        return 0;
-    __m512bh h = _mm512_cvtne2ps_pbh(b, a);
-    _mm512_storeu_si512((void *)((uint16_t *)p + i), (__m512i)h);
-    return 1;
-}
-
-static int have_bf16_insn = -1;
-
-AVX512 static inline void st32_bf16(void *p, size_t i, __m512 a, __m512 b)
-{
-    if (have_bf16_insn && st32_bf16_native(p, i, a, b))
-        return;
-    __m512i packed = _mm512_packus_epi32(bf16_round32(a), bf16_round32(b));
-    packed = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), packed);
-    _mm512_storeu_si512((void *)((uint16_t *)p + i), packed);
-}
+static int have_bf16_insn = -1; /* AVX512_BF16 (and DQ) present and not switched off */
 
 /* One instance per (dtype, op) so the branches above fold away. */
 #define DEF_AVX512(NAME, DT, OP)                                                                \
@@ -487,12 +459,8 @@ AVX512 static inline void st32_bf16(void *p, size_t i, __m512 a, __m512 b)
         for (; i + 32 <= n; i += 32) {                                                          \
             __m512 a = combine16(DT, OP, srcs, w, i, 0xffff);                                   \
             __m512 b = combine16(DT, OP, srcs, w, i + 16, 0xffff);                              \
-            if (DT == DT_BF16) {                                                                \
-                st32_bf16(dst, i, a, b);                                                        \
-            } else {                                                                            \
-                st16(DT, dst, i, a, 0xffff);                                                    \
-                st16(DT, dst, i + 16, b, 0xffff);                                               \
-            }                                                                                   \
+            st16(DT, dst, i, a, 0xffff);                                                        \
+            st16(DT, dst, i + 16, b, 0xffff);                                                   \
         }                                                                                       \
         for (; i < n; i += 16) {                                                                \
             __mmask16 k = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);             \
@@ -505,7 +473,6 @@ AVX512 static inline void st32_bf16(void *p, size_t i, __m512 a, __m512 b)
     DEF_AVX512(avx512_##D##_max, DT, OP_MAX)                                                    \
     DEF_AVX512(avx512_##D##_min, DT, OP_MIN)
 DEF_AVX512_OPS(f32, DT_F32)
-DEF_AVX512_OPS(bf16, DT_BF16)
 DEF_AVX512_OPS(f16, DT_F16)
 
 /*
@@ -518,27 +485,27 @@ DEF_AVX512_OPS(f16, DT_F16)
  * the instruction flushes them, torch keeps them.  Same arithmetic per
  * element as every other kernel, so the results are bitwise the same.
  */
-#define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+#define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,f16c,avx512dq,avx512bf16")))
 
-AVX512BF16 static inline __m512 bf16_even(__m512i v)
+AVX512 static inline __m512 bf16_even(__m512i v)
 {
     return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
 }
 
-AVX512BF16 static inline __m512 bf16_odd(__m512i v)
+AVX512 static inline __m512 bf16_odd(__m512i v)
 {
     return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
 }
 
-AVX512BF16 static inline __m512 bf16_op(int op, __m512 a, __m512 b)
+AVX512 static inline __m512 bf16_op(int op, __m512 a, __m512 b)
 {
     if (op == OP_SUM || op == OP_AVG)
         return _mm512_add_ps(a, b);
     return op == OP_MAX ? vmax(a, b) : vmin(a, b);
 }
 
-#define DEF_BF16_PAIRS(NAME, OP)                                                                \
-    AVX512BF16 static void NAME(void *dst, void *const *srcs, int w, size_t n)                  \
+#define DEF_BF16_PAIRS(NAME, OP, NATIVE, TARGET)                                                \
+    TARGET static void NAME(void *dst, void *const *srcs, int w, size_t n)                  \
     {                                                                                           \
         const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10,  \
                                                25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19,   \
@@ -557,10 +524,10 @@ AVX512BF16 static inline __m512 bf16_op(int op, __m512 a, __m512 b)
                 o = _mm512_div_ps(o, _mm512_set1_ps((float)w));                                 \
             }                                                                                   \
             __m512i out;                                                                        \
-            if (_mm512_fpclass_ps_mask(e, 0x20) | _mm512_fpclass_ps_mask(o, 0x20))              \
-                out = _mm512_or_si512(bf16_round32(e), _mm512_slli_epi32(bf16_round32(o), 16)); \
+            if (NATIVE && !(_mm512_fpclass_ps_mask(e, 0x20) | _mm512_fpclass_ps_mask(o, 0x20)))  \
+                out = _mm512_permutexvar_epi16(order, (__m512i)BF16_CVT2(o, e));               \
             else                                                                                \
-                out = _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(o, e));      \
+                out = _mm512_or_si512(bf16_round32(e), _mm512_slli_epi32(bf16_round32(o), 16)); \
             _mm512_storeu_si512((void *)((uint16_t *)dst + i), out);                            \
         }                                                                                       \
         for (; i < n; i += 16) {                                                                \
@@ -568,15 +535,23 @@ AVX512BF16 static inline __m512 bf16_op(int op, __m512 a, __m512 b)
             st16(DT_BF16, dst, i, combine16(DT_BF16, OP, srcs, w, i, k), k);                    \
         }                                                                                       \
     }
-DEF_BF16_PAIRS(bf16n_sum, OP_SUM)
-DEF_BF16_PAIRS(bf16n_avg, OP_AVG)
-DEF_BF16_PAIRS(bf16n_max, OP_MAX)
-DEF_BF16_PAIRS(bf16n_min, OP_MIN)
+#define BF16_CVT2(o, e) _mm512_cvtne2ps_pbh(o, e)
+DEF_BF16_PAIRS(bf16n_sum, OP_SUM, 1, AVX512BF16)
+DEF_BF16_PAIRS(bf16n_avg, OP_AVG, 1, AVX512BF16)
+DEF_BF16_PAIRS(bf16n_max, OP_MAX, 1, AVX512BF16)
+DEF_BF16_PAIRS(bf16n_min, OP_MIN, 1, AVX512BF16)
+#undef BF16_CVT2
+#define BF16_CVT2(o, e) _mm512_castps_si512(o) /* not reached: NATIVE is 0 */
+DEF_BF16_PAIRS(bf16i_sum, OP_SUM, 0, AVX512)
+DEF_BF16_PAIRS(bf16i_avg, OP_AVG, 0, AVX512)
+DEF_BF16_PAIRS(bf16i_max, OP_MAX, 0, AVX512)
+DEF_BF16_PAIRS(bf16i_min, OP_MIN, 0, AVX512)
+#undef BF16_CVT2
 
 typedef void (*avx512_fn)(void *, void *const *, int, size_t);
 static const avx512_fn avx512_kernels[3][OP_COUNT] = {
     {avx512_f32_sum, avx512_f32_avg, avx512_f32_max, avx512_f32_min},
-    {avx512_bf16_sum, avx512_bf16_avg, avx512_bf16_max, avx512_bf16_min},
+    {bf16i_sum, bf16i_avg, bf16i_max, bf16i_min}, /* without AVX512_BF16 */
     {avx512_f16_sum, avx512_f16_avg, avx512_f16_max, avx512_f16_min},
 };
 static const avx512_fn bf16n_kernels[OP_COUNT] = {bf16n_sum, bf16n_avg, bf16n_max, bf16n_min};
