@@ -93,6 +93,16 @@ def routed(comm, port):
         )
         both("all_to_all (lists)", lambda t, g: _a2a_list(t[0], g, w), torch.arange(3.0 * w) + r)
         both("gather", lambda t, g: _gather(t[0], g, w, r), torch.full((4,), float(r)))
+        both(
+            "all_gather (lists, mixed paths)",
+            lambda t, g: _ag_mixed(t[0], g, w, r),
+            torch.arange(7, dtype=torch.int64) * (r + 3),
+        )
+        both(
+            "gather (strided outputs on the root)",
+            lambda t, g: _gather_mixed(t[0], g, w, r, w - 1),
+            torch.arange(5.0) + 10 * r,
+        )
         both("scatter", lambda t, g: [_scatter(g, w, r)], torch.zeros(1))
         both("reduce", lambda t, g: _reduce(t[0], g, r), torch.full((3,), r + 1.0))
         both(
@@ -150,6 +160,25 @@ def _ag(x, g, w):
     parts = [torch.empty_like(x) for _ in range(w)]
     dist.all_gather(parts, x, group=g)
     return parts
+
+
+def _ag_mixed(x, g, w, r):
+    # odd ranks gather into strided views (the temporary-and-copy path), even
+    # ranks into plain tensors (straight into them): both must agree
+    if r % 2:
+        parts = [torch.empty(x.numel(), 2, dtype=x.dtype)[:, 1] for _ in range(w)]
+    else:
+        parts = [torch.empty(x.numel(), dtype=x.dtype) for _ in range(w)]
+    dist.all_gather(parts, x.reshape(-1), group=g)
+    return [p.contiguous() for p in parts]
+
+
+def _gather_mixed(x, g, w, r, root):
+    parts = None
+    if r == root:
+        parts = [torch.empty(x.numel(), 3, dtype=x.dtype)[:, 2] for _ in range(w)]
+    dist.gather(x, parts, dst=root, group=g)
+    return [p.contiguous() for p in parts] if r == root else [x]
 
 
 def _agit(x, g, w):

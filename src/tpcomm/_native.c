@@ -1608,7 +1608,8 @@ static size_t *even_sizes(Engine *e, size_t v)
 }
 
 static int gather_rounds(Engine *e, uint32_t kind, const char *mine, const size_t *cnt, char *out,
-                         uint32_t dtype, uint64_t numel, uint64_t arg, size_t outer);
+                         char *const *dsts, uint32_t dtype, uint64_t numel, uint64_t arg,
+                         size_t outer);
 
 /* 0 when outer (> 0) divides every count; else -1 with ValueError */
 static int check_outer(Engine *e, const size_t *cnt, unsigned long long outer, const char *fn)
@@ -1621,21 +1622,38 @@ static int check_outer(Engine *e, const size_t *cnt, unsigned long long outer, c
     return ok ? 0 : -1;
 }
 
-/* gatherv(kind, mine, [bytes per rank], out | None, dtype, numel, arg, outer) -> status:
- * every rank's bytes, in rank order, at out (None: this rank receives nothing);
+/* gatherv(kind, mine, [bytes per rank], out | [address per rank] | None, dtype, numel,
+ * arg, outer) -> status: every rank's bytes, in rank order, at out (None: this
+ * rank receives nothing; a list: rank r's bytes at its own address, outer 1);
  * with outer rows (put_blocks), rank r's bytes are outer blocks and row a of
  * out is every rank's block a in rank order */
 static PyObject *eng_gatherv(Engine *e, PyObject *const *args, Py_ssize_t nargs)
 {
     unsigned long long v[8];
-    size_t *cnt;
+    size_t *cnt, *at = NULL;
+    char **dsts = NULL;
     if (u64_args(args, nargs, 8, "gatherv", v) < 0 || int_list(e, args[2], &cnt, "gatherv") < 0)
         return NULL;
     int st = check_outer(e, cnt, v[7], "gatherv");
+    if (st == 0 && PyList_Check(args[3])) {
+        st = v[7] == 1 ? int_list(e, args[3], &at, "gatherv") : -1;
+        if (v[7] != 1)
+            PyErr_SetString(PyExc_ValueError, "gatherv: a list of destinations takes no rows");
+        dsts = st == 0 ? PyMem_Calloc((size_t)e->world, sizeof(char *)) : NULL;
+        if (st == 0 && !dsts) {
+            PyErr_NoMemory();
+            st = -1;
+        }
+        for (int r = 0; st == 0 && r < e->world; r++)
+            dsts[r] = (char *)(uintptr_t)at[r];
+    }
     if (st == 0)
         st = gather_rounds(e, (uint32_t)v[0], (const char *)(uintptr_t)v[1], cnt,
-                           (char *)(uintptr_t)v[3], (uint32_t)v[4], v[5], v[6], (size_t)v[7]);
+                           (char *)(uintptr_t)v[3], dsts, (uint32_t)v[4], v[5], v[6],
+                           (size_t)v[7]);
     PyMem_Free(cnt);
+    PyMem_Free(at);
+    PyMem_Free(dsts);
     return status_result(st);
 }
 
@@ -1672,7 +1690,7 @@ static PyObject *eng_fast_all_gather(Engine *e, PyObject *const *args, Py_ssize_
     if (!cnt)
         return NULL;
     uint64_t key = flat_key((uint64_t)kind, (uint64_t)ni, (uint64_t)e->world);
-    int st = gather_rounds(e, (uint32_t)kind, ai, cnt, ao, (uint32_t)ci,
+    int st = gather_rounds(e, (uint32_t)kind, ai, cnt, ao, NULL, (uint32_t)ci,
                            (uint64_t)ni * (uint64_t)e->world, key, 1);
     PyMem_Free(cnt);
     return status_result(st);
@@ -1680,7 +1698,8 @@ static PyObject *eng_fast_all_gather(Engine *e, PyObject *const *args, Py_ssize_
 
 /* The rounds of a gather: -1 with an exception, or a status */
 static int gather_rounds(Engine *e, uint32_t kind, const char *mine, const size_t *cnt, char *out,
-                         uint32_t dtype, uint64_t numel, uint64_t arg, size_t outer)
+                         char *const *dsts, uint32_t dtype, uint64_t numel, uint64_t arg,
+                         size_t outer)
 {
     const int w = e->world, me = e->rank;
     const size_t cap = e->slot_bytes;
@@ -1700,14 +1719,16 @@ static int gather_rounds(Engine *e, uint32_t kind, const char *mine, const size_
         if (n)
             memcpy(slot_of(e, me, p), mine + lo, n);
         st = round_sync(e, kind, dtype, 0, numel, arg, &ts);
-        if (st != ST_OK || !out)
+        if (st != ST_OK || !(out || dsts))
             continue;
         size_t off = 0;
         for (int r = 0; r < w; r++) {
             n = part_of(cnt[r], lo, cap);
-            if (n)
-                put_blocks(out, r == me ? mine + lo : slot_of(e, r, p), lo, n, cnt[r] / outer,
-                           total / outer, off);
+            const char *from = r == me ? mine + lo : slot_of(e, r, p);
+            if (n && dsts)
+                memcpy(dsts[r] + lo, from, n);
+            else if (n)
+                put_blocks(out, from, lo, n, cnt[r] / outer, total / outer, off);
             off += cnt[r] / outer;
         }
     }

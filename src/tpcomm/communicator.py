@@ -662,6 +662,36 @@ class Communicator:
         )  # fmt: skip
         return res
 
+    def _gather_into_list(
+        self, fn: str, kind: int, outs: Sequence[_Tensor], tensor: _Tensor, root: Optional[int]
+    ) -> bool:
+        """Every rank's ``tensor`` (flattened) straight into ``outs[r]``, on every
+        rank (``root`` None) or on ``root``: the list forms of torch's all_gather and
+        gather without a gathered temporary and a copy per part.  Only for plain
+        tensors of one dtype and element count (``_native.plain``); False (nothing
+        done) otherwise.  Same rounds and layout key as a 1-d all_gather / gather,
+        so ranks that take this path and ranks that do not still agree."""
+        eng = self._engine
+        if eng is None or len(outs) != self._world:
+            return False
+        a = eng._native.plain(tensor)
+        if a is None:
+            return False
+        addrs = None
+        if root is None or root == self._rank:
+            addrs = []
+            for o in outs:
+                b = eng._native.plain(o)
+                if b is None or b[0] != a[0] or b[2] != a[2]:
+                    return False
+                addrs.append(b[1] or 0)
+        w = self._world
+        key = protocols.layout_key(kind, (), 0, (a[2],) * w, root)
+        protocols.gatherv(
+            eng, fn, kind, a[1] or 0, [a[2] * _ANY_SIZE[a[0]]] * w, addrs, a[0], a[2] * w, key
+        )
+        return True
+
     def _gather(
         self,
         fn: str,

@@ -31,6 +31,7 @@ from .communicator import Communicator
 from .dist_fallback import DistPath, private_gloo, private_nccl
 from .errors import CommError
 from .ops import ReduceOp, dense, is_dense
+from .shm.engine import KIND_ALL_GATHER, KIND_GATHER
 
 __all__ = ["ProcessGroupTpcomm", "BACKEND_NAME", "register"]
 
@@ -265,6 +266,8 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
                 raise ValueError(
                     f"all_gather: expected {self._world} output tensors, got {len(outs)}"
                 )
+            if self._comm._gather_into_list("all_gather", KIND_ALL_GATHER, outs, inp, None):
+                continue
             flat = torch.empty(self._world * inp.numel(), dtype=inp.dtype)
             self._comm.all_gather_into_tensor(flat, inp)
             _copy_parts(outs, flat, "all_gather")
@@ -291,6 +294,9 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
             return self._cuda().gather(output_lists, inputs, opts)
         root = opts.rootRank
         for i, inp in enumerate(inputs):
+            outs = output_lists[i] if self._rank == root else [None] * self._world
+            if self._comm._gather_into_list("gather", KIND_GATHER, outs, inp, root):
+                continue
             got = self._comm.gather(_flat(inp), dst=root)
             if self._rank == root:
                 _copy_parts(output_lists[i], got, "gather")

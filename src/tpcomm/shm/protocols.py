@@ -86,7 +86,7 @@ def gatherv(
     kind: int,
     mine: int,
     counts: Sequence[int],
-    out: int | None,
+    out: int | list[int] | None,
     dtype_code: int,
     numel: int,
     arg: int,
@@ -94,7 +94,8 @@ def gatherv(
 ) -> None:
     """Every rank contributes ``counts[r]`` bytes (at address ``mine`` here);
     the buffer at ``out`` (None on ranks that receive nothing, as in gather)
-    gets them all in rank order.  With ``rows`` > 1 (a gather along a dim
+    gets them all in rank order; a list of addresses (one per rank, rows 1)
+    receives rank r's bytes at ``out[r]``.  With ``rows`` > 1 (a gather along a dim
     other than 0), every contribution is ``rows`` equal blocks and row ``a`` of
     ``out`` is every rank's block ``a`` in rank order.  The rounds run in C
     (_native.c gatherv)."""
