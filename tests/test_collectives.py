@@ -364,8 +364,41 @@ def all_gather_mixed_paths(comm):
     return out, err
 
 
+def gather_mixed_paths(comm):
+    """gather of a plain 1-d tensor (dim 0 or -1) is one C call (fast_gather),
+    of a strided 1-d view the general path: the same metadata on both, into out=
+    or not, for every root; ranks that disagree on the size raise on every rank."""
+    r, w = comm.rank, comm.world_size
+    out = []
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        for dst in range(w):
+            base = (torch.arange(10) + 10 * r).to(dtype)
+            want = torch.cat([(torch.arange(10) + 10 * q).to(dtype) for q in range(w)])
+            x = base.clone()
+            if r % 3 == 1:
+                x = torch.stack([base, base], 1)[:, 0]  # strided: the general path
+                assert not x.is_contiguous()
+            o = torch.empty(10 * w, dtype=dtype) if (r + dst) % 2 else None
+            got = comm.gather(x, dst=dst, dim=-1 if r % 2 else 0, out=o)
+            if r == dst:
+                out.append(bool(torch.equal(got, want)) and (o is None or got is o))
+            else:
+                out.append(got is None)
+    try:
+        comm.gather(torch.ones(3 + r % 2), dst=0)
+        err = None
+    except ValueError as e:
+        err = str(e)
+    return out, err
+
+
 @pytest.mark.parametrize(
-    "fn,name", [(broadcast_mixed_paths, "broadcast"), (all_gather_mixed_paths, "all_gather")]
+    "fn,name",
+    [
+        (broadcast_mixed_paths, "broadcast"),
+        (all_gather_mixed_paths, "all_gather"),
+        (gather_mixed_paths, "gather"),
+    ],
 )
 def test_fast_and_general_paths_agree(pools, fn, name):
     for out, err in pools.run(3, fn):

@@ -1696,6 +1696,39 @@ static PyObject *eng_fast_all_gather(Engine *e, PyObject *const *args, Py_ssize_
     return status_result(st);
 }
 
+/*
+ * fast_gather(input, out | None, dst, kind) -> status, or None: gather's
+ * common case in one call (a plain 1-d input; on dst a plain out of the same
+ * dtype with world x its elements; the caller checks the dims).  None: the
+ * general path.  The key is protocols.layout_key's for a flat, even layout with
+ * a root: flat_key(kind + ((dst + 1) << 32), n, w).
+ */
+static PyObject *eng_fast_gather(Engine *e, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4 || !e->base || e->failed || !e->n_any || !e->d_numel ||
+        !PyLong_CheckExact(args[2]) || !PyLong_CheckExact(args[3]))
+        Py_RETURN_NONE;
+    long dst = PyLong_AsLong(args[2]), kind = PyLong_AsLong(args[3]);
+    int ci, co;
+    char *ai, *ao = NULL;
+    long long ni, no;
+    if (dst < 0 || dst >= e->world || kind < 0 || plain_info(e, args[0], &ci, &ai, &ni) < 0 ||
+        (dst == e->rank && (args[1] == Py_None || plain_info(e, args[1], &co, &ao, &no) < 0 ||
+                            co != ci || no != ni * e->world))) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    size_t *cnt = even_sizes(e, (size_t)ni * e->any_size[ci]);
+    if (!cnt)
+        return NULL;
+    uint64_t key = flat_key((uint64_t)kind + ((uint64_t)(dst + 1) << 32), (uint64_t)ni,
+                            (uint64_t)e->world);
+    int st = gather_rounds(e, (uint32_t)kind, ai, cnt, dst == e->rank ? ao : NULL, NULL,
+                           (uint32_t)ci, (uint64_t)ni * (uint64_t)e->world, key, 1);
+    PyMem_Free(cnt);
+    return status_result(st);
+}
+
 /* The rounds of a gather: -1 with an exception, or a status */
 static int gather_rounds(Engine *e, uint32_t kind, const char *mine, const size_t *cnt, char *out,
                          char *const *dsts, uint32_t dtype, uint64_t numel, uint64_t arg,
@@ -2968,6 +3001,7 @@ static PyMethodDef eng_methods[] = {
     {"reraise", (PyCFunction)eng_reraise, METH_NOARGS, NULL},
     {"p2p_send", (PyCFunction)eng_p2p_send, METH_VARARGS, NULL},
     {"gatherv", (PyCFunction)(void (*)(void))eng_gatherv, METH_FASTCALL, NULL},
+    {"fast_gather", (PyCFunction)(void (*)(void))eng_fast_gather, METH_FASTCALL, NULL},
     {"broadcast", (PyCFunction)(void (*)(void))eng_broadcast, METH_FASTCALL, NULL},
     {"reduce_scatterv", (PyCFunction)(void (*)(void))eng_reduce_scatterv, METH_FASTCALL, NULL},
     {"p2p_send_tensors", (PyCFunction)(void (*)(void))eng_p2p_send_tensors, METH_FASTCALL, NULL},

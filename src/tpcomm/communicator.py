@@ -541,8 +541,26 @@ class Communicator:
         the peers are not left waiting) and then ``dst`` raises ``ValueError``.
         """
         eng = self._engine
-        # the common case (a plain tensor, a fitting out= or none): see all_gather
+        # the common case (a plain tensor, a fitting out= or none): see all_gather;
+        # 1-d: one C call (fast_gather, the same layout key)
         if eng is not None and type(dim) is int and type(dst) is int and 0 <= dst < self._world:
+            if (
+                type(tensor) is _Tensor
+                and tensor.dim() == 1
+                and (dim == 0 or dim == -1)
+                and (out is None or (type(out) is _Tensor and out.dim() == 1))
+            ):
+                res = out if self._rank == dst else None
+                if res is None and self._rank == dst:
+                    res = torch.empty(self._world * tensor.shape[0], dtype=tensor.dtype)
+                status = eng._native.fast_gather(tensor, res, dst, KIND_GATHER)
+                if status == 0:
+                    return res
+                if status is not None:
+                    n, w = tensor.numel(), self._world
+                    key = protocols.layout_key(KIND_GATHER, (), 0, (n,) * w, dst)
+                    code = protocols.dtype_code_any(tensor.dtype)
+                    eng.raise_status(status, "gather", KIND_GATHER, code, 0, n * w, key)
             res = self._plain_gather(eng, "gather", KIND_GATHER, tensor, dim, dst, out)
             if res is not _NOT_PLAIN:
                 return res

@@ -66,12 +66,14 @@ def flat_key(kind: int, n: int, world: int) -> int:
 @functools.lru_cache(maxsize=4096)
 def layout_key(*parts: Any) -> int:
     """A 64-bit digest of shapes, dims, sizes, roots: the metadata's `arg`.
-    ``(kind, (), 0, (n,) * w, None)`` is flat_key(kind, n, w), so the C fast
-    path and the Python paths agree on it."""
-    if len(parts) == 5 and parts[1] == () and parts[2] == 0 and parts[4] is None:
-        sizes = parts[3]
+    ``(kind, (), 0, (n,) * w, None)`` is flat_key(kind, n, w), and with a root
+    flat_key(kind + ((root + 1) << 32), n, w), so the C fast paths and the
+    Python paths agree on it."""
+    if len(parts) == 5 and parts[1] == () and parts[2] == 0:
+        sizes, root = parts[3], parts[4]
         if sizes and all(s == sizes[0] for s in sizes):
-            return flat_key(parts[0], sizes[0], len(sizes))
+            tag = 0 if root is None else (root + 1) << 32
+            return flat_key(parts[0] + tag, sizes[0], len(sizes))
     if len(parts) == 3 and parts[0] == () and parts[1] == 0:  # reduce_scatter's (rest, d, sizes)
         sizes = parts[2]
         if sizes and all(s == sizes[0] for s in sizes):
