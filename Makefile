@@ -25,8 +25,8 @@ $(VENV)/.installed: pyproject.toml setup.py src/tpcomm/_native.c
 install: $(VENV)/.installed
 
 lint: install
-	$(VENV)/bin/ruff check src tests examples
-	$(VENV)/bin/ruff format --check src tests examples
+	$(VENV)/bin/ruff check src tests examples benchmarks
+	$(VENV)/bin/ruff format --check src tests examples benchmarks
 
 test: install lint
 	$(PY) -m pytest -q tests
@@ -38,6 +38,7 @@ bench: install build/handoff
 		$(VENV)/bin/tpcomm perf $$c $(COLL_ARGS) || exit 1; done
 	$(VENV)/bin/tpcomm perf all_reduce -b 1K -e 1M -f 4 --backend dist --compare gloo
 	$(PY) benchmarks/pg_floor.py
+	$(PY) benchmarks/gather_dims.py
 	@echo "# handoff bound (benchmarks/handoff.c): producer copies N bytes on CPU 0, consumer reads them on CPU 1"
 	@echo "#    bytes   round(us)  copy(us)  read(us)  read GB/s"
 	@for n in 4096 65536 262144 1048576 4194304 16777216; do build/handoff $$n; done
