@@ -92,6 +92,13 @@ def routed(comm, port):
             torch.arange(float(sum(range(1, w + 1)))) + 100 * r,
         )
         both("all_to_all (lists)", lambda t, g: _a2a_list(t[0], g, w), torch.arange(3.0 * w) + r)
+        for big in (1, 30_000):  # blocks of up to 60 002 rows of 12 bytes: several rounds
+            rows = (torch.arange(2 * (big + 1) * w * 3, dtype=torch.int32) + 1000 * r).view(-1, 3)
+            both(
+                f"all_to_all_single rows, uneven, {big}",
+                lambda t, g, big=big: [_a2a_rows(t[0], g, w, r, big)],
+                rows,
+            )
         both("gather", lambda t, g: _gather(t[0], g, w, r), torch.full((4,), float(r)))
         both(
             "all_gather (lists, mixed paths)",
@@ -217,6 +224,16 @@ def _a2a_uneven(x, g, w, r):
     return out
 
 
+def _a2a_rows(x, g, w, r, big):
+    # 2-d rows, uneven (zeros included); with big, blocks larger than a slot segment
+    ins = [((r + q) % 3) * (big + 1) for q in range(w)]
+    outs = [((q + r) % 3) * (big + 1) for q in range(w)]
+    x = x[: sum(ins)]
+    out = torch.empty(sum(outs), x.shape[1], dtype=x.dtype)
+    dist.all_to_all_single(out, x, outs, ins, group=g)
+    return out
+
+
 def _a2a_list(x, g, w):
     outs = [torch.empty(3) for _ in range(w)]
     dist.all_to_all(outs, list(x.chunk(w)), group=g)
@@ -246,6 +263,45 @@ def test_every_routed_collective_matches_gloo(world):
     res = tpcomm.launch(routed, world, args=(free_port(),), timeout=240)
     for checks in res:
         assert checks and all(checks.values()), {k: v for k, v in checks.items() if not v}
+
+
+def a2a_bad_splits(comm, port):
+    _init(comm, port)
+    r, w = dist.get_rank(), dist.get_world_size()
+    errors = []
+    try:
+        cases = [
+            # rank 0 sends rank 1 two rows, rank 1 expects three
+            (
+                [2 if q == 1 and r == 0 else 1 for q in range(w)],
+                [3 if r == 1 and q == 0 else 1 for q in range(w)],
+            ),
+            # rank w-1's splits do not sum to its rows
+            ([1] * w, [1] * (w - 1) + [2 if r == w - 1 else 1]),
+        ]
+        for ins, outs in cases:
+            x = torch.zeros(sum(ins), 2)
+            out = torch.zeros(sum(outs) if r != w - 1 or outs == [1] * w else w, 2)
+            try:
+                dist.all_to_all_single(out, x, outs, ins)
+                errors.append(None)
+            except ValueError as e:
+                errors.append(str(e))
+        # the group still works afterwards
+        y = torch.ones(2)
+        dist.all_reduce(y)
+        errors.append(y.tolist() == [float(w)] * 2)
+        return errors
+    finally:
+        dist.destroy_process_group()
+
+
+def test_all_to_all_bad_splits_raise_on_every_rank():
+    res = tpcomm.launch(a2a_bad_splits, 3, args=(free_port(),), timeout=120)
+    for errors in res:
+        assert errors[0] and "rank 0 sends 2 rows to rank 1, which expects 3" in errors[0], errors
+        assert errors[1] and "do not sum" in errors[1], errors
+        assert errors[2] is True
 
 
 def subgroups(comm, port):

@@ -1957,6 +1957,69 @@ static int rs_rounds(Engine *e, uint32_t kind, const char *x, int dtype, const s
     return leave_data(e, st, ts);
 }
 
+/*
+ * alltoallv(kind, x, [bytes to each rank], [their offsets in x], out, [bytes from
+ * each rank], [their offsets in out], most, dtype, count, arg) -> status: the
+ * block this rank sends rank j goes to rank j's out.  The slot is cut in W
+ * segments, as for reduce-scatter: in round k every rank copies part k of its
+ * block for j into segment j, waits, and copies part k of segment `rank` of
+ * every peer's slot (its own block: from x) to its place in out.  `most` is
+ * the largest block any rank sends (every rank must pass the same: it sets
+ * the number of rounds).  x and out must not overlap.
+ */
+static PyObject *eng_alltoallv(Engine *e, PyObject *const *args, Py_ssize_t nargs)
+{
+    unsigned long long v[11];
+    size_t *sc = NULL, *so = NULL, *rc = NULL, *ro = NULL;
+    if (u64_args(args, nargs, 11, "alltoallv", v) < 0 || int_list(e, args[2], &sc, "alltoallv") < 0)
+        return NULL;
+    int st = int_list(e, args[3], &so, "alltoallv");
+    if (st == 0)
+        st = int_list(e, args[5], &rc, "alltoallv");
+    if (st == 0)
+        st = int_list(e, args[6], &ro, "alltoallv");
+    const int w = e->world, me = e->rank;
+    const size_t per = e->slot_bytes / (size_t)w / 64 * 64;
+    if (st == 0 && (per == 0 || sc[me] != rc[me])) {
+        PyErr_SetString(PyExc_ValueError, "alltoallv: this rank's block to itself differs in size");
+        st = -1;
+    }
+    const char *x = (const char *)(uintptr_t)v[1];
+    char *out = (char *)(uintptr_t)v[4];
+    size_t rounds = v[7] ? (size_t)((v[7] + per - 1) / per) : 1, total = 0;
+    PyThreadState *ts = NULL;
+    for (int r = 0; st == 0 && r < w; r++)
+        total += sc[r] + rc[r];
+    if (st == 0) {
+        int en = enter_data(e, total, &ts);
+        st = en < 0 ? -1 : en ? ST_ABORTED : ST_OK;
+        for (size_t k = 0; en == 0 && k < rounds && st == ST_OK; k++) {
+            size_t lo = k * per;
+            int p = (int)((e->round + 1) & 1);
+            char *base = slot_of(e, me, p);
+            for (int j = 0; j < w; j++) {
+                size_t n = part_of(sc[j], lo, per);
+                if (n && j != me)
+                    memcpy(base + (size_t)j * per, x + so[j] + lo, n);
+            }
+            st = round_sync(e, (uint32_t)v[0], (uint32_t)v[8], 0, v[9], v[10], &ts);
+            for (int r = 0; st == ST_OK && r < w; r++) {
+                size_t n = part_of(rc[r], lo, per);
+                if (n)
+                    memcpy(out + ro[r] + lo,
+                           r == me ? x + so[me] + lo : slot_of(e, r, p) + (size_t)me * per, n);
+            }
+        }
+        if (en == 0)
+            leave_data(e, st, ts);
+    }
+    PyMem_Free(sc);
+    PyMem_Free(so);
+    PyMem_Free(rc);
+    PyMem_Free(ro);
+    return status_result(st);
+}
+
 /* 0 when the engine is open and r names another rank; else -1 with the
  * exception set */
 static int check_rank(Engine *e, long r, const char *fn)
@@ -3002,6 +3065,7 @@ static PyMethodDef eng_methods[] = {
     {"p2p_send", (PyCFunction)eng_p2p_send, METH_VARARGS, NULL},
     {"gatherv", (PyCFunction)(void (*)(void))eng_gatherv, METH_FASTCALL, NULL},
     {"fast_gather", (PyCFunction)(void (*)(void))eng_fast_gather, METH_FASTCALL, NULL},
+    {"alltoallv", (PyCFunction)(void (*)(void))eng_alltoallv, METH_FASTCALL, NULL},
     {"broadcast", (PyCFunction)(void (*)(void))eng_broadcast, METH_FASTCALL, NULL},
     {"reduce_scatterv", (PyCFunction)(void (*)(void))eng_reduce_scatterv, METH_FASTCALL, NULL},
     {"p2p_send_tensors", (PyCFunction)(void (*)(void))eng_p2p_send_tensors, METH_FASTCALL, NULL},

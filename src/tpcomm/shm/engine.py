@@ -27,6 +27,7 @@ KIND_REDUCE_SCATTER = 4
 KIND_BROADCAST = 5
 KIND_GATHER = 6
 KIND_EMPTY = 7
+KIND_ALL_TO_ALL = 8
 KIND_NAMES = {
     KIND_EMPTY: "empty",
     KIND_ALL_REDUCE: "all_reduce",
@@ -35,6 +36,7 @@ KIND_NAMES = {
     KIND_REDUCE_SCATTER: "reduce_scatter",
     KIND_BROADCAST: "broadcast",
     KIND_GATHER: "gather",
+    KIND_ALL_TO_ALL: "all_to_all",
 }
 _REDUCING = (KIND_ALL_REDUCE, KIND_REDUCE_SCATTER)
 

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 
 from ..ops import ANY_DTYPE_CODES, dense, is_dense
-from .engine import KIND_BROADCAST, KIND_REDUCE_SCATTER
+from .engine import KIND_ALL_TO_ALL, KIND_BROADCAST, KIND_REDUCE_SCATTER
 
 if TYPE_CHECKING:
     from .engine import ShmEngine
@@ -125,6 +125,31 @@ def reduce_scatterv(
     status = eng._native.reduce_scatterv(KIND_REDUCE_SCATTER, xa, code, sizes, oa, op, arg, rows)
     if status:
         eng.raise_status(status, fn, KIND_REDUCE_SCATTER, code, op, rows * sum(sizes), arg)
+
+
+def alltoallv(
+    eng: ShmEngine,
+    x: int,
+    send: Sequence[int],
+    send_at: Sequence[int],
+    out: int,
+    recv: Sequence[int],
+    recv_at: Sequence[int],
+    most: int,
+    dtype_code: int,
+) -> None:
+    """All to all of bytes: ``send[j]`` bytes at ``x + send_at[j]`` go to rank j,
+    which receives them at its ``out + recv_at[this rank]``.  ``most`` (the
+    largest block of any rank, the same on every rank) sets the rounds.  The
+    rounds run in C (_native.c alltoallv); the metadata is the rounds' count, so
+    ranks must have checked their splits against each other first."""
+    arg = flat_key(KIND_ALL_TO_ALL, most, eng.world)
+    status = eng._native.alltoallv(
+        KIND_ALL_TO_ALL, x, list(send), list(send_at), out, list(recv), list(recv_at),
+        most, dtype_code, most, arg,
+    )  # fmt: skip
+    if status:
+        eng.raise_status(status, "all_to_all", KIND_ALL_TO_ALL, dtype_code, 0, most, arg)
 
 
 def broadcast(
