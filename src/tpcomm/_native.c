@@ -3207,12 +3207,17 @@ static PyObject *mod_isa(PyObject *self, PyObject *unused)
     (void)self;
     (void)unused;
 #if defined(__x86_64__)
+    /* what do_reduce dispatches to, switches (TPCOMM_NO_AVX512...) included */
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"))
-        return PyUnicode_FromString("x86-64-v4 (avx512)");
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-        return PyUnicode_FromString("x86-64-v3 (avx2)");
-    return PyUnicode_FromString("x86-64 (sse2)");
+    const char *level = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+                            ? "x86-64-v4"
+                        : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")
+                            ? "x86-64-v3"
+                            : "x86-64";
+    if (have_avx512())
+        return PyUnicode_FromFormat("%s (avx512; bfloat16 %s)", level,
+                                    have_bf16_insn ? "avx512_bf16" : "integer rounding");
+    return PyUnicode_FromFormat("%s (compiler-vectorised)", level);
 #elif defined(__aarch64__)
     return PyUnicode_FromString("aarch64 (neon)");
 #else
