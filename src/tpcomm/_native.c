@@ -1935,11 +1935,10 @@ static int rs_rounds(Engine *e, uint32_t kind, const char *x, int dtype, const s
         size_t lo = k * per;
         int p = (int)((e->round + 1) & 1);
         char *base = slot_of(e, me, p);
-        /* shard j's part of this round to its place in the slot; with rows,
-         * this rank's own part too (the reduction reads it contiguous) */
+        /* shard j's part of this round to its place in the slot (take_blocks) */
         for (int j = 0; j < w; j++) {
             size_t n = part_of(outer * sizes[j], lo, per);
-            if (n && (j != me || outer > 1))
+            if (n && j != me)
                 take_blocks(base + (size_t)j * per * es, x, lo * es, n * es, sizes[j] * es, row,
                             offs[j] * es);
         }
@@ -1947,10 +1946,17 @@ static int rs_rounds(Engine *e, uint32_t kind, const char *x, int dtype, const s
         size_t n = part_of(outer * sizes[me], lo, per);
         if (st != ST_OK || !n)
             continue;
-        for (int r = 0; r < w; r++)
-            srcs[r] = r == me && outer == 1 ? (void *)(x + (offs[me] + lo) * es)
-                                            : (void *)(slot_of(e, r, p) + (size_t)me * per * es);
-        par_reduce(e->pool, dtype, op, out + lo * es, srcs, w, n);
+        /* this rank's own part is read where it is: one reduction per piece
+         * of a row's block (one piece in all without rows) */
+        for (size_t q = lo, end = lo + n; q < end;) {
+            size_t a = q / sizes[me], in = q % sizes[me];
+            size_t m = sizes[me] - in < end - q ? sizes[me] - in : end - q;
+            for (int r = 0; r < w; r++)
+                srcs[r] = r == me ? (void *)(x + a * row + (offs[me] + in) * es)
+                                  : (void *)(slot_of(e, r, p) + ((size_t)me * per + q - lo) * es);
+            par_reduce(e->pool, dtype, op, out + q * es, srcs, w, m);
+            q += m;
+        }
     }
     PyMem_Free(offs);
     PyMem_Free(srcs);
