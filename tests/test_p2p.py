@@ -174,6 +174,18 @@ def killed_while_others_wait(comm, where, outdir):
             comm.gather(torch.ones(10), dst=1)
         elif where == "broadcast":
             comm.broadcast(torch.ones(10), src=0)
+        elif where == "all_gather rows":
+            comm.all_gather(torch.ones(3, 10), dim=-1)
+        elif where == "reduce_scatter rows":
+            comm.reduce_scatter(torch.ones(2, 3 * 10), dim=-1)
+        elif where == "all_to_all":  # the backend's all_to_all_single rounds
+            from tpcomm.shm import protocols
+
+            x, out, n = torch.ones(30), torch.empty(30), 40
+            protocols.alltoallv(
+                comm._engine, x.data_ptr(), [n] * 3, [0, n, 2 * n], out.data_ptr(),
+                [n] * 3, [0, n, 2 * n], n, 0,
+            )  # fmt: skip
         elif where == "recv_into":
             comm.recv(src=0, out=[torch.empty(10)])
         elif where == "send":  # fill the channel's ring, then wait for a receiver that is gone
@@ -186,7 +198,19 @@ def killed_while_others_wait(comm, where, outdir):
     return res
 
 
-@pytest.mark.parametrize("where", ["recv", "recv_into", "gather", "broadcast", "send"])
+@pytest.mark.parametrize(
+    "where",
+    [
+        "recv",
+        "recv_into",
+        "gather",
+        "broadcast",
+        "send",
+        "all_gather rows",
+        "reduce_scatter rows",
+        "all_to_all",
+    ],
+)
 def test_dead_peer_during_p2p_and_rooted_collectives(tmp_path, where):
     with LocalGroup(3, timeout=60) as g, pytest.raises(tpcomm.LaunchError) as info:
         g.run(killed_while_others_wait, where, str(tmp_path), timeout=60)
