@@ -222,6 +222,36 @@ def test_dead_peer_during_p2p_and_rooted_collectives(tmp_path, where):
         assert t - killed < 2.0
 
 
+def crossed_calls(comm, which):
+    """Rank 0 enters a collective while rank 1 waits for it in a point-to-point
+    call: both must fail fast (not at the timeout), each saying what crossed."""
+    r = comm.rank
+    t0 = time.time()
+    try:
+        if r == 0:
+            comm.all_reduce(torch.ones(4)) if which == "all_reduce" else comm.barrier()
+        elif which == "all_reduce":
+            comm.recv(src=0)
+        else:  # the sender waits: the ring to rank 0 is full, rank 0 never receives
+            for _ in range(comm._engine.p2p_ring + 1):
+                comm.send([torch.ones(4)], dst=0)
+        res = "no error"
+    except tpcomm.CommError as e:
+        res = [type(e).__name__, str(e)]
+    return res, time.time() - t0
+
+
+@pytest.mark.parametrize("which", ["all_reduce", "barrier"])
+def test_collective_crossing_p2p_fails_fast_on_both_sides(which):
+    with LocalGroup(2, timeout=60) as g:  # the communicators' own timeout: 300 s
+        res = g.run(crossed_calls, which, timeout=60)
+    (err0, t0), (err1, t1) = res
+    assert err0 != "no error" and "point-to-point" in err0[1] and "crossed" in err0[1], err0
+    assert err1 != "no error" and "rank 0 waited for this rank in a collective" in err1[1], err1
+    assert t0 < 10 and t1 < 10, (t0, t1)
+    assert err0[0] == err1[0] == "CommError"
+
+
 def recv_into(comm):
     if comm.rank == 0:
         comm.send([torch.arange(6).reshape(2, 3), torch.tensor(1.5)], dst=1)

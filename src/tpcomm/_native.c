@@ -104,7 +104,7 @@
 
 /* status codes returned to Python (see shm/engine.py) */
 enum { ST_OK = 0, ST_TIMEOUT = 1, ST_PEER_DEAD = 2, ST_MISMATCH = 3, ST_ABORTED = 4,
-       ST_INTERRUPTED = 5 };
+       ST_INTERRUPTED = 5, ST_CROSSED = 6 };
 
 /* dtype and op codes shared with Python */
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_I32 = 3, DT_I64 = 4, DT_COUNT };
@@ -805,6 +805,7 @@ typedef struct {
     uint64_t yield_ns; /* then sched_yield until this long, then futex */
     int busy;
     int failed;      /* the communicator is unusable after a failure */
+    int in_p2p;      /* inside a point-to-point wait (wait_p2p) */
     /* details of the last error, for Python's message */
     int err_rank;
     uint32_t err_kind, err_dtype, err_op;
@@ -915,6 +916,15 @@ static int take_abort(Engine *e)
     return 1;
 }
 
+/* Whether `peer` has entered a collective round this rank has not: it waits
+ * there for this rank (its collective line holds a larger round number). */
+static int peer_ahead(Engine *e, int peer)
+{
+    uint64_t a = atomic_load_explicit(&line_of(e, peer, 0, 0)->seq, memory_order_acquire);
+    uint64_t b = atomic_load_explicit(&line_of(e, peer, 0, 1)->seq, memory_order_acquire);
+    return (a > b ? a : b) > e->round;
+}
+
 /*
  * Wait until *seq >= n.  Spin (GIL held: most waits end here), then release
  * the GIL and yield, then sleep on the futex.  `peer` is the rank whose
@@ -956,6 +966,18 @@ static int wait_seq(Engine *e, _Atomic uint64_t *seq, uint64_t n, int peer, PyTh
                 e->failed = 1;
                 set_abort(e, ST_PEER_DEAD, peer);
                 return ST_PEER_DEAD;
+            }
+            if (e->in_p2p && peer_ahead(e, peer)) {
+                /* this rank waits for the peer in a send or recv while the peer
+                 * waits for this rank in a collective: neither can move, so
+                 * both (and every rank of the communicator) fail now instead
+                 * of at the timeout */
+                if (atomic_load_explicit(seq, memory_order_acquire) >= n)
+                    return ST_OK;
+                e->err_rank = peer;
+                e->failed = 1;
+                set_abort(e, ST_CROSSED, e->rank);
+                return ST_CROSSED;
             }
             if (t >= deadline) {
                 e->err_rank = peer;
@@ -1025,6 +1047,16 @@ static inline void publish(Engine *e, line_t *l, uint64_t n)
  * for every peer, check they all called the same thing.  Copy-in happens
  * before (the caller writes its slot).  Returns a status code.
  */
+/* wait_seq for a point-to-point counter: also notices a peer stuck in a
+ * collective (ST_CROSSED) */
+static int wait_p2p(Engine *e, _Atomic uint64_t *seq, uint64_t n, int peer, PyThreadState **ts)
+{
+    e->in_p2p = 1;
+    int st = wait_seq(e, seq, n, peer, ts);
+    e->in_p2p = 0;
+    return st;
+}
+
 static int round_sync(Engine *e, uint32_t kind, uint32_t dtype, uint32_t op, uint64_t count,
                       uint64_t arg, PyThreadState **ts)
 {
@@ -2072,7 +2104,7 @@ static PyObject *eng_wait_line(Engine *e, PyObject *args)
     if (e->failed || take_abort(e))
         return PyLong_FromLong(ST_ABORTED);
     PyThreadState *ts = NULL;
-    int st = wait_seq(e, &ctrl_line(e, (int)owner, line)->seq, n, (int)owner, &ts);
+    int st = wait_p2p(e, &ctrl_line(e, (int)owner, line)->seq, n, (int)owner, &ts);
     if (ts)
         PyEval_RestoreThread(ts);
     return PyLong_FromLong(st);
@@ -2173,7 +2205,7 @@ static int send_pieces(Engine *e, int dst, const pieces_t *pc)
     int st = ST_OK;
     for (;;) {
         k++;
-        if (k > P2P_RING && (st = wait_seq(e, &done->seq, k - P2P_RING, dst, &ts)) != ST_OK)
+        if (k > P2P_RING && (st = wait_p2p(e, &done->seq, k - P2P_RING, dst, &ts)) != ST_OK)
             break;
         char *slot = p2p_slot_of(e, me, dst, k);
         size_t fill = 0;
@@ -2428,7 +2460,7 @@ static int rx_next(Engine *e, PyThreadState **ts)
     if (e->rx_pos >= e->rx_total)
         return ST_OK;
     e->rx_k++;
-    int st = wait_seq(e, &ctrl_line(e, e->rx_src, P2P_SENT_LINE(e->rank))->seq, e->rx_k,
+    int st = wait_p2p(e, &ctrl_line(e, e->rx_src, P2P_SENT_LINE(e->rank))->seq, e->rx_k,
                       e->rx_src, ts);
     e->rx_used = 0;
     e->rx_limit = e->rx_total - e->rx_pos < e->p2p_piece ? e->rx_total - e->rx_pos : e->p2p_piece;
@@ -2462,7 +2494,7 @@ static PyObject *recv_head(Engine *e, int src, int *st)
     PyThreadState *ts = NULL;
     e->rx_src = src;
     e->rx_k = e->p2p_recvd[src] + 1;
-    *st = wait_seq(e, &ctrl_line(e, src, P2P_SENT_LINE(e->rank))->seq, e->rx_k, src, &ts);
+    *st = wait_p2p(e, &ctrl_line(e, src, P2P_SENT_LINE(e->rank))->seq, e->rx_k, src, &ts);
     if (ts) {
         PyEval_RestoreThread(ts);
         ts = NULL;
@@ -3275,6 +3307,7 @@ PyMODINIT_FUNC PyInit__native(void)
     PyModule_AddIntConstant(m, "ST_MISMATCH", ST_MISMATCH);
     PyModule_AddIntConstant(m, "ST_ABORTED", ST_ABORTED);
     PyModule_AddIntConstant(m, "ST_INTERRUPTED", ST_INTERRUPTED);
+    PyModule_AddIntConstant(m, "ST_CROSSED", ST_CROSSED);
     PyModule_AddObject(m, "MAGIC", PyLong_FromUnsignedLongLong(MAGIC));
     PyModule_AddIntConstant(m, "VERSION", VERSION);
     PyModule_AddIntConstant(m, "PAGE", PAGE);

@@ -46,6 +46,7 @@ ST_PEER_DEAD = _native.ST_PEER_DEAD
 ST_MISMATCH = _native.ST_MISMATCH
 ST_ABORTED = _native.ST_ABORTED
 ST_INTERRUPTED = _native.ST_INTERRUPTED
+ST_CROSSED = _native.ST_CROSSED
 
 
 _ALGOS = {1: "one-shot", 2: "two-shot"}
@@ -206,6 +207,14 @@ class ShmEngine:
                 f"timeout= argument if that is expected)",
                 rank=peer,
             )
+        if status == ST_CROSSED:
+            raise CommError(
+                f"{fn}: rank {self.rank} waited for rank {peer} in a point-to-point "
+                f"send/recv while rank {peer} waited for this rank in a collective: the "
+                f"calls crossed and neither could go on; this communicator can no longer "
+                f"be used (every rank must call the collectives in the same order, and a "
+                f"recv needs a matching send)"
+            )
         if status == ST_INTERRUPTED:
             self._native.reraise()  # KeyboardInterrupt or whatever the handler raised
         if status == ST_ABORTED:
@@ -215,6 +224,12 @@ class ShmEngine:
                     f"{fn}: rank {peer} was interrupted (a signal handler raised) during a "
                     f"collective of this communicator; it can no longer be used",
                     rank=peer,
+                )
+            if reason == ST_CROSSED:
+                raise CommError(
+                    f"{fn}: rank {peer} was waiting for this rank in a point-to-point "
+                    f"send/recv while this rank waited in a collective: the calls crossed; "
+                    f"this communicator can no longer be used"
                 )
             if reason == ST_TIMEOUT:
                 raise CommTimeoutError(
