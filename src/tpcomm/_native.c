@@ -1698,6 +1698,23 @@ static uint64_t flat_key(uint64_t kind, uint64_t n, uint64_t world)
     return x & 0x7FFFFFFFFFFFFFFFull;
 }
 
+/* The rounds of the one-call gathers: every rank's n elements of dtype code
+ * `code` at `mine`, in rank order, at out (NULL: this rank receives nothing),
+ * keyed flat_key(kind + tag, n, w) as protocols.layout_key keys a flat, even
+ * layout (tag: 0 without a root, (root + 1) << 32 with one) */
+static PyObject *flat_gather(Engine *e, uint32_t kind, uint64_t tag, const char *mine, int code,
+                             long long n, char *out)
+{
+    size_t *cnt = even_sizes(e, (size_t)n * e->any_size[code]);
+    if (!cnt)
+        return NULL;
+    uint64_t key = flat_key((uint64_t)kind + tag, (uint64_t)n, (uint64_t)e->world);
+    int st = gather_rounds(e, kind, mine, cnt, out, NULL, (uint32_t)code,
+                           (uint64_t)n * (uint64_t)e->world, key, 1);
+    PyMem_Free(cnt);
+    return status_result(st);
+}
+
 /*
  * fast_all_gather(output, input, kind) -> status, or None: the torch-style
  * all_gather_into_tensor's common case in one call (plain tensors of one
@@ -1718,14 +1735,7 @@ static PyObject *eng_fast_all_gather(Engine *e, PyObject *const *args, Py_ssize_
         PyErr_Clear();
         Py_RETURN_NONE;
     }
-    size_t *cnt = even_sizes(e, (size_t)ni * e->any_size[ci]);
-    if (!cnt)
-        return NULL;
-    uint64_t key = flat_key((uint64_t)kind, (uint64_t)ni, (uint64_t)e->world);
-    int st = gather_rounds(e, (uint32_t)kind, ai, cnt, ao, NULL, (uint32_t)ci,
-                           (uint64_t)ni * (uint64_t)e->world, key, 1);
-    PyMem_Free(cnt);
-    return status_result(st);
+    return flat_gather(e, (uint32_t)kind, 0, ai, ci, ni, ao);
 }
 
 /*
@@ -1750,15 +1760,8 @@ static PyObject *eng_fast_gather(Engine *e, PyObject *const *args, Py_ssize_t na
         PyErr_Clear();
         Py_RETURN_NONE;
     }
-    size_t *cnt = even_sizes(e, (size_t)ni * e->any_size[ci]);
-    if (!cnt)
-        return NULL;
-    uint64_t key = flat_key((uint64_t)kind + ((uint64_t)(dst + 1) << 32), (uint64_t)ni,
-                            (uint64_t)e->world);
-    int st = gather_rounds(e, (uint32_t)kind, ai, cnt, dst == e->rank ? ao : NULL, NULL,
-                           (uint32_t)ci, (uint64_t)ni * (uint64_t)e->world, key, 1);
-    PyMem_Free(cnt);
-    return status_result(st);
+    return flat_gather(e, (uint32_t)kind, (uint64_t)(dst + 1) << 32, ai, ci, ni,
+                       dst == e->rank ? ao : NULL);
 }
 
 /* The rounds of a gather: -1 with an exception, or a status */
@@ -2018,7 +2021,11 @@ static PyObject *eng_alltoallv(Engine *e, PyObject *const *args, Py_ssize_t narg
         st = int_list(e, args[6], &ro, "alltoallv");
     const int w = e->world, me = e->rank;
     const size_t per = e->slot_bytes / (size_t)w / 64 * 64;
-    if (st == 0 && (per == 0 || sc[me] != rc[me])) {
+    if (st == 0 && per == 0) {
+        PyErr_SetString(PyExc_ValueError, "alltoallv: the slot is too small for this world size");
+        st = -1;
+    }
+    if (st == 0 && sc[me] != rc[me]) {
         PyErr_SetString(PyExc_ValueError, "alltoallv: this rank's block to itself differs in size");
         st = -1;
     }

@@ -11,7 +11,6 @@ from __future__ import annotations
 import collections
 import datetime
 import hashlib
-import math
 import os
 import pickle
 import weakref
@@ -676,7 +675,7 @@ class Communicator:
         protocols.gatherv(
             eng, fn, kind, a[1], [a[2] * _ANY_SIZE[a[0]]] * w,
             res.data_ptr() if res is not None else None, a[0], a[2] * w, key,
-            math.prod(shape[:d]) or 1,
+            _prod(shape[:d]) or 1,
         )  # fmt: skip
         return res
 
