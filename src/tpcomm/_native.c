@@ -104,7 +104,7 @@
 
 /* status codes returned to Python (see shm/engine.py) */
 enum { ST_OK = 0, ST_TIMEOUT = 1, ST_PEER_DEAD = 2, ST_MISMATCH = 3, ST_ABORTED = 4,
-       ST_INTERRUPTED = 5, ST_CROSSED = 6 };
+       ST_INTERRUPTED = 5, ST_CROSSED = 6, ST_BUSY = 7, ST_CLOSED = 8 };
 
 /* dtype and op codes shared with Python */
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_I32 = 3, DT_I64 = 4, DT_COUNT };
@@ -803,7 +803,10 @@ typedef struct {
     uint64_t timeout_ns;
     uint64_t spin_ns;  /* spin with pause this long before yielding */
     uint64_t yield_ns; /* then sched_yield until this long, then futex */
-    int busy;
+    int busy;        /* a thread is inside a call that touches the segment */
+    int held;        /* hold() depth: a multi-call operation of thread `holder` */
+    int rx_held;     /* a received header holds the engine until its body is read */
+    unsigned long holder;
     int failed;      /* the communicator is unusable after a failure */
     int in_p2p;      /* inside a point-to-point wait (wait_p2p) */
     /* details of the last error, for Python's message */
@@ -1103,22 +1106,37 @@ static PyObject *eng_closed_error(void)
     return NULL;
 }
 
+/* Whether a call of this thread must wait its turn: another thread is inside
+ * a call, or holds the engine across several (hold(), a received header).  A
+ * Communicator serves one thread at a time (docs/ENGINE.md, "Threads"). */
+static inline int other_thread(Engine *e)
+{
+    return e->busy || (e->held && e->holder != PyThread_get_thread_ident());
+}
+
+/* Start a call: 0 go (busy is set), -1 error, or a status: ST_BUSY (another
+ * thread is in; nothing touched, the communicator stays usable) or
+ * ST_ABORTED. */
 static int enter(Engine *e)
 {
     if (!e->base) {
         eng_closed_error();
         return -1;
     }
-    if (e->busy) {
-        PyErr_SetString(PyExc_RuntimeError,
-                        "tpcomm: a Communicator is not thread-safe; another thread is inside a "
-                        "collective on it");
-        return -1;
-    }
+    if (other_thread(e))
+        return ST_BUSY;
     if (e->failed || take_abort(e))
-        return 1;
+        return ST_ABORTED;
     e->busy = 1;
     return 0;
+}
+
+/* The status a call that skipped enter() returns before starting, or 0. */
+static inline int refuse(Engine *e)
+{
+    if (other_thread(e))
+        return ST_BUSY;
+    return e->failed || take_abort(e) ? ST_ABORTED : 0;
 }
 
 /*
@@ -1283,7 +1301,7 @@ static PyObject *eng_all_reduce(Engine *e, PyObject *const *args, Py_ssize_t nar
     if (en < 0)
         return NULL;
     if (en > 0)
-        return PyLong_FromLong(ST_ABORTED);
+        return PyLong_FromLong(en);
     int st = run_all_reduce(e, (char *)(uintptr_t)addr, (size_t)count, (int)dtype, (int)op,
                             (uint32_t)kind);
     return PyLong_FromLong(st);
@@ -1377,7 +1395,7 @@ static PyObject *eng_fast_all_reduce(Engine *e, PyObject *const *args, Py_ssize_
     if (!op)
         op = e->ops[OP_SUM];
     int opc = -1, dtc = -1;
-    if (!e->base || e->busy || e->failed || Py_TYPE(t) != e->tensor_type)
+    if (!e->base || other_thread(e) || e->failed || Py_TYPE(t) != e->tensor_type)
         return call_fallback(e, t, op, 0);
     for (int i = 0; i < OP_COUNT; i++)
         if (op == e->ops[i])
@@ -1487,7 +1505,7 @@ static PyObject *eng_sync(Engine *e, PyObject *const *args, Py_ssize_t nargs)
     if (en < 0)
         return NULL;
     if (en > 0)
-        return PyLong_FromLong(ST_ABORTED);
+        return PyLong_FromLong(en);
     PyThreadState *ts = NULL;
     int st = round_sync(e, (uint32_t)kind, (uint32_t)dtype, (uint32_t)op, count, arg, &ts);
     if (ts)
@@ -1780,7 +1798,7 @@ static int gather_rounds(Engine *e, uint32_t kind, const char *mine, const size_
     PyThreadState *ts = NULL;
     int st = enter_data(e, total, &ts);
     if (st != 0)
-        return st < 0 ? -1 : ST_ABORTED;
+        return st;
     for (size_t k = 0; k < rounds && st == ST_OK; k++) {
         size_t lo = k * cap, n = part_of(cnt[me], lo, cap);
         int p = (int)((e->round + 1) & 1);
@@ -1813,7 +1831,7 @@ static int bcast_rounds(Engine *e, uint32_t kind, char *data, size_t total, int 
     PyThreadState *ts = NULL;
     int st = enter_data(e, total, &ts);
     if (st != 0)
-        return st < 0 ? -1 : ST_ABORTED;
+        return st;
     for (size_t k = 0; k < rounds && st == ST_OK; k++) {
         size_t lo = k * cap, n = part_of(total, lo, cap);
         int p = (int)((e->round + 1) & 1);
@@ -1964,7 +1982,7 @@ static int rs_rounds(Engine *e, uint32_t kind, const char *x, int dtype, const s
     if (st != 0) {
         PyMem_Free(offs);
         PyMem_Free(srcs);
-        return st < 0 ? -1 : ST_ABORTED;
+        return st;
     }
     for (size_t k = 0; k < rounds && st == ST_OK; k++) {
         size_t lo = k * per;
@@ -2037,7 +2055,7 @@ static PyObject *eng_alltoallv(Engine *e, PyObject *const *args, Py_ssize_t narg
         total += sc[r] + rc[r];
     if (st == 0) {
         int en = enter_data(e, total, &ts);
-        st = en < 0 ? -1 : en ? ST_ABORTED : ST_OK;
+        st = en;
         for (size_t k = 0; en == 0 && k < rounds && st == ST_OK; k++) {
             size_t lo = k * per;
             int p = (int)((e->round + 1) & 1);
@@ -2085,49 +2103,6 @@ static line_t *ctrl_line(Engine *e, int owner, long line)
 {
     return (line_t *)(ctrl_of(e, owner) + LINE * (size_t)line);
 }
-
-static int check_line(Engine *e, long owner, long line)
-{
-    if (!e->base) {
-        eng_closed_error();
-        return -1;
-    }
-    if (owner < 0 || owner >= e->world || line < 1 ||
-        (size_t)(line + 1) * LINE > e->ctrl_bytes) {
-        PyErr_Format(PyExc_ValueError, "line %ld of rank %ld is out of range", line, owner);
-        return -1;
-    }
-    return 0;
-}
-
-/* wait_line(owner, line, n) -> status: wait until rank owner's control line
- * holds a value >= n (point-to-point: "sent" and "consumed" counters). */
-static PyObject *eng_wait_line(Engine *e, PyObject *args)
-{
-    long owner, line;
-    unsigned long long n;
-    if (!PyArg_ParseTuple(args, "llK", &owner, &line, &n) || check_line(e, owner, line) < 0)
-        return NULL;
-    if (e->failed || take_abort(e))
-        return PyLong_FromLong(ST_ABORTED);
-    PyThreadState *ts = NULL;
-    int st = wait_p2p(e, &ctrl_line(e, (int)owner, line)->seq, n, (int)owner, &ts);
-    if (ts)
-        PyEval_RestoreThread(ts);
-    return PyLong_FromLong(st);
-}
-
-/* publish_line(line, n): store n (release) into this rank's control line. */
-static PyObject *eng_publish_line(Engine *e, PyObject *args)
-{
-    long line;
-    unsigned long long n;
-    if (!PyArg_ParseTuple(args, "lK", &line, &n) || check_line(e, e->rank, line) < 0)
-        return NULL;
-    publish(e, ctrl_line(e, e->rank, line), n);
-    Py_RETURN_NONE;
-}
-
 
 /* layout() -> offsets the Python protocols need */
 static PyObject *eng_layout(Engine *e, PyObject *unused)
@@ -2205,6 +2180,7 @@ static int send_pieces(Engine *e, int dst, const pieces_t *pc)
     const size_t cap = e->p2p_piece;
     line_t *done = ctrl_line(e, dst, P2P_DONE_LINE(e->world, me));
     line_t *sent = ctrl_line(e, me, P2P_SENT_LINE(dst));
+    e->busy = 1;
     PyThreadState *ts = total >= GIL_RELEASE_BYTES ? PyEval_SaveThread() : NULL;
     uint64_t k = e->p2p_sent[dst];
     size_t pos = 0, off = 0;
@@ -2235,6 +2211,7 @@ static int send_pieces(Engine *e, int dst, const pieces_t *pc)
         e->p2p_sent[dst] = k;
     if (ts)
         PyEval_RestoreThread(ts);
+    e->busy = 0;
     return st;
 }
 
@@ -2246,8 +2223,9 @@ static PyObject *eng_p2p_send(Engine *e, PyObject *args)
     pieces_t pc;
     if (!PyArg_ParseTuple(args, "iO", &dst, &list) || check_rank(e, dst, "p2p_send") < 0)
         return NULL;
-    if (e->failed || take_abort(e))
-        return PyLong_FromLong(ST_ABORTED);
+    int no = refuse(e);
+    if (no)
+        return PyLong_FromLong(no);
     if (parse_pieces(list, &pc) < 0)
         return NULL;
     int st = send_pieces(e, dst, &pc);
@@ -2334,7 +2312,7 @@ static int peer_arg(Engine *e, PyObject *v)
 static PyObject **p2p_args(Engine *e, PyObject *const *args, Py_ssize_t nargs, int *peer,
                            Py_ssize_t *n)
 {
-    if (nargs != 2 || !e->base || e->busy || e->failed || !e->n_any || !e->d_shape)
+    if (nargs != 2 || !e->base || other_thread(e) || e->failed || !e->n_any || !e->d_shape)
         return NULL;
     *peer = peer_arg(e, args[0]);
     PyObject *seq = args[1];
@@ -2499,6 +2477,7 @@ static int rx_copy(Engine *e, char *dst, size_t n, PyThreadState **ts)
 static PyObject *recv_head(Engine *e, int src, int *st)
 {
     PyThreadState *ts = NULL;
+    e->busy = 1;
     e->rx_src = src;
     e->rx_k = e->p2p_recvd[src] + 1;
     *st = wait_p2p(e, &ctrl_line(e, src, P2P_SENT_LINE(e->rank))->seq, e->rx_k, src, &ts);
@@ -2506,8 +2485,10 @@ static PyObject *recv_head(Engine *e, int src, int *st)
         PyEval_RestoreThread(ts);
         ts = NULL;
     }
-    if (*st != ST_OK)
+    if (*st != ST_OK) {
+        e->busy = 0;
         return PyBytes_FromStringAndSize("", 0);
+    }
     uint64_t lens[2];
     memcpy(lens, p2p_slot_of(e, src, e->rank, e->rx_k), sizeof lens);
     e->rx_total = 16 + lens[0] + lens[1];
@@ -2515,11 +2496,21 @@ static PyObject *recv_head(Engine *e, int src, int *st)
     e->rx_used = 16;
     e->rx_limit = e->rx_total < e->p2p_piece ? e->rx_total : e->p2p_piece;
     PyObject *hdr = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)lens[0]);
-    if (!hdr)
+    if (!hdr) {
+        e->busy = 0;
         return NULL;
+    }
     *st = rx_copy(e, PyBytes_AS_STRING(hdr), (size_t)lens[0], &ts);
     if (ts)
         PyEval_RestoreThread(ts);
+    e->busy = 0;
+    if (*st == ST_OK && !e->rx_held) {
+        /* until the body is read (recv_body, or rx_release when Python gives
+         * up on it), the channel is mid-message: no other thread may come in */
+        e->rx_held = 1;
+        e->held++;
+        e->holder = PyThread_get_thread_ident();
+    }
     return hdr;
 }
 
@@ -2529,11 +2520,21 @@ static PyObject *eng_p2p_recv_head(Engine *e, PyObject *arg)
     long src = PyLong_AsLong(arg);
     if ((src == -1 && PyErr_Occurred()) || check_rank(e, src, "p2p_recv_head") < 0)
         return NULL;
-    if (e->failed || take_abort(e))
-        return Py_BuildValue("(iy#)", ST_ABORTED, "", (Py_ssize_t)0);
+    int no = refuse(e);
+    if (no)
+        return Py_BuildValue("(iy#)", no, "", (Py_ssize_t)0);
     int st;
     PyObject *hdr = recv_head(e, (int)src, &st);
     return hdr ? Py_BuildValue("(iN)", st, hdr) : NULL;
+}
+
+/* The end of recv_head's hold: the body is read, or Python gave up on it. */
+static void rx_release(Engine *e)
+{
+    if (e->rx_held) {
+        e->rx_held = 0;
+        e->held--;
+    }
 }
 
 /* Receive the rest of the message (the header is read) into the pieces,
@@ -2549,6 +2550,7 @@ static int recv_body(Engine *e, const pieces_t *pc)
         return -1;
     }
     int st = ST_OK;
+    e->busy = 1;
     PyThreadState *ts = total >= GIL_RELEASE_BYTES ? PyEval_SaveThread() : NULL;
     for (Py_ssize_t i = 0; i < pc->n && st == ST_OK; i++)
         st = rx_copy(e, pc->addr[i], pc->len[i], &ts);
@@ -2560,6 +2562,8 @@ static int recv_body(Engine *e, const pieces_t *pc)
     }
     if (ts)
         PyEval_RestoreThread(ts);
+    e->busy = 0;
+    rx_release(e);
     return st;
 }
 
@@ -2569,6 +2573,8 @@ static PyObject *eng_p2p_recv_body(Engine *e, PyObject *list)
     pieces_t pc;
     if (!e->base)
         return eng_closed_error();
+    if (other_thread(e))
+        return PyLong_FromLong(ST_BUSY);
     if (e->rx_src < 0) {
         PyErr_SetString(PyExc_RuntimeError, "p2p_recv_body without p2p_recv_head");
         return NULL;
@@ -2803,15 +2809,74 @@ static void eng_unmap(Engine *e)
     }
 }
 
-static PyObject *eng_close(Engine *e, PyObject *unused)
+/* close(wait_s): unmap.  If another thread is inside a call, or holds the
+ * engine between calls, the communicator is aborted first (reason ST_CLOSED:
+ * that call returns at its next check, within ms, and the peers learn that
+ * this rank closed it) and close waits up to wait_s seconds, GIL released, for
+ * the thread to leave; RuntimeError (nothing unmapped) if it does not. */
+static PyObject *eng_close(Engine *e, PyObject *arg)
 {
-    (void)unused;
-    if (e->busy) {
-        PyErr_SetString(PyExc_RuntimeError, "tpcomm: close() while a collective is running");
+    double wait_s = PyFloat_AsDouble(arg);
+    if (wait_s == -1.0 && PyErr_Occurred())
         return NULL;
+    if (e->base && other_thread(e)) {
+        set_abort(e, ST_CLOSED, e->rank);
+        uint64_t deadline = now_ns() + (uint64_t)(wait_s > 0 ? wait_s * 1e9 : 0);
+        while (other_thread(e) && now_ns() < deadline) {
+            Py_BEGIN_ALLOW_THREADS
+            struct timespec s = {0, 200000};
+            nanosleep(&s, NULL);
+            Py_END_ALLOW_THREADS
+        }
+        if (other_thread(e)) {
+            PyErr_Format(PyExc_RuntimeError,
+                         "close: another thread is still inside a call on this Communicator "
+                         "%gs after it was aborted", wait_s);
+            return NULL;
+        }
     }
     eng_unmap(e);
     Py_RETURN_NONE;
+}
+
+/* hold() -> status: keep other threads out across the several calls of one
+ * operation (0, or ST_BUSY when another thread is in); release() ends it.
+ * Nested holds of one thread count. */
+static PyObject *eng_hold(Engine *e, PyObject *unused)
+{
+    (void)unused;
+    if (!e->base)
+        return eng_closed_error();
+    if (other_thread(e))
+        return PyLong_FromLong(ST_BUSY);
+    e->held++;
+    e->holder = PyThread_get_thread_ident();
+    return PyLong_FromLong(ST_OK);
+}
+
+static PyObject *eng_release(Engine *e, PyObject *unused)
+{
+    (void)unused;
+    if (e->held > e->rx_held && e->holder == PyThread_get_thread_ident())
+        e->held--;
+    Py_RETURN_NONE;
+}
+
+/* rx_release(): give up the hold of a received header whose body will not be
+ * read (Python failed between the two); no-op otherwise */
+static PyObject *eng_rx_release(Engine *e, PyObject *unused)
+{
+    (void)unused;
+    if (e->holder == PyThread_get_thread_ident())
+        rx_release(e);
+    Py_RETURN_NONE;
+}
+
+/* in_use: whether another thread is inside a call or holds the engine */
+static PyObject *eng_get_in_use(Engine *e, void *c)
+{
+    (void)c;
+    return PyBool_FromLong(other_thread(e));
 }
 
 static PyObject *eng_get_mapping(Engine *e, PyObject *unused)
@@ -3100,7 +3165,10 @@ static PyMethodDef eng_methods[] = {
     {"wait_attached", (PyCFunction)eng_wait_attached, METH_O, NULL},
     {"peer_pids", (PyCFunction)eng_peer_pids, METH_NOARGS, NULL},
     {"abort", (PyCFunction)eng_abort, METH_O, NULL},
-    {"close", (PyCFunction)eng_close, METH_NOARGS, NULL},
+    {"close", (PyCFunction)eng_close, METH_O, NULL},
+    {"hold", (PyCFunction)eng_hold, METH_NOARGS, NULL},
+    {"release", (PyCFunction)eng_release, METH_NOARGS, NULL},
+    {"rx_release", (PyCFunction)eng_rx_release, METH_NOARGS, NULL},
     {"address", (PyCFunction)eng_address, METH_NOARGS, NULL},
     {"mapping", (PyCFunction)eng_get_mapping, METH_NOARGS, NULL},
     {"set_twoshot_min", (PyCFunction)eng_set_twoshot_min, METH_O, NULL},
@@ -3124,8 +3192,6 @@ static PyMethodDef eng_methods[] = {
     {"p2p_recv_head", (PyCFunction)eng_p2p_recv_head, METH_O, NULL},
     {"p2p_recv_body", (PyCFunction)eng_p2p_recv_body, METH_O, NULL},
     {"sync", (PyCFunction)(void (*)(void))eng_sync, METH_FASTCALL, NULL},
-    {"wait_line", (PyCFunction)eng_wait_line, METH_VARARGS, NULL},
-    {"publish_line", (PyCFunction)eng_publish_line, METH_VARARGS, NULL},
     {"layout", (PyCFunction)eng_layout, METH_NOARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
@@ -3134,6 +3200,7 @@ static PyGetSetDef eng_getset[] = {
     {"round", (getter)eng_get_round, NULL, NULL, NULL},
     {"threads", (getter)eng_get_threads, NULL, NULL, NULL},
     {"failed", (getter)eng_get_failed, NULL, NULL, NULL},
+    {"in_use", (getter)eng_get_in_use, NULL, NULL, NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -3315,6 +3382,8 @@ PyMODINIT_FUNC PyInit__native(void)
     PyModule_AddIntConstant(m, "ST_ABORTED", ST_ABORTED);
     PyModule_AddIntConstant(m, "ST_INTERRUPTED", ST_INTERRUPTED);
     PyModule_AddIntConstant(m, "ST_CROSSED", ST_CROSSED);
+    PyModule_AddIntConstant(m, "ST_BUSY", ST_BUSY);
+    PyModule_AddIntConstant(m, "ST_CLOSED", ST_CLOSED);
     PyModule_AddObject(m, "MAGIC", PyLong_FromUnsignedLongLong(MAGIC));
     PyModule_AddIntConstant(m, "VERSION", VERSION);
     PyModule_AddIntConstant(m, "PAGE", PAGE);

@@ -288,19 +288,29 @@ class Communicator:
     def close(self) -> None:
         """Unmap the segment.  Idempotent; local (not collective).
 
-        Peers still waiting on this rank afterwards get PeerFailedError.
+        Peers still waiting on this rank afterwards get PeerFailedError.  Called
+        while another thread is inside a call on this Communicator, it aborts that
+        call (which raises CommError; the peers get PeerFailedError) and returns
+        once the call has left, within milliseconds: how a watchdog thread
+        stops a collective that hangs.
         """
         if self._closed:
             return
         self._closed = True
+        if self._engine is not None:
+            # a call another thread is running is aborted first and close waits for
+            # it to leave (ShmEngine.close); if it does not, nothing else changes
+            try:
+                self._engine.close()
+            except BaseException:
+                self._closed = False
+                raise
+            self._engine = None
         self.__dict__.pop("all_reduce", None)
         compiled.unregister(self)
         for car in self._cuda_ar.values():
             car.close()
         self._cuda_ar.clear()
-        if self._engine is not None:
-            self._engine.close()
-            self._engine = None
         if self._hier is not None:
             self._hier.close()
 

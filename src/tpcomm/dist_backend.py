@@ -368,6 +368,18 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
         comm = self._comm
         if comm._engine is None or comm._hier is not None:  # world 1, or across hosts
             return self._alltoall_gather(output, input, out_splits, in_splits, opts)
+        # the split table and the rounds are one thread's turn
+        eng = comm._engine
+        eng.hold("all_to_all_single")
+        try:
+            return self._alltoall_shm(output, input, out_splits, in_splits)
+        finally:
+            eng.release()
+
+    def _alltoall_shm(
+        self, output: torch.Tensor, input: torch.Tensor, out_splits: list, in_splits: list
+    ) -> Any:
+        comm = self._comm
         w = self._world
         rows_in = input.shape[0] if input.dim() else 1
         rows_out = output.shape[0] if output.dim() else 1

@@ -49,6 +49,10 @@ def _guarded(method: _F) -> _F:
 
     @functools.wraps(method)
     def run(self: Hierarchy, *args: Any) -> Any:
+        # the whole operation (local engine and gloo) is one thread's turn
+        eng = self.local._engine
+        if eng is not None:
+            eng.hold(method.__name__)
         try:
             return method(self, *args)
         except (PeerFailedError, CommTimeoutError) as e:
@@ -63,6 +67,9 @@ def _guarded(method: _F) -> _F:
                 f"longer be used",
                 rank=-1,
             ) from e
+        finally:
+            if eng is not None:
+                eng.release()
 
     return run  # type: ignore[return-value]
 

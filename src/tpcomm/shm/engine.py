@@ -47,6 +47,11 @@ ST_MISMATCH = _native.ST_MISMATCH
 ST_ABORTED = _native.ST_ABORTED
 ST_INTERRUPTED = _native.ST_INTERRUPTED
 ST_CROSSED = _native.ST_CROSSED
+ST_BUSY = _native.ST_BUSY
+ST_CLOSED = _native.ST_CLOSED
+
+# How long close() waits for another thread's aborted call to leave the engine.
+CLOSE_WAIT_S = 10.0
 
 
 _ALGOS = {1: "one-shot", 2: "two-shot"}
@@ -150,6 +155,9 @@ class ShmEngine:
         self._native = _native.Engine(
             fd, size, self.rank, world, slot_bytes, self.rank == 0, timeout, spin, _env.yield_us()
         )
+        # error details stay readable after close (a call another thread was
+        # running when close() aborted it reports from here)
+        self._errors = self._native
         self._validate(slot_bytes, size)
         self.twoshot_min = _env.twoshot_min_bytes(world)
         self._native.set_twoshot_min(self.twoshot_min)
@@ -179,8 +187,15 @@ class ShmEngine:
         self, status: int, fn: str, kind: int, dtype: int, op: int, count: int, arg: int = 0
     ) -> None:
         """Raise the exception for a non-zero status of the native core."""
-        info = self._native.error_info() if self._native is not None else {}
+        info = self._errors.error_info()
         peer = info.get("rank", -1)
+        if status == ST_BUSY:
+            raise CommError(
+                f"{fn}: another thread of rank {self.rank} is inside a call on this "
+                f"Communicator; a Communicator serves one thread at a time (serialize the "
+                f"calls, or give each thread its own Communicator); nothing was done and "
+                f"the Communicator is still usable"
+            )
         if status == ST_MISMATCH:
             mine = _describe_call(kind, dtype, op, count)
             theirs = _describe_call(info["kind"], info["dtype"], info["op"], info["count"])
@@ -231,6 +246,17 @@ class ShmEngine:
                     f"send/recv while this rank waited in a collective: the calls crossed; "
                     f"this communicator can no longer be used"
                 )
+            if reason == ST_CLOSED and peer == self.rank:
+                raise CommError(
+                    f"{fn}: another thread closed this Communicator (rank {self.rank}) "
+                    f"while the call was running"
+                )
+            if reason == ST_CLOSED:
+                raise PeerFailedError(
+                    f"{fn}: rank {peer} closed its communicator while a call of it was "
+                    f"running; this communicator can no longer be used",
+                    rank=peer,
+                )
             if reason == ST_TIMEOUT:
                 raise CommTimeoutError(
                     f"{fn}: rank {peer} timed out in a collective of this communicator; "
@@ -254,8 +280,28 @@ class ShmEngine:
     def failed(self) -> bool:
         return self._native is not None and self._native.failed
 
-    def close(self) -> None:
+    def hold(self, fn: str) -> None:
+        """Keep the other threads out until release(): an operation of several
+        native calls (each call checks on its own).  CommError if one is in."""
+        if self._native is None:
+            raise CommError(f"{fn}: the Communicator is closed")
+        status = self._native.hold()
+        if status:
+            self.raise_status(status, fn, 0, 0, 0, 0)
+
+    def release(self) -> None:
         if self._native is not None:
-            self._native.close()
+            self._native.release()
+
+    @property
+    def in_use(self) -> bool:
+        """Whether another thread is inside a call on this engine, or holds it."""
+        return self._native is not None and self._native.in_use
+
+    def close(self) -> None:
+        """Unmap.  A call another thread is running is aborted first (it raises
+        CommError, the peers PeerFailedError) and close waits for it to leave."""
+        if self._native is not None:
+            self._native.close(CLOSE_WAIT_S)
             self._native = None
             self.all_reduce = None

@@ -251,7 +251,18 @@ def recv_into(
 def recv_rest(
     eng: ShmEngine, fn: str, src: int, out: Sequence[torch.Tensor] | None, header: bytes
 ) -> tuple[list[torch.Tensor], Any]:
-    """The rest of ``recv`` once the message's header is read."""
+    """The rest of ``recv`` once the message's header is read (the header holds
+    the engine for this thread until the body is read: _native.c recv_head)."""
+    try:
+        return _recv_body(eng, fn, src, out, header)
+    finally:
+        if eng._native is not None:
+            eng._native.rx_release()  # a no-op once the body is read
+
+
+def _recv_body(
+    eng: ShmEngine, fn: str, src: int, out: Sequence[torch.Tensor] | None, header: bytes
+) -> tuple[list[torch.Tensor], Any]:
     if header[:1] == b"\xb1":
         specs, extra = _parse_binary(header), None
     else:

@@ -44,6 +44,17 @@ def allocate(
     eng: ShmEngine, fn: str, shape: tuple, dtype: torch.dtype, dtype_code: int, key: int
 ) -> torch.Tensor:
     """Collective: a new tensor of ``shape``/``dtype`` in a symmetric buffer."""
+    # several native calls and writes into this rank's slot: one thread's turn
+    eng.hold(fn)
+    try:
+        return _allocate(eng, fn, shape, dtype, dtype_code, key)
+    finally:
+        eng.release()
+
+
+def _allocate(
+    eng: ShmEngine, fn: str, shape: tuple, dtype: torch.dtype, dtype_code: int, key: int
+) -> torch.Tensor:
     numel = 1
     for s in shape:
         numel *= s
