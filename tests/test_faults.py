@@ -211,3 +211,82 @@ def test_ctrl_c_does_not_wait_for_the_timeout():
     kind, took = res[0]
     assert kind == "interrupt" and took < 1.5, res[0]
     assert res[1] == ["peer", 0, True]
+
+
+def dies_with_a_forked_helper(comm, outdir):
+    """Rank 0 forks a helper that outlives it (a DataLoader worker, a tokenizer
+    process), then is SIGKILLed: the helper must not keep it looking alive."""
+    if comm.rank == 0:
+        pid = os.fork()
+        if pid == 0:  # the helper: inherits the mapping and descriptors, then sleeps
+            time.sleep(60)
+            os._exit(0)
+        _write(os.path.join(outdir, "helper"), pid)
+        time.sleep(0.3)
+        _write(os.path.join(outdir, "killed"), time.time())
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        comm.all_reduce(torch.ones(16))
+    except tpcomm.PeerFailedError as e:
+        _write(os.path.join(outdir, "rank1"), [e.rank, time.time()])
+    return None
+
+
+def test_a_forked_helper_does_not_keep_a_dead_rank_alive(tmp_path):
+    try:
+        with LocalGroup(2, timeout=60) as g, pytest.raises(tpcomm.LaunchError) as info:
+            g.run(dies_with_a_forked_helper, str(tmp_path), timeout=60)
+        assert info.value.rank == 0
+        killed = json.loads((tmp_path / "killed").read_text())
+        rank, t = json.loads((tmp_path / "rank1").read_text())
+        assert rank == 0
+        assert t - killed < 2.0, f"rank 1 took {t - killed:.2f}s to notice"
+    finally:
+        helper = tmp_path / "helper"
+        if helper.exists():
+            try:
+                os.kill(json.loads(helper.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def forked_child_uses_the_parent_communicator(comm):
+    """A forked child cannot use its parent's communicator (a clear error, nothing
+    touched); its exit, finalizers and close() included, leaves the parent's intact."""
+    child_said = None
+    if comm.rank == 0:
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            msgs = []
+            for call in (
+                lambda: comm.all_reduce(torch.ones(4)),
+                lambda: comm.all_gather(torch.ones(4)),
+                lambda: comm.send([torch.ones(2)], dst=1),
+                lambda: comm.barrier(),
+            ):
+                try:
+                    call()
+                    msgs.append("no error")
+                except tpcomm.CommError as e:
+                    msgs.append(str(e))
+            comm.close()
+            os.write(w, json.dumps(msgs).encode())
+            os._exit(0)
+        os.close(w)
+        with os.fdopen(r) as f:
+            child_said = json.loads(f.read())
+        os.waitpid(pid, 0)
+    x = comm.all_reduce(torch.full((5,), float(comm.rank + 1)))
+    return child_said, x.tolist(), comm.all_gather(torch.ones(2) * comm.rank).tolist()
+
+
+def test_a_forked_child_cannot_use_the_parent_communicator(pools):
+    res = pools.run(2, forked_child_uses_the_parent_communicator)
+    said = res[0][0]
+    assert len(said) == 4
+    for msg in said:
+        assert "a child made by fork() cannot use its parent's Communicator" in msg, msg
+    for _, summed, gathered in res:  # the parent's communicator is intact
+        assert summed == [3.0] * 5 and gathered == [0.0, 0.0, 1.0, 1.0]

@@ -807,6 +807,8 @@ typedef struct {
     int held;        /* hold() depth: a multi-call operation of thread `holder` */
     int rx_held;     /* a received header holds the engine until its body is read */
     unsigned long holder;
+    int live;        /* on the live_engines list (holds its liveness lock) */
+    void *next_live;
     int failed;      /* the communicator is unusable after a failure */
     int in_p2p;      /* inside a point-to-point wait (wait_p2p) */
     /* details of the last error, for Python's message */
@@ -1100,9 +1102,15 @@ static int round_sync(Engine *e, uint32_t kind, uint32_t dtype, uint32_t op, uin
 
 #define GIL_RELEASE_BYTES (256u * 1024u) /* below this, the op is shorter than the GIL round trip matters */
 
+/* Set in a child made by fork() (see after_fork_child). */
+static int forked_child;
+
 static PyObject *eng_closed_error(void)
 {
-    PyErr_SetString(PyExc_RuntimeError, "tpcomm engine is closed");
+    PyErr_SetString(PyExc_RuntimeError,
+                    forked_child ? "tpcomm engine is closed, or was inherited through fork(): a "
+                                   "child process cannot use its parent's Communicator"
+                                 : "tpcomm engine is closed");
     return NULL;
 }
 
@@ -2797,8 +2805,56 @@ static PyObject *eng_abort(Engine *e, PyObject *arg)
     Py_RETURN_NONE;
 }
 
+/*
+ * Engines whose liveness lock this process holds.  A child made by fork()
+ * (without exec: the descriptor is close-on-exec) inherits the descriptor,
+ * which refers to the parent's open file description: while the child lives
+ * the parent's lock stays held after the parent dies, and the peers would
+ * wait out the timeout instead of raising PeerFailedError (a DataLoader
+ * worker, a tokenizer process).  after_fork_child closes the child's copies
+ * (the parent keeps its lock: it holds its own reference) and leaves the
+ * engines unusable there.  It runs in the child before anything else, with
+ * only the forking thread: plain stores and close(), no Python, no locks.
+ */
+static Engine *live_engines;
+
+static void live_add(Engine *e)
+{
+    e->next_live = live_engines;
+    live_engines = e;
+    e->live = 1;
+}
+
+static void live_remove(Engine *e)
+{
+    if (!e->live)
+        return;
+    for (Engine **p = &live_engines; *p; p = (Engine **)&(*p)->next_live)
+        if (*p == e) {
+            *p = (Engine *)e->next_live;
+            break;
+        }
+    e->live = 0;
+}
+
+static void after_fork_child(void)
+{
+    for (Engine *e = live_engines; e; e = (Engine *)e->next_live) {
+        if (e->fd >= 0)
+            close(e->fd);
+        e->fd = -1;
+        e->base = NULL;  /* every call now fails; the mapping stays (tensors of empty()) */
+        e->pool = NULL;  /* its threads are the parent's: never join them here */
+        e->busy = e->held = e->rx_held = 0; /* close() must not abort the parent's */
+        e->live = 0;
+    }
+    live_engines = NULL;
+    forked_child = 1;
+}
+
 static void eng_unmap(Engine *e)
 {
+    live_remove(e);
     pool_free(e->pool);
     e->pool = NULL;
     e->base = NULL;
@@ -2926,19 +2982,29 @@ static int eng_init(Engine *e, PyObject *args, PyObject *kw)
                      (unsigned long long)need);
         return -1;
     }
-    int myfd = fcntl(fd, F_DUPFD_CLOEXEC, 3);
+    /* The liveness lock lives on an open file description of its own, which
+     * nothing but myfd refers to: a mapping holds a reference to the
+     * description it was made through, and a child made by fork() inherits
+     * the mapping, so a lock on the mapping's description would outlive this
+     * process as long as such a child lives (after_fork_child closes the
+     * child's copy of myfd).  Reopening /proc/self/fd/N makes a new
+     * description; without /proc, share fd's (as the fallback it is). */
+    char path[64];
+    snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
+    int myfd = open(path, O_RDWR | O_CLOEXEC);
+    if (myfd < 0)
+        myfd = fcntl(fd, F_DUPFD_CLOEXEC, 3);
     if (myfd < 0) {
         PyErr_SetFromErrno(PyExc_OSError);
         return -1;
     }
-    void *p = mmap(NULL, (size_t)size, PROT_READ | PROT_WRITE, MAP_SHARED, myfd, 0);
+    void *p = mmap(NULL, (size_t)size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (p == MAP_FAILED) {
         PyErr_SetFromErrno(PyExc_OSError);
         close(myfd);
         return -1;
     }
-    /* The dup shares the open file description with `fd`; Python opens a
-     * fresh description per rank, so OFD locks of different ranks conflict. */
+    /* Every rank opened the file itself: OFD locks of different ranks conflict. */
     struct flock fl;
     memset(&fl, 0, sizeof fl);
     fl.l_type = F_WRLCK;
@@ -2980,6 +3046,7 @@ static int eng_init(Engine *e, PyObject *args, PyObject *kw)
     e->base = p;
     e->size = (size_t)size;
     e->fd = myfd;
+    live_add(e);
     e->rank = rank;
     e->world = world;
     e->slot_bytes = slot_bytes;
@@ -3358,6 +3425,11 @@ PyMODINIT_FUNC PyInit__native(void)
     PyObject *m = PyModule_Create(&mod);
     if (!m)
         return NULL;
+    if (pthread_atfork(NULL, NULL, after_fork_child) != 0) {
+        Py_DECREF(m);
+        PyErr_SetString(PyExc_RuntimeError, "tpcomm: pthread_atfork failed");
+        return NULL;
+    }
     S_dtype = PyUnicode_InternFromString("dtype");
     S_is_cpu = PyUnicode_InternFromString("is_cpu");
     S_is_contiguous = PyUnicode_InternFromString("is_contiguous");

@@ -209,6 +209,7 @@ class Communicator:
     ) -> None:
         self._rank = rank
         self._world = world
+        self._pid = os.getpid()  # a child made by fork() cannot use it (_check_open)
         self._timeout = timeout
         self._group = group
         self._engine: Optional[ShmEngine] = None
@@ -334,6 +335,11 @@ class Communicator:
     def _check_open(self, fn: str) -> None:
         if self._closed:
             raise CommError(f"{fn}: the Communicator is closed")
+        if self._pid != os.getpid():
+            raise CommError(
+                f"{fn}: this Communicator belongs to process {self._pid}; a child made by "
+                f"fork() cannot use its parent's Communicator (make a new one in the child)"
+            )
 
     def _check_reduce(self, fn: str, tensor: Any, op: Any) -> tuple[Any, Optional[str]]:
         """Check a reducing call's tensor and op.
