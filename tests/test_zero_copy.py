@@ -109,3 +109,40 @@ def close_then_read(comm):
 
 def test_tensor_outlives_close():
     assert tpcomm.launch(close_then_read, 2, timeout=60) == [3000.0, 3000.0]
+
+
+def empty_when_one_rank_has_no_room(comm, bad):
+    """Rank ``bad`` cannot create its file (the shm directory is full): every rank
+    raises the same CommError, nothing is left behind, and the communicator
+    still works (empty() included)."""
+    from tpcomm.errors import CommError
+    from tpcomm.shm import segment
+
+    real = segment.create
+
+    def full(*args, **kwargs):
+        raise CommError("tpcomm: the shared-memory directory has no room (simulated)")
+
+    if comm.rank == bad:
+        segment.create = full
+    try:
+        comm.empty((1000,))
+        err = "no error"
+    except tpcomm.CommError as e:
+        err = str(e)
+    finally:
+        segment.create = real
+    t = comm.empty((1000,))
+    t.fill_(comm.rank + 1)
+    comm.all_reduce(t)
+    return err, t[:3].tolist()
+
+
+@pytest.mark.parametrize("world,bad", [(2, 1), (3, 0)])
+def test_empty_fails_together_when_a_rank_has_no_room(pools, world, bad):
+    res = pools.run(world, empty_when_one_rank_has_no_room, bad)
+    total = float(sum(range(1, world + 1)))
+    for err, head in res:
+        assert err.startswith(f"empty: rank {bad} could not create its shared buffer"), err
+        assert "no room (simulated)" in err
+        assert head == [total] * 3

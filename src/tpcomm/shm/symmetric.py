@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .. import _native
+from ..errors import CommError
 from . import segment
 from .engine import KIND_EMPTY
 
@@ -32,6 +33,11 @@ __all__ = ["allocate"]
 
 _LEN = struct.Struct("<Q")
 _PAGE = mmap.PAGESIZE
+_WORD_MAX = 2048  # a rank's file name, or "!" and why it has none (slots: >= 4 KiB)
+
+
+class _NotCreated(Exception):
+    """A rank could not create its file: every rank raises CommError."""
 
 
 def _map(fd: int, size: int) -> tuple[mmap.mmap, int]:
@@ -60,29 +66,51 @@ def _allocate(
         numel *= s
     nbytes = numel * torch.empty(0, dtype=dtype).element_size()
     size = max(_PAGE, (nbytes + _PAGE - 1) // _PAGE * _PAGE)
-    path, fd = segment.create(eng.world, eng.slot_bytes, "sym", size=size)
+    # A rank that cannot create its file (the shm directory is full) still takes
+    # part in the first round, with "!" and the reason instead of a name: every
+    # rank then raises the same CommError and the communicator stays usable.
+    path, own, own_addr, problem = "", None, 0, ""
     try:
-        own, own_addr = _map(fd, size)
-    finally:
-        os.close(fd)
+        path, fd = segment.create(eng.world, eng.slot_bytes, "sym", size=size)
+        try:
+            own, own_addr = _map(fd, size)
+        finally:
+            os.close(fd)
+    except (CommError, OSError) as e:
+        if path:
+            segment.unlink_quietly(path)
+        path, problem = "", str(e) or type(e).__name__
     me = eng.rank
     try:
-        name = path.encode()
+        word = ("!" + problem if problem else path).encode()[
+            : min(eng.slot_bytes, 4096) - _LEN.size
+        ]
         p = (eng._native.round + 1) & 1
-        ctypes.memmove(eng.slot_addr(me, p), _LEN.pack(len(name)) + name, _LEN.size + len(name))
+        ctypes.memmove(eng.slot_addr(me, p), _LEN.pack(len(word)) + word, _LEN.size + len(word))
         status = eng._native.sync(KIND_EMPTY, dtype_code, 0, numel, key)
         if status:
             eng.raise_status(status, fn, KIND_EMPTY, dtype_code, 0, numel, key)
+        words = []
+        for r in range(eng.world):
+            at = eng.slot_addr(r, p)
+            (n,) = _LEN.unpack(ctypes.string_at(at, _LEN.size))
+            words.append(ctypes.string_at(at + _LEN.size, n).decode(errors="replace"))
+        failed = [(r, w[1:]) for r, w in enumerate(words) if w.startswith("!")]
+        if failed:
+            if path:
+                segment.unlink_quietly(path)
+            r, why = failed[0]
+            raise _NotCreated(
+                f"{fn}: rank {r} could not create its shared buffer of {size} bytes"
+                f"{f' (and {len(failed) - 1} more ranks)' if len(failed) > 1 else ''}: {why}"
+            )
         maps, addrs = [], []
         for r in range(eng.world):
             if r == me:
                 maps.append(own)
                 addrs.append(own_addr)
                 continue
-            at = eng.slot_addr(r, p)
-            (n,) = _LEN.unpack(ctypes.string_at(at, _LEN.size))
-            peer_path = ctypes.string_at(at + _LEN.size, n).decode()
-            pfd = segment.open_existing(peer_path, eng.world, eng.slot_bytes, size=size)
+            pfd = segment.open_existing(words[r], eng.world, eng.slot_bytes, size=size)
             try:
                 mm, addr = _map(pfd, size)
             finally:
@@ -92,6 +120,8 @@ def _allocate(
         status = eng._native.sync(KIND_EMPTY, dtype_code, 0, numel, key)
         if status:
             eng.raise_status(status, fn, KIND_EMPTY, dtype_code, 0, numel, key)
+    except _NotCreated as e:
+        raise CommError(str(e)) from None  # every rank raises it; nothing to abort
     except BaseException:
         segment.unlink_quietly(path)
         if eng._native is not None and not eng.failed:
