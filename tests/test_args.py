@@ -156,6 +156,28 @@ def test_closed_communicator():
         assert msgs[1] == "barrier: the Communicator is closed"
 
 
+def copies(comm):
+    import copy
+    import pickle
+
+    out = []
+    for call in (lambda: pickle.dumps(comm), lambda: copy.copy(comm), lambda: copy.deepcopy(comm)):
+        try:
+            call()
+            out.append("no error")
+        except TypeError as e:
+            out.append(str(e))
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_communicator_cannot_be_pickled_or_copied(pools, world):
+    for msgs in pools.run(world, copies):
+        assert len(msgs) == 3
+        for m in msgs:
+            assert m.startswith("Communicator cannot be pickled or copied"), m
+
+
 def test_launch_arguments():
     with pytest.raises(ValueError, match="world_size must be >= 1, got 0"):
         tpcomm.launch(closed_use, 0)

@@ -315,6 +315,13 @@ class Communicator:
         if self._hier is not None:
             self._hier.close()
 
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            "Communicator cannot be pickled or copied: it is this process's mapping of "
+            "shared memory; create one in each process (Communicator(group), "
+            "Communicator.from_env(), or tpcomm.launch)"
+        )
+
     def __enter__(self) -> Communicator:
         return self
 
