@@ -39,6 +39,7 @@ bench: install build/handoff
 	$(VENV)/bin/tpcomm perf all_reduce -b 1K -e 1M -f 4 --backend dist --compare gloo
 	$(PY) benchmarks/pg_floor.py
 	$(PY) benchmarks/gather_dims.py
+	$(PY) benchmarks/p2p_batch.py
 	@echo "# handoff bound (benchmarks/handoff.c): producer copies N bytes on CPU 0, consumer reads them on CPU 1"
 	@echo "#    bytes   round(us)  copy(us)  read(us)  read GB/s"
 	@for n in 4096 65536 262144 1048576 4194304 16777216; do build/handoff $$n; done

@@ -8,6 +8,7 @@ sums, within float32 tolerance otherwise)."""
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 import torch
@@ -584,3 +585,141 @@ def test_destroy_process_group_frees_private_groups():
     for x, released, err in tpcomm.launch(shut_down, 2, args=(free_port(),), timeout=120):
         assert x == [3.0] * 4 and released
         assert "shut down" in err
+
+
+def p2p_batches(comm, port):
+    """isend/irecv as pipeline parallelism uses them: batch_isend_irecv with
+    messages far larger than a channel's ring, in both directions and around a
+    ring of ranks, in any order inside the batch; isend, a collective, then
+    wait; a recv whose shape differs but whose element count agrees (gloo takes
+    it); a recv of the wrong dtype (ValueError for that recv only, the channel
+    stays in step)."""
+    _init(comm, port)
+    r, w = dist.get_rank(), dist.get_world_size()
+    nxt, prv = (r + 1) % w, (r - 1) % w
+    big = 1 << 20  # 4 MiB of float32 each way: several times the ring
+    out = {}
+    try:
+        for order in ("send first", "recv first"):
+            x = torch.arange(big, dtype=torch.float32) + 1000 * r
+            y = torch.zeros(big)
+            ops = [dist.P2POp(dist.isend, x, nxt), dist.P2POp(dist.irecv, y, prv)]
+            for req in dist.batch_isend_irecv(ops if order == "send first" else ops[::-1]):
+                req.wait()
+            out[f"ring {order}"] = torch.equal(
+                y, torch.arange(big, dtype=torch.float32) + 1000 * prv
+            )
+        # both ways with one neighbour, several tensors and dtypes, in one batch
+        a = torch.full((big,), r, dtype=torch.int64)
+        b = torch.arange(7, dtype=torch.bfloat16) * (r + 1)
+        ra, rb = torch.zeros(big, dtype=torch.int64), torch.zeros(7, dtype=torch.bfloat16)
+        ops = [
+            dist.P2POp(dist.irecv, ra, prv),
+            dist.P2POp(dist.isend, a, nxt),
+            dist.P2POp(dist.isend, b, nxt),
+            dist.P2POp(dist.irecv, rb, prv),
+        ]
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+        out["several"] = bool((ra == prv).all()) and torch.equal(
+            rb, torch.arange(7, dtype=torch.bfloat16) * (prv + 1)
+        )
+        # isend, a collective, then wait: the send runs before the collective
+        s = torch.full((5,), float(r))
+        got = torch.zeros(5)
+        reqs = [dist.isend(s, nxt), dist.irecv(got, prv)]
+        z = torch.ones(3)
+        dist.all_reduce(z)
+        for req in reqs:
+            req.wait()
+        out["isend, all_reduce, wait"] = (
+            z.tolist() == [float(w)] * 3 and got.tolist() == [float(prv)] * 5
+        )
+        # a large isend, then a collective of another tpcomm group that the receiver
+        # joins only after its blocking recv: the send must go out first
+        other = dist.new_group(list(range(w)))
+        z2 = torch.ones(2)
+        if r == 0:
+            req = dist.isend(torch.full((big,), 5.0), 1)
+            dist.all_reduce(z2, group=other)
+            req.wait()
+            out["isend, other group"] = z2.tolist() == [float(w)] * 2
+        else:
+            if r == 1:
+                into_big = torch.zeros(big)
+                dist.recv(into_big, 0)
+                out["isend, other group"] = bool((into_big == 5.0).all())
+            dist.all_reduce(z2, group=other)
+        # same element count, another shape: accepted, as with gloo
+        m = torch.arange(12.0).reshape(3, 4) + r
+        into = torch.zeros(12)
+        for req in dist.batch_isend_irecv(
+            [dist.P2POp(dist.isend, m, nxt), dist.P2POp(dist.irecv, into, prv)]
+        ):
+            req.wait()
+        out["reshaped"] = torch.equal(into, torch.arange(12.0) + prv)
+        # nine dims: the sender's header is pickled, not the binary one expected
+        nine = (torch.arange(512.0) + r).reshape((2,) * 9)
+        flat = torch.zeros(512)
+        for req in dist.batch_isend_irecv(
+            [dist.P2POp(dist.irecv, flat, prv), dist.P2POp(dist.isend, nine, nxt)]
+        ):
+            req.wait()
+        out["nine dims"] = torch.equal(flat, torch.arange(512.0) + prv)
+        # the wrong dtype: that recv raises, nothing written; the channel stays in step
+        wrong = torch.full((4,), -1, dtype=torch.int32)
+        reqs = dist.batch_isend_irecv(
+            [dist.P2POp(dist.isend, torch.ones(4), nxt), dist.P2POp(dist.irecv, wrong, prv)]
+        )
+        try:
+            for req in reqs:
+                req.wait()
+            out["wrong dtype"] = "no error"
+        except ValueError as e:
+            out["wrong dtype"] = str(e)
+        out["untouched"] = wrong.tolist() == [-1] * 4
+        after = torch.zeros(2)
+        for req in dist.batch_isend_irecv(
+            [
+                dist.P2POp(dist.isend, torch.full((2,), 9.0 + r), nxt),
+                dist.P2POp(dist.irecv, after, prv),
+            ]
+        ):
+            req.wait()
+        out["in step"] = after.tolist() == [9.0 + prv] * 2
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_batch_isend_irecv_cannot_deadlock(world):
+    res = tpcomm.launch(p2p_batches, world, args=(free_port(),), timeout=120)
+    for out in res:
+        err = out.pop("wrong dtype")
+        assert "float32" in err and "int32" in err, err
+        assert all(out.values()), out
+
+
+def waits_past_tpcomm_timeout(comm, port):
+    _init(comm, port)
+    try:
+        if dist.get_rank() == 1:
+            time.sleep(6.0)  # never joins the all_reduce in time
+            return None
+        t0 = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(4))
+            return "no error", time.monotonic() - t0
+        except tpcomm.CommTimeoutError as e:
+            return str(e), time.monotonic() - t0
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tpcomm_timeout_applies_to_the_backend(monkeypatch):
+    """The group's timeout is 30 min by default; TPCOMM_TIMEOUT, when set, wins."""
+    monkeypatch.setenv("TPCOMM_TIMEOUT", "2")
+    msg, waited = tpcomm.launch(waits_past_tpcomm_timeout, 2, args=(free_port(),), timeout=120)[0]
+    assert "waited 2s for rank 1" in msg, msg
+    assert 1.5 < waited < 5.0, waited

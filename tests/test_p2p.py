@@ -188,6 +188,16 @@ def killed_while_others_wait(comm, where, outdir):
             )  # fmt: skip
         elif where == "recv_into":
             comm.recv(src=0, out=[torch.empty(10)])
+        elif where == "batch":  # sends and a recv progressed together (p2p_batch)
+            from tpcomm.shm import protocols
+
+            big = torch.ones(1 << 20)  # more than the ring: the send waits for rank 0
+            got = torch.empty(10)
+            ops = [
+                (1, 0, protocols.message_pieces([big], None)),
+                (0, 0, protocols.expected_header([got]), [(got.data_ptr(), 40)]),
+            ]
+            protocols.batch(comm._engine, "send/recv", ops)
         elif where == "send":  # fill the channel's ring, then wait for a receiver that is gone
             for _ in range(comm._engine.p2p_ring + 1):
                 comm.send([torch.ones(10)], dst=0)
@@ -209,6 +219,7 @@ def killed_while_others_wait(comm, where, outdir):
         "all_gather rows",
         "reduce_scatter rows",
         "all_to_all",
+        "batch",
     ],
 )
 def test_dead_peer_during_p2p_and_rooted_collectives(tmp_path, where):

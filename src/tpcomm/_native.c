@@ -930,6 +930,33 @@ static int peer_ahead(Engine *e, int peer)
     return (a > b ? a : b) > e->round;
 }
 
+/* Run Python's signal handlers from a wait (GIL released in *ts).  If one
+ * raised, keep its exception for Python (reraise), fail the communicator and
+ * tell the peers this rank is leaving: 1.  Else 0. */
+static int signal_raised(Engine *e, PyThreadState **ts)
+{
+    PyEval_RestoreThread(*ts);
+    int raised = PyErr_CheckSignals() < 0;
+    if (raised) {
+        Py_CLEAR(e->pending);
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyErr_NormalizeException(&type, &value, &tb);
+        if (tb && value)
+            PyException_SetTraceback(value, tb);
+        Py_XDECREF(type);
+        Py_XDECREF(tb);
+        e->pending = value;
+    }
+    *ts = PyEval_SaveThread();
+    if (raised) {
+        e->err_rank = e->rank;
+        e->failed = 1;
+        set_abort(e, ST_INTERRUPTED, e->rank);
+    }
+    return raised;
+}
+
 /*
  * Wait until *seq >= n.  Spin (GIL held: most waits end here), then release
  * the GIL and yield, then sleep on the futex.  `peer` is the rank whose
@@ -995,26 +1022,8 @@ static int wait_seq(Engine *e, _Atomic uint64_t *seq, uint64_t n, int peer, PyTh
                  * timeout: run the handlers; if one raised, keep its exception
                  * for Python, and tell the peers this rank is leaving. */
                 next_signal = t + 50000000ull;
-                PyEval_RestoreThread(*ts);
-                int raised = PyErr_CheckSignals() < 0;
-                if (raised) {
-                    Py_CLEAR(e->pending);
-                    PyObject *type, *value, *tb;
-                    PyErr_Fetch(&type, &value, &tb);
-                    PyErr_NormalizeException(&type, &value, &tb);
-                    if (tb && value)
-                        PyException_SetTraceback(value, tb);
-                    Py_XDECREF(type);
-                    Py_XDECREF(tb);
-                    e->pending = value;
-                }
-                *ts = PyEval_SaveThread();
-                if (raised) {
-                    e->err_rank = e->rank;
-                    e->failed = 1;
-                    set_abort(e, ST_INTERRUPTED, e->rank);
+                if (signal_raised(e, ts))
                     return ST_INTERRUPTED;
-                }
             }
         }
         if (t - t0 < e->yield_ns) {
@@ -2223,19 +2232,34 @@ static int send_pieces(Engine *e, int dst, const pieces_t *pc)
     return st;
 }
 
-/* p2p_send(dst, [(address, nbytes), ...]) -> status: stream the pieces */
+/* p2p_send(dst, [(address, nbytes), ...], only_if_room=False) -> status: stream
+ * the pieces; with only_if_room, None (nothing sent) if it would have to wait */
 static PyObject *eng_p2p_send(Engine *e, PyObject *args)
 {
-    int dst;
+    int dst, only_if_room = 0;
     PyObject *list;
     pieces_t pc;
-    if (!PyArg_ParseTuple(args, "iO", &dst, &list) || check_rank(e, dst, "p2p_send") < 0)
+    if (!PyArg_ParseTuple(args, "iO|p", &dst, &list, &only_if_room) ||
+        check_rank(e, dst, "p2p_send") < 0)
         return NULL;
     int no = refuse(e);
     if (no)
         return PyLong_FromLong(no);
     if (parse_pieces(list, &pc) < 0)
         return NULL;
+    if (only_if_room) { /* None (nothing sent) unless the ring takes it all now */
+        size_t total = 0;
+        for (Py_ssize_t i = 0; i < pc.n; i++)
+            total += pc.len[i];
+        uint64_t chunks = total ? (total + e->p2p_piece - 1) / e->p2p_piece : 1;
+        uint64_t done = atomic_load_explicit(
+            &ctrl_line(e, dst, P2P_DONE_LINE(e->world, e->rank))->seq, memory_order_acquire);
+        if (e->p2p_sent[dst] + chunks > done + P2P_RING) {
+            PyMem_Free(pc.addr);
+            PyMem_Free(pc.len);
+            Py_RETURN_NONE;
+        }
+    }
     int st = send_pieces(e, dst, &pc);
     PyMem_Free(pc.addr);
     PyMem_Free(pc.len);
@@ -2673,6 +2697,367 @@ static PyObject *eng_p2p_recv_into(Engine *e, PyObject *const *args, Py_ssize_t 
     }
     Py_DECREF(hdr);
     return PyLong_FromLong(st);
+}
+
+/*
+ * p2p_batch(ops) -> (status, [(index, header, data), ...]): point-to-point
+ * operations progressed together, so that no order of them can deadlock
+ * (torch's batch_isend_irecv promises that: two ranks may each send the other
+ * a message larger than the ring before receiving).  ops is a list of
+ *   (1, dst, pieces)          send: the message's whole byte stream
+ *                             ([header length, data length] + header + data)
+ *   (0, src, header, pieces)  receive the next message from src, whose header
+ *                             must be `header`, its data into the pieces
+ * Operations with the same peer and direction run in list order; the others
+ * interleave chunk by chunk.  A received message that does not match (another
+ * header, or data of another size) is received into scratch memory instead,
+ * so the channel stays in step and nothing is written, and comes back as
+ * (index, its header, its data) for Python to judge.  The wait is the one
+ * of wait_seq (spin, yield, sleep; liveness, crossed calls, the deadline
+ * since the last progress, abort, signals) over every blocked peer.
+ */
+typedef struct {
+    int send, peer, started, done, drop, need;
+    pieces_t pc;
+    Py_ssize_t piece;      /* position in pc */
+    size_t off;
+    uint64_t k;            /* the chunk last published (send) / being read (recv) */
+    size_t total, pos;     /* message bytes; send: pushed; recv: before chunk k */
+    size_t used, limit;    /* recv: read of chunk k, and its size */
+    const char *want;      /* recv: the expected header */
+    size_t want_len, hl, dl, got;
+    char *hdr;             /* recv: the header as it arrives */
+    char *scratch;         /* recv: the data of a message that does not match */
+    size_t soff;
+} bop_t;
+
+/* Push as many chunks as the ring takes; 1 if any moved. */
+static int bsend_step(Engine *e, bop_t *o)
+{
+    const size_t cap = e->p2p_piece;
+    _Atomic uint64_t *done = &ctrl_line(e, o->peer, P2P_DONE_LINE(e->world, e->rank))->seq;
+    line_t *sent = ctrl_line(e, e->rank, P2P_SENT_LINE(o->peer));
+    int moved = 0;
+    if (!o->started) {
+        o->k = e->p2p_sent[o->peer];
+        o->started = 1;
+    }
+    while (o->pos < o->total) {
+        uint64_t k = o->k + 1;
+        if (k > P2P_RING && atomic_load_explicit(done, memory_order_acquire) < k - P2P_RING)
+            break;
+        char *slot = p2p_slot_of(e, e->rank, o->peer, k);
+        size_t fill = 0;
+        while (fill < cap && o->piece < o->pc.n) {
+            size_t left = o->pc.len[o->piece] - o->off;
+            size_t n = left < cap - fill ? left : cap - fill;
+            memcpy(slot + fill, o->pc.addr[o->piece] + o->off, n);
+            fill += n;
+            o->off += n;
+            if (o->off == o->pc.len[o->piece]) {
+                o->piece++;
+                o->off = 0;
+            }
+        }
+        publish(e, sent, k);
+        o->k = k;
+        o->pos += fill;
+        moved = 1;
+    }
+    if (o->pos >= o->total) {
+        o->done = 1;
+        e->p2p_sent[o->peer] = o->k;
+    }
+    return moved;
+}
+
+/* The whole header is in: does the message fit the receive?  If not, its
+ * data goes to scratch (Python decides). 0, or -1: no memory. */
+static int brecv_check(bop_t *o)
+{
+    size_t room = 0;
+    for (Py_ssize_t i = 0; i < o->pc.n; i++)
+        room += o->pc.len[i];
+    o->drop = o->hl != o->want_len || memcmp(o->hdr, o->want, o->hl) != 0 || o->dl != room;
+    if (o->drop && !(o->scratch = PyMem_RawMalloc(o->dl ? o->dl : 1)))
+        return -1;
+    return 0;
+}
+
+/* Copy n bytes at from (stream offset at) to where the receive puts them.
+ * 0, or -1: no memory. */
+static int brecv_put(bop_t *o, const char *from, size_t n, size_t at)
+{
+    while (n) {
+        size_t m;
+        if (at < 16 + o->hl) { /* the header */
+            m = 16 + o->hl - at < n ? 16 + o->hl - at : n;
+            memcpy(o->hdr + (at - 16), from, m);
+            o->got += m;
+            if (o->got == o->hl && brecv_check(o) < 0)
+                return -1;
+        } else { /* the data */
+            m = n;
+            if (o->drop) {
+                memcpy(o->scratch + o->soff, from, m);
+                o->soff += m;
+            } else {
+                size_t left = m;
+                const char *f = from;
+                while (left) {
+                    size_t room = o->pc.len[o->piece] - o->off;
+                    size_t c = room < left ? room : left;
+                    memcpy(o->pc.addr[o->piece] + o->off, f, c);
+                    o->off += c;
+                    f += c;
+                    left -= c;
+                    if (o->off == o->pc.len[o->piece]) {
+                        o->piece++;
+                        o->off = 0;
+                    }
+                }
+            }
+        }
+        from += m;
+        at += m;
+        n -= m;
+    }
+    return 0;
+}
+
+/* Take every chunk that has arrived; 1 if any did. -1: no memory. */
+static int brecv_step(Engine *e, bop_t *o)
+{
+    const size_t cap = e->p2p_piece;
+    _Atomic uint64_t *sent = &ctrl_line(e, o->peer, P2P_SENT_LINE(e->rank))->seq;
+    line_t *done = ctrl_line(e, e->rank, P2P_DONE_LINE(e->world, o->peer));
+    int moved = 0;
+    if (!o->started) {
+        o->k = e->p2p_recvd[o->peer] + 1;
+        if (atomic_load_explicit(sent, memory_order_acquire) < o->k)
+            return 0;
+        uint64_t lens[2];
+        memcpy(lens, p2p_slot_of(e, o->peer, e->rank, o->k), sizeof lens);
+        o->hl = (size_t)lens[0];
+        o->dl = (size_t)lens[1];
+        o->total = 16 + o->hl + o->dl;
+        o->hdr = PyMem_RawMalloc(o->hl ? o->hl : 1);
+        if (!o->hdr)
+            return -1;
+        o->pos = 0;
+        o->used = 16;
+        o->limit = o->total < cap ? o->total : cap;
+        o->started = 1;
+        moved = 1;
+        if (o->hl == 0 && brecv_check(o) < 0) /* an empty header: decide now */
+            return -1;
+    }
+    for (;;) {
+        if (o->need) {
+            if (atomic_load_explicit(sent, memory_order_acquire) < o->k)
+                return moved;
+            o->need = 0;
+            o->used = 0;
+            o->limit = o->total - o->pos < cap ? o->total - o->pos : cap;
+        }
+        if (o->used < o->limit) {
+            const char *slot = p2p_slot_of(e, o->peer, e->rank, o->k);
+            if (brecv_put(o, slot + o->used, o->limit - o->used, o->pos + o->used) < 0)
+                return -1;
+            o->used = o->limit;
+            moved = 1;
+        }
+        publish(e, done, o->k); /* chunk k is consumed */
+        o->pos += o->limit;
+        if (o->pos >= o->total) {
+            e->p2p_recvd[o->peer] = o->k;
+            o->done = 1;
+            return 1;
+        }
+        o->k++;
+        o->need = 1;
+    }
+}
+
+/* The counter a blocked operation waits on, and the value it needs. */
+static _Atomic uint64_t *bop_waits_on(Engine *e, bop_t *o, uint64_t *n)
+{
+    if (o->send) {
+        *n = o->k + 1 - P2P_RING;
+        return &ctrl_line(e, o->peer, P2P_DONE_LINE(e->world, e->rank))->seq;
+    }
+    *n = o->started ? o->k : e->p2p_recvd[o->peer] + 1;
+    return &ctrl_line(e, o->peer, P2P_SENT_LINE(e->rank))->seq;
+}
+
+static int batch_run(Engine *e, bop_t *ops, Py_ssize_t n, PyThreadState **ts)
+{
+    uint64_t last = now_ns(), next_check = last + 2000000ull, next_signal = last + 50000000ull;
+    hdr_t *h = HDR(e);
+    for (;;) {
+        int moved = 0, pending = 0;
+        bop_t *first = NULL; /* the first blocked operation: the one to sleep on */
+        for (Py_ssize_t i = 0; i < n; i++) {
+            bop_t *o = &ops[i];
+            if (o->done)
+                continue;
+            pending = 1;
+            int behind = 0; /* an earlier one, same peer and direction, is not done */
+            for (Py_ssize_t j = 0; j < i && !behind; j++)
+                behind = !ops[j].done && ops[j].send == o->send && ops[j].peer == o->peer;
+            if (behind)
+                continue;
+            int m = o->send ? bsend_step(e, o) : brecv_step(e, o);
+            if (m < 0)
+                return -1;
+            moved |= m;
+            if (!o->done && !first)
+                first = o;
+        }
+        if (!pending)
+            return ST_OK;
+        uint64_t t = now_ns();
+        if (moved) {
+            last = t;
+            continue;
+        }
+        if (t >= next_check) {
+            next_check = t + 2000000ull;
+            if (take_abort(e))
+                return ST_ABORTED;
+            for (Py_ssize_t i = 0; i < n; i++) {
+                bop_t *o = &ops[i];
+                if (o->done)
+                    continue;
+                if (!peer_alive(e, o->peer)) {
+                    e->err_rank = o->peer;
+                    e->failed = 1;
+                    set_abort(e, ST_PEER_DEAD, o->peer);
+                    return ST_PEER_DEAD;
+                }
+                if (peer_ahead(e, o->peer)) { /* crossed: see wait_seq */
+                    e->err_rank = o->peer;
+                    e->failed = 1;
+                    set_abort(e, ST_CROSSED, e->rank);
+                    return ST_CROSSED;
+                }
+            }
+            if (t - last >= e->timeout_ns) {
+                e->err_rank = first ? first->peer : -1;
+                e->failed = 1;
+                set_abort(e, ST_TIMEOUT, e->rank);
+                return ST_TIMEOUT;
+            }
+            if (t >= next_signal) {
+                next_signal = t + 50000000ull;
+                if (signal_raised(e, ts))
+                    return ST_INTERRUPTED;
+            }
+        }
+        if (t - last < e->spin_ns) {
+            cpu_relax();
+        } else if (t - last < e->yield_ns) {
+            sched_yield();
+        } else if (first) {
+            uint64_t want;
+            _Atomic uint64_t *c = bop_waits_on(e, first, &want);
+            atomic_fetch_add_explicit(&h->sleepers, 1, memory_order_seq_cst);
+            uint64_t v = atomic_load_explicit(c, memory_order_seq_cst);
+            if (v < want && !atomic_load_explicit(&h->abort_word, memory_order_relaxed)) {
+                /* short: the other blocked operations are not watched here */
+                struct timespec to = {0, 200000};
+                syscall(SYS_futex, futex_word(c), FUTEX_WAIT, (uint32_t)v, &to, NULL, 0);
+            }
+            atomic_fetch_sub_explicit(&h->sleepers, 1, memory_order_relaxed);
+        }
+    }
+}
+
+static void bops_free(bop_t *ops, Py_ssize_t n)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyMem_Free(ops[i].pc.addr);
+        PyMem_Free(ops[i].pc.len);
+        PyMem_RawFree(ops[i].hdr);
+        PyMem_RawFree(ops[i].scratch);
+    }
+    PyMem_Free(ops);
+}
+
+static PyObject *eng_p2p_batch(Engine *e, PyObject *list)
+{
+    if (!e->base)
+        return eng_closed_error();
+    if (!PyList_Check(list)) {
+        PyErr_SetString(PyExc_TypeError, "p2p_batch: ops must be a list");
+        return NULL;
+    }
+    int no = refuse(e);
+    if (no)
+        return Py_BuildValue("(i[])", no);
+    if (e->rx_src >= 0) {
+        PyErr_SetString(PyExc_RuntimeError, "p2p_batch: a received message is half read");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(list);
+    bop_t *ops = PyMem_Calloc((size_t)n + 1, sizeof(bop_t));
+    if (!ops)
+        return PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyList_GET_ITEM(list, i), *pieces, *want = NULL;
+        bop_t *o = &ops[i];
+        int ok = PyTuple_Check(item) && PyTuple_GET_SIZE(item) >= 3 &&
+                 PyArg_ParseTuple(item, PyTuple_GET_SIZE(item) == 3 ? "iiO" : "iiSO", &o->send,
+                                  &o->peer, PyTuple_GET_SIZE(item) == 3 ? &pieces : &want,
+                                  &pieces);
+        if (!ok || (o->send != (want == NULL))) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_TypeError,
+                                "p2p_batch: each op is (1, dst, pieces) or (0, src, header, "
+                                "pieces)");
+            bops_free(ops, i);
+            return NULL;
+        }
+        if (check_rank(e, o->peer, "p2p_batch") < 0 || parse_pieces(pieces, &o->pc) < 0) {
+            bops_free(ops, i);
+            return NULL;
+        }
+        if (o->send) {
+            for (Py_ssize_t j = 0; j < o->pc.n; j++)
+                o->total += o->pc.len[j];
+            if (o->total < 16) {
+                PyErr_SetString(PyExc_ValueError, "p2p_batch: a message has at least 16 bytes");
+                bops_free(ops, i + 1);
+                return NULL;
+            }
+        } else {
+            o->want = PyBytes_AS_STRING(want); /* the list keeps the bytes alive */
+            o->want_len = (size_t)PyBytes_GET_SIZE(want);
+        }
+    }
+    e->busy = 1;
+    e->in_p2p = 1;
+    PyThreadState *ts = PyEval_SaveThread();
+    int st = batch_run(e, ops, n, &ts);
+    PyEval_RestoreThread(ts);
+    e->in_p2p = 0;
+    e->busy = 0;
+    PyObject *bad = st < 0 ? NULL : PyList_New(0);
+    for (Py_ssize_t i = 0; bad && st == ST_OK && i < n; i++) {
+        if (ops[i].send || !ops[i].drop)
+            continue;
+        PyObject *pair = Py_BuildValue("(ny#y#)", i, ops[i].hdr, (Py_ssize_t)ops[i].hl,
+                                       ops[i].scratch, (Py_ssize_t)ops[i].dl);
+        if (!pair || PyList_Append(bad, pair) < 0)
+            Py_CLEAR(bad);
+        Py_XDECREF(pair);
+    }
+    bops_free(ops, n);
+    if (st < 0) {
+        Py_XDECREF(bad);
+        return PyErr_NoMemory();
+    }
+    return bad ? Py_BuildValue("(iN)", st, bad) : NULL;
 }
 
 /* reduce(dtype, op, dst, [src addresses], count[, nthreads]): the kernel alone, for tests */
@@ -3236,6 +3621,7 @@ static PyMethodDef eng_methods[] = {
     {"hold", (PyCFunction)eng_hold, METH_NOARGS, NULL},
     {"release", (PyCFunction)eng_release, METH_NOARGS, NULL},
     {"rx_release", (PyCFunction)eng_rx_release, METH_NOARGS, NULL},
+    {"p2p_batch", (PyCFunction)eng_p2p_batch, METH_O, NULL},
     {"address", (PyCFunction)eng_address, METH_NOARGS, NULL},
     {"mapping", (PyCFunction)eng_get_mapping, METH_NOARGS, NULL},
     {"set_twoshot_min", (PyCFunction)eng_set_twoshot_min, METH_O, NULL},

@@ -14,8 +14,11 @@ goes to a private gloo group made over the same store, and CUDA tensors go to
 a private NCCL group made on their first collective.  docs/BACKEND.md lists
 which call takes which path.
 
-Every call completes before it returns: ``async_op=True`` gives a Work that is
-already done, whose future holds the outputs.
+Every call but send and recv completes before it returns: ``async_op=True``
+gives a Work that is already done, whose future holds the outputs.  Sends and
+receives (isend, irecv, batch_isend_irecv) wait in the group until one of
+their Works is waited on or the group's next call, and then run together
+(_Pending, _flush; docs/BACKEND.md), so no order of them deadlocks.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import datetime
 import logging
 import math
+import os
 from typing import Any
 
 import torch
@@ -96,6 +100,74 @@ class _Done(dist._Work):
 _DONE = _Done([])
 
 
+class _Pending(dist._Work):
+    """The Work of a send or recv (isend / irecv): the operation waits in its
+    group until a Work of the group is waited on, or the group's next other
+    call, and then runs together with every other one waiting (_flush), so no
+    order of them can deadlock (what batch_isend_irecv promises)."""
+
+    def __init__(self, pg: ProcessGroupTpcomm, result: Any):
+        super().__init__()
+        self._pg = pg
+        self._result = result
+        self._done = False
+        self._error: BaseException | None = None
+
+    def _finish(self, error: BaseException | None) -> None:
+        self._done = True
+        self._error = error
+
+    def wait(self, timeout: Any = None) -> bool:
+        if not self._done:
+            self._pg._flush()
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        if not self._done:
+            self._pg._flush()
+        return True
+
+    def is_success(self) -> bool:
+        return self._done and self._error is None
+
+    def exception(self) -> Any:
+        return self._error
+
+    def result(self) -> Any:
+        self.wait()
+        return self._result
+
+    def get_future(self) -> torch.futures.Future:
+        self.wait()
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(self._result)
+        return fut
+
+
+# the groups with sends or recvs waiting (_Pending): any call of any tpcomm group
+# runs them first, so a rank that isends on one group and then calls a
+# collective of another does not hold its message back from a receiver that
+# must get it before joining that collective
+_WAITING: list = []
+
+
+def _flush_all() -> None:
+    for pg in list(_WAITING):
+        pg._flush()
+
+
+class _P2P:
+    """A send or recv waiting in its group: the p2p_batch op, what keeps its
+    memory alive, and how it runs on its own."""
+
+    __slots__ = ("work", "op", "keep", "alone")
+
+    def __init__(self, work: _Pending, op: tuple, keep: Any, alone: Any):
+        self.work, self.op, self.keep, self.alone = work, op, keep, alone
+
+
 def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1)
 
@@ -139,12 +211,15 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
         self._seconds = seconds or 1800.0  # the private groups' timeout
         self._gloo = private_gloo(store, "tpcomm-gloo", rank, size, self._seconds)
         self._fallback = DistPath(self._gloo, rank, size, label="gloo, in the tpcomm backend")
+        # the engine's waits: TPCOMM_TIMEOUT when set, else the group's timeout
+        waits = None if os.environ.get("TPCOMM_TIMEOUT") else seconds
         self._comm = Communicator._from_store(
-            store, rank, size, "tpcomm-pg", "pg", seconds, fallback=self._fallback
+            store, rank, size, "tpcomm-pg", "pg", waits, fallback=self._fallback
         )
         self._nccl: Any = None
         self._world = size
         self._rank = rank
+        self._pending: list[_P2P] = []  # sends and recvs not run yet (_flush)
         # CUDA all-reduces: the Communicator tries tpcomm.cuda first, then this NCCL
         self._comm._cuda_dist = DistPath(
             self._cuda, rank, size, label="nccl, in the tpcomm backend"
@@ -196,6 +271,8 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
     def allreduce(self, tensors: list, opts: Any = None) -> Any:
         # the hot path of plain dist.all_reduce: every attribute read here costs
         # a fraction of a microsecond (docs/PERFORMANCE.md, backend overhead)
+        if _WAITING:
+            _flush_all()
         if len(tensors) == 1 and opts is not None:
             red = opts.reduceOp
             if red == _SUM:
@@ -209,6 +286,8 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
         return _Done(tensors)
 
     def allreduce_coalesced(self, tensors: list, opts: Any = None) -> Any:
+        if _WAITING:
+            _flush_all()
         if self._on_gpu(tensors):
             return self._cuda().allreduce_coalesced(tensors, opts)
         op = _op(opts.reduceOp) if opts is not None else ReduceOp.SUM
@@ -223,6 +302,8 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
         return _Done(tensors)
 
     def reduce(self, tensors: list, opts: Any) -> Any:
+        if _WAITING:
+            _flush_all()
         if self._on_gpu(tensors):
             return self._cuda().reduce(tensors, opts)
         op = _op(opts.reduceOp)
@@ -232,6 +313,8 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
         return _Done(tensors)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Any:
+        if _WAITING:
+            _flush_all()
         if input.is_cuda:
             return self._cuda()._reduce_scatter_base(output, input, opts)
         self._comm.reduce_scatter_tensor(output, input, _op(opts.reduceOp))
@@ -240,6 +323,8 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter(self, outputs: list, input_lists: list, opts: Any) -> Any:
+        if _WAITING:
+            _flush_all()
         if self._on_gpu(outputs):
             return self._cuda().reduce_scatter(outputs, input_lists, opts)
         op = _op(opts.reduceOp)
@@ -256,6 +341,8 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
         return _Done(outputs)
 
     def reduce_scatter_tensor_coalesced(self, outputs: list, inputs: list, opts: Any) -> Any:
+        if _WAITING:
+            _flush_all()
         if self._on_gpu(outputs):
             return self._cuda().reduce_scatter_tensor_coalesced(outputs, inputs, opts)
         op = _op(opts.reduceOp)
@@ -266,6 +353,8 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
     # -- gathers --------------------------------------------------------------
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
+        if _WAITING:
+            _flush_all()
         if input.is_cuda:
             return self._cuda()._allgather_base(output, input, opts)
         self._comm.all_gather_into_tensor(output, input)
@@ -274,6 +363,8 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
     _allgather_base = all_gather_single
 
     def allgather(self, output_lists: list, inputs: list, opts: Any = None) -> Any:
+        if _WAITING:
+            _flush_all()
         if self._on_gpu(inputs):
             return self._cuda().allgather(output_lists, inputs, opts)
         for outs, inp in zip(output_lists, inputs):
@@ -289,6 +380,8 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
         return _Done(output_lists)
 
     def allgather_coalesced(self, output_lists: list, inputs: list, opts: Any = None) -> Any:
+        if _WAITING:
+            _flush_all()
         if self._on_gpu(inputs):
             return self._cuda().allgather_coalesced(output_lists, inputs, opts)
         for i, inp in enumerate(inputs):
@@ -298,6 +391,8 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
         return _Done(output_lists)
 
     def allgather_into_tensor_coalesced(self, outputs: list, inputs: list, opts: Any = None) -> Any:
+        if _WAITING:
+            _flush_all()
         if self._on_gpu(inputs):
             return self._cuda().allgather_into_tensor_coalesced(outputs, inputs, opts)
         for out, inp in zip(outputs, inputs):
@@ -305,6 +400,8 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
         return _Done(outputs)
 
     def gather(self, output_lists: list, inputs: list, opts: Any) -> Any:
+        if _WAITING:
+            _flush_all()
         if self._on_gpu(inputs):
             return self._cuda().gather(output_lists, inputs, opts)
         root = opts.rootRank
@@ -320,6 +417,8 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
     # -- one to all -----------------------------------------------------------
 
     def broadcast(self, tensors: list, opts: Any = None) -> Any:
+        if _WAITING:
+            _flush_all()
         if self._on_gpu(tensors):
             return self._cuda().broadcast(tensors, opts)
         root = opts.rootRank if opts is not None else 0
@@ -328,6 +427,8 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
         return _Done(tensors)
 
     def scatter(self, outputs: list, input_lists: list, opts: Any) -> Any:
+        if _WAITING:
+            _flush_all()
         if self._on_gpu(outputs):
             return self._cuda().scatter(outputs, input_lists, opts)
         root = opts.rootRank
@@ -363,6 +464,8 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
         in_splits: list,
         opts: Any,
     ) -> Any:
+        if _WAITING:
+            _flush_all()
         if input.is_cuda:
             return self._cuda().alltoall_base(output, input, out_splits, in_splits, opts)
         comm = self._comm
@@ -492,6 +595,8 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
         return _Done([output])
 
     def alltoall(self, outputs: list, inputs: list, opts: Any) -> Any:
+        if _WAITING:
+            _flush_all()
         if self._on_gpu(inputs):
             return self._cuda().alltoall(outputs, inputs, opts)
         shapes = {(t.shape, t.dtype) for t in (*inputs, *outputs)}
@@ -507,27 +612,77 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
     # -- synchronisation and point to point -----------------------------------
 
     def barrier(self, opts: Any = None) -> Any:
+        if _WAITING:
+            _flush_all()
         self._comm.barrier()
         return _Done([])
 
     def monitored_barrier(self, *args: Any) -> Any:
+        if _WAITING:
+            _flush_all()
         return self._private_gloo().monitored_barrier(*args)
 
     def send(self, tensors: list, dst: int, tag: int = 0) -> Any:
-        if self._on_gpu(tensors):
-            return self._cuda().send(tensors, dst, tag)
-        if tag:
-            return self._private_gloo().send(tensors, dst, tag)
-        self._comm.send(tensors, dst)
-        return _Done(tensors)
+        if tag or self._on_gpu(tensors) or self._comm._engine is None:
+            if _WAITING:
+                _flush_all()
+            if self._on_gpu(tensors):
+                return self._cuda().send(tensors, dst, tag)
+            if tag:
+                return self._private_gloo().send(tensors, dst, tag)
+            self._comm.send(tensors, dst)
+            return _Done(tensors)
+        datas = [dense(t) for t in tensors]
+        pieces = protocols.message_pieces(datas, None)
+        if not any(p.op[0] == 1 and p.op[1] == dst for p in self._pending):
+            # at once when the channel's ring takes all of it without waiting
+            eng = self._comm._engine
+            status = eng._native.p2p_send(dst, pieces, True)
+            if status is not None:
+                if status:
+                    eng.raise_status(status, "send", 0, 0, 0, 0)
+                return _Done(tensors)
+        # else it waits for its Work (or the next call): see _Pending
+        work = _Pending(self, tensors)
+        self._wait_with(_P2P(work, (1, dst, pieces), datas, lambda: self._comm.send(tensors, dst)))
+        return work
 
     def recv(self, tensors: list, src: int, tag: int = 0) -> Any:
-        if self._on_gpu(tensors):
-            return self._cuda().recv(tensors, src, tag)
-        if tag:
-            return self._private_gloo().recv(tensors, src, tag)
+        header = None
+        if not (tag or self._on_gpu(tensors) or self._comm._engine is None) and all(
+            is_dense(t) for t in tensors
+        ):
+            header = protocols.expected_header(tensors)
+        if header is None:
+            if _WAITING:
+                _flush_all()
+            if self._on_gpu(tensors):
+                return self._cuda().recv(tensors, src, tag)
+            if tag:
+                return self._private_gloo().recv(tensors, src, tag)
+            self._recv_now(tensors, src)
+            return _Done(tensors)
+        work = _Pending(self, tensors)
+        dests = [(t.data_ptr(), n) for t in tensors if (n := t.numel() * t.element_size())]
+        op = (0, src, header, dests)
+        self._wait_with(_P2P(work, op, tensors, None))
+        return work
+
+    def _wait_with(self, p2p: _P2P) -> None:
+        if not self._pending:
+            _WAITING.append(self)
+        self._pending.append(p2p)
+
+    def _recv_now(self, tensors: list, src: int) -> None:
         direct = all(is_dense(t) for t in tensors)
         got, extra = self._comm._recv("recv", src, list(tensors) if direct else None)
+        self._take(tensors, src, got, extra)
+
+    @staticmethod
+    def _take(tensors: list, src: int, got: list, extra: Any) -> None:
+        """Check a received message against the recv's tensors (count, and per
+        tensor dtype and element count: shapes may differ, as with gloo) and
+        copy it in where it is not there yet."""
         if extra is not None:
             raise CommError(
                 f"recv: rank {src} is in a scatter, not a send (the ranks called "
@@ -541,9 +696,51 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
                     f"recv: rank {src} sent {g.dtype} x {g.numel()}, "
                     f"the receive buffer is {t.dtype} x {t.numel()}"
                 )
+        for t, g in zip(tensors, got):
             if g is not t:
                 t.copy_(g.view(t.shape))
-        return _Done(tensors)
+
+    def _flush(self) -> None:
+        """Run the sends and recvs waiting in this group (see _Pending): a send
+        alone as a plain send, anything else progressed together in one native
+        call (a recv too: a message of another shape is then judged as gloo
+        judges it, see _take)."""
+        pending, self._pending = self._pending, []
+        if self in _WAITING:
+            _WAITING.remove(self)
+        if not pending:
+            return
+        if len(pending) == 1 and pending[0].op[0] == 1:  # a send alone: the ordinary path
+            p = pending[0]
+            try:
+                p.alone()
+            except BaseException as e:
+                p.work._finish(e)
+                raise
+            p.work._finish(None)
+            return
+        try:
+            odd = protocols.batch(self._comm._engine, "send/recv", [p.op for p in pending])
+        except BaseException as e:
+            for p in pending:
+                p.work._finish(e)
+            raise
+        errors: dict[int, BaseException] = {}
+        for i, header, data in odd:  # a message that is not exactly what the recv expected
+            try:
+                specs, extra = protocols.decode_header(header)
+                raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else None
+                got, at = [], 0
+                for dt, shape in specs:
+                    n = math.prod(shape) * torch.empty(0, dtype=dt).element_size()
+                    part = raw[at : at + n] if n else torch.empty(0, dtype=torch.uint8)
+                    got.append(part.view(dt).view(shape) if n else torch.empty(shape, dtype=dt))
+                    at += n
+                self._take(pending[i].keep, pending[i].op[1], got, extra)
+            except (ValueError, CommError) as e:
+                errors[i] = e
+        for i, p in enumerate(pending):
+            p.work._finish(errors.get(i))
 
     def recv_anysource(self, tensors: list, tag: int = 0) -> Any:
         raise CommError(
@@ -558,6 +755,11 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
 
     def shutdown(self) -> None:
         """destroy_process_group(): close the engine and free the private groups now."""
+        if self._pending:  # sends and recvs nobody waited for: run them, as gloo would
+            try:
+                self._flush()
+            except Exception as e:
+                log.warning("tpcomm: send/recv not waited for before shutdown failed: %s", e)
         self._comm.close()
         # Left to the garbage collector (the Communicator and this group form a
         # cycle through _cuda_dist), the private gloo group could be freed during

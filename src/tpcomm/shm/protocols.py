@@ -198,9 +198,10 @@ def _parse_binary(header: bytes) -> list[tuple[torch.dtype, tuple]]:
     return specs
 
 
-def send(eng: ShmEngine, fn: str, dst: int, tensors: Sequence[torch.Tensor], extra: Any) -> None:
-    """Stream the tensors (and a picklable ``extra``) to ``dst`` (the loop is C)."""
-    datas = [dense(t) for t in tensors]
+def message_pieces(datas: Sequence[torch.Tensor], extra: Any) -> list:
+    """The byte stream of a message of dense tensors (and a picklable ``extra``):
+    the prefix and header as bytes, then (address, nbytes) of each tensor (the
+    caller keeps ``datas`` alive while the pieces are in use)."""
     header = _binary_header(datas) if extra is None else None
     if header is None:
         meta = ([(str(t.dtype).rsplit(".", 1)[-1], tuple(t.shape)) for t in datas], extra)
@@ -208,9 +209,42 @@ def send(eng: ShmEngine, fn: str, dst: int, tensors: Sequence[torch.Tensor], ext
     sizes = [t.numel() * t.element_size() for t in datas]
     pieces: list = [_PREFIX.pack(len(header), sum(sizes)) + header]
     pieces += [(t.data_ptr(), n) for t, n in zip(datas, sizes) if n]
-    status = eng._native.p2p_send(dst, pieces)
+    return pieces
+
+
+def send(eng: ShmEngine, fn: str, dst: int, tensors: Sequence[torch.Tensor], extra: Any) -> None:
+    """Stream the tensors (and a picklable ``extra``) to ``dst`` (the loop is C)."""
+    datas = [dense(t) for t in tensors]  # alive until the send is done: pieces point in
+    status = eng._native.p2p_send(dst, message_pieces(datas, extra))
+    del datas
     if status:
         eng.raise_status(status, fn, 0, 0, 0, 0)
+
+
+def expected_header(tensors: Sequence[torch.Tensor]) -> bytes | None:
+    """The header a send of exactly these tensors carries; None when that is not
+    the compact binary form (p2p_batch compares headers byte for byte)."""
+    return _binary_header(tensors)
+
+
+def decode_header(header: bytes) -> tuple[list[tuple[torch.dtype, tuple]], Any]:
+    """A message header as ([(dtype, shape), ...], extra)."""
+    if header[:1] == b"\xb1":
+        return _parse_binary(header), None
+    named, extra = pickle.loads(header)
+    return [(getattr(torch, name), tuple(shape)) for name, shape in named], extra
+
+
+def batch(eng: ShmEngine, fn: str, ops: list) -> list:
+    """Point-to-point operations progressed together (_native.c p2p_batch):
+    ``(1, dst, message_pieces)`` sends, ``(0, src, expected_header, [(address,
+    nbytes), ...])`` receives.  Returns ``(index, header, data)`` of each
+    receive whose message did not match its header or size: received whole
+    into ``data`` instead, nothing written."""
+    status, odd = eng._native.p2p_batch(ops)
+    if status:
+        eng.raise_status(status, fn, 0, 0, 0, 0)
+    return odd
 
 
 def recv(
@@ -263,11 +297,7 @@ def recv_rest(
 def _recv_body(
     eng: ShmEngine, fn: str, src: int, out: Sequence[torch.Tensor] | None, header: bytes
 ) -> tuple[list[torch.Tensor], Any]:
-    if header[:1] == b"\xb1":
-        specs, extra = _parse_binary(header), None
-    else:
-        named, extra = pickle.loads(header)
-        specs = [(getattr(torch, name), tuple(shape)) for name, shape in named]
+    specs, extra = decode_header(header)
     problem = None
     tensors = None
     if out is not None:
