@@ -957,6 +957,27 @@ static int signal_raised(Engine *e, PyThreadState **ts)
     return raised;
 }
 
+/* The end of a slow wait's periodic checks: the deadline (over: it passed;
+ * peer: the rank waited for), then Python's signal handlers every 50 ms:
+ * Ctrl-C (or any handler that raises) must not wait for the timeout.  A
+ * status, or ST_OK to go on waiting. */
+static int deadline_and_signals(Engine *e, int over, int peer, uint64_t t, uint64_t *next_signal,
+                                PyThreadState **ts)
+{
+    if (over) {
+        e->err_rank = peer;
+        e->failed = 1;
+        set_abort(e, ST_TIMEOUT, e->rank);
+        return ST_TIMEOUT;
+    }
+    if (t >= *next_signal) {
+        *next_signal = t + 50000000ull;
+        if (signal_raised(e, ts))
+            return ST_INTERRUPTED;
+    }
+    return ST_OK;
+}
+
 /*
  * Wait until *seq >= n.  Spin (GIL held: most waits end here), then release
  * the GIL and yield, then sleep on the futex.  `peer` is the rank whose
@@ -1011,20 +1032,9 @@ static int wait_seq(Engine *e, _Atomic uint64_t *seq, uint64_t n, int peer, PyTh
                 set_abort(e, ST_CROSSED, e->rank);
                 return ST_CROSSED;
             }
-            if (t >= deadline) {
-                e->err_rank = peer;
-                e->failed = 1;
-                set_abort(e, ST_TIMEOUT, e->rank);
-                return ST_TIMEOUT;
-            }
-            if (t >= next_signal) {
-                /* Ctrl-C (or any handler that raises) must not wait for the
-                 * timeout: run the handlers; if one raised, keep its exception
-                 * for Python, and tell the peers this rank is leaving. */
-                next_signal = t + 50000000ull;
-                if (signal_raised(e, ts))
-                    return ST_INTERRUPTED;
-            }
+            int st = deadline_and_signals(e, t >= deadline, peer, t, &next_signal, ts);
+            if (st != ST_OK)
+                return st;
         }
         if (t - t0 < e->yield_ns) {
             sched_yield();
@@ -2942,17 +2952,10 @@ static int batch_run(Engine *e, bop_t *ops, Py_ssize_t n, PyThreadState **ts)
                     return ST_CROSSED;
                 }
             }
-            if (t - last >= e->timeout_ns) {
-                e->err_rank = first ? first->peer : -1;
-                e->failed = 1;
-                set_abort(e, ST_TIMEOUT, e->rank);
-                return ST_TIMEOUT;
-            }
-            if (t >= next_signal) {
-                next_signal = t + 50000000ull;
-                if (signal_raised(e, ts))
-                    return ST_INTERRUPTED;
-            }
+            int st = deadline_and_signals(e, t - last >= e->timeout_ns, first ? first->peer : -1,
+                                          t, &next_signal, ts);
+            if (st != ST_OK)
+                return st;
         }
         if (t - last < e->spin_ns) {
             cpu_relax();

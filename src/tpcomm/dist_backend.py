@@ -624,14 +624,7 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
 
     def send(self, tensors: list, dst: int, tag: int = 0) -> Any:
         if tag or self._on_gpu(tensors) or self._comm._engine is None:
-            if _WAITING:
-                _flush_all()
-            if self._on_gpu(tensors):
-                return self._cuda().send(tensors, dst, tag)
-            if tag:
-                return self._private_gloo().send(tensors, dst, tag)
-            self._comm.send(tensors, dst)
-            return _Done(tensors)
+            return self._p2p_now(True, tensors, dst, tag)
         datas = [dense(t) for t in tensors]
         pieces = protocols.message_pieces(datas, None)
         if not any(p.op[0] == 1 and p.op[1] == dst for p in self._pending):
@@ -654,14 +647,7 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
         ):
             header = protocols.expected_header(tensors)
         if header is None:
-            if _WAITING:
-                _flush_all()
-            if self._on_gpu(tensors):
-                return self._cuda().recv(tensors, src, tag)
-            if tag:
-                return self._private_gloo().recv(tensors, src, tag)
-            self._recv_now(tensors, src)
-            return _Done(tensors)
+            return self._p2p_now(False, tensors, src, tag)
         work = _Pending(self, tensors)
         dests = [(t.data_ptr(), n) for t in tensors if (n := t.numel() * t.element_size())]
         op = (0, src, header, dests)
@@ -672,6 +658,21 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
         if not self._pending:
             _WAITING.append(self)
         self._pending.append(p2p)
+
+    def _p2p_now(self, send: bool, tensors: list, peer: int, tag: int) -> Any:
+        """A send or recv that does not wait in the group (CUDA tensors: NCCL; a
+        tag: gloo; no engine; a recv into tensors without a compact header),
+        after whatever does."""
+        if _WAITING:
+            _flush_all()
+        if self._on_gpu(tensors) or tag:
+            g = self._cuda() if self._on_gpu(tensors) else self._private_gloo()
+            return g.send(tensors, peer, tag) if send else g.recv(tensors, peer, tag)
+        if send:
+            self._comm.send(tensors, peer)
+        else:
+            self._recv_now(tensors, peer)
+        return _Done(tensors)
 
     def _recv_now(self, tensors: list, src: int) -> None:
         direct = all(is_dense(t) for t in tensors)
