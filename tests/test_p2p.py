@@ -148,6 +148,14 @@ def bad_p2p(comm):
             (lambda: comm.recv(src=1 - comm.rank, out=[2]), TypeError, "tensors[0] must be"),
             (lambda: comm.recv(src=1 - comm.rank, out=torch.ones(2)), TypeError, "list or tuple"),
             (lambda: comm.send_tensor_dict([1], dst=1 - comm.rank), TypeError, "must be a dict"),
+            (lambda: comm.sendrecv(torch.ones(2), 1 - comm.rank, 1 - comm.rank), TypeError, "list"),
+            (lambda: comm.sendrecv([torch.ones(2)], comm.rank, 0), ValueError, "is this rank"),
+            (lambda: comm.sendrecv([], 1 - comm.rank, 7), ValueError, "src=7 is out of range"),
+            (
+                lambda: comm.sendrecv([], 1 - comm.rank, 1 - comm.rank, out=[1]),
+                TypeError,
+                "tensors[0] must be",
+            ),
         ]
     )
 
@@ -373,3 +381,54 @@ def test_tiny_slots_stream_across_chunks(monkeypatch):
     with LocalGroup(2, timeout=30) as g:
         piece, ok = g.run(tiny_chunks, timeout=120)
     assert piece == 128 and ok is True
+
+
+def shifts_and_exchanges(comm):
+    """sendrecv: around a ring with messages several times the channel's ring (a
+    send-then-recv on every rank would wait for ever), both ways with one
+    neighbour into out=, mixed dtypes whose bytes are not aligned, a wrong out=."""
+    r, w = comm.rank, comm.world_size
+    right, left = (r + 1) % w, (r - 1) % w
+    big = 1 << 20  # 4 MiB of float32
+    res = {}
+    got = comm.sendrecv([torch.arange(big, dtype=torch.float32) + r], right, left)
+    res["ring"] = len(got) == 1 and torch.equal(
+        got[0], torch.arange(big, dtype=torch.float32) + left
+    )
+    peer = r ^ 1
+    if peer < w:
+        into = torch.empty(big, dtype=torch.int64)
+        got = comm.sendrecv([torch.full((big,), r, dtype=torch.int64)], peer, peer, out=[into])
+        res["pair"] = got[0] is into and bool((into == peer).all())
+    mixed = [
+        torch.tensor([True, False, r % 2 == 0]),
+        torch.arange(5, dtype=torch.float32) * (r + 1),
+        torch.arange(7, dtype=torch.int16) + r,
+        torch.tensor(2.5 + r, dtype=torch.float64),
+    ]
+    got = comm.sendrecv(mixed, right, left)
+    want = [
+        torch.tensor([True, False, left % 2 == 0]),
+        torch.arange(5, dtype=torch.float32) * (left + 1),
+        torch.arange(7, dtype=torch.int16) + left,
+        torch.tensor(2.5 + left, dtype=torch.float64),
+    ]
+    res["mixed"] = all(
+        g.dtype == x.dtype and g.shape == x.shape and torch.equal(g, x) for g, x in zip(got, want)
+    )
+    try:
+        comm.sendrecv([torch.ones(3)], right, left, out=[torch.empty(4)])
+        res["wrong out"] = "no error"
+    except ValueError as e:
+        res["wrong out"] = str(e)
+    got = comm.sendrecv([torch.full((2,), float(r))], right, left)
+    res["in step"] = got[0].tolist() == [float(left)] * 2
+    return res
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_sendrecv_cannot_deadlock(pools, world):
+    for res in pools.run(world, shifts_and_exchanges):
+        err = res.pop("wrong out")
+        assert err.startswith("sendrecv: rank") and "(4,)" in err and "(3,)" in err, err
+        assert all(res.values()), res

@@ -2720,7 +2720,7 @@ static PyObject *eng_p2p_recv_into(Engine *e, PyObject *const *args, Py_ssize_t 
  *                             must be `header`, its data into the pieces
  * Operations with the same peer and direction run in list order; the others
  * interleave chunk by chunk.  A received message that does not match (another
- * header, or data of another size) is received into scratch memory instead,
+ * header, or data of another size) is received into a new bytearray instead,
  * so the channel stays in step and nothing is written, and comes back as
  * (index, its header, its data) for Python to judge.  The wait is the one
  * of wait_seq (spin, yield, sleep; liveness, crossed calls, the deadline
@@ -2737,7 +2737,8 @@ typedef struct {
     const char *want;      /* recv: the expected header */
     size_t want_len, hl, dl, got;
     char *hdr;             /* recv: the header as it arrives */
-    char *scratch;         /* recv: the data of a message that does not match */
+    PyObject *scratch_obj; /* recv: a bytearray for the data of a message that */
+    char *scratch;         /* does not match (Python judges it) */
     size_t soff;
 } bop_t;
 
@@ -2782,21 +2783,29 @@ static int bsend_step(Engine *e, bop_t *o)
 }
 
 /* The whole header is in: does the message fit the receive?  If not, its
- * data goes to scratch (Python decides). 0, or -1: no memory. */
-static int brecv_check(bop_t *o)
+ * data goes to a new bytearray, which Python gets without another copy (the
+ * GIL is taken for that moment). 0, or -1: no memory. */
+static int brecv_check(bop_t *o, PyThreadState **ts)
 {
     size_t room = 0;
     for (Py_ssize_t i = 0; i < o->pc.n; i++)
         room += o->pc.len[i];
     o->drop = o->hl != o->want_len || memcmp(o->hdr, o->want, o->hl) != 0 || o->dl != room;
-    if (o->drop && !(o->scratch = PyMem_RawMalloc(o->dl ? o->dl : 1)))
-        return -1;
-    return 0;
+    if (!o->drop)
+        return 0;
+    PyEval_RestoreThread(*ts);
+    o->scratch_obj = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)o->dl);
+    if (o->scratch_obj)
+        o->scratch = PyByteArray_AS_STRING(o->scratch_obj);
+    else
+        PyErr_Clear(); /* reported as no memory */
+    *ts = PyEval_SaveThread();
+    return o->scratch_obj ? 0 : -1;
 }
 
 /* Copy n bytes at from (stream offset at) to where the receive puts them.
  * 0, or -1: no memory. */
-static int brecv_put(bop_t *o, const char *from, size_t n, size_t at)
+static int brecv_put(bop_t *o, const char *from, size_t n, size_t at, PyThreadState **ts)
 {
     while (n) {
         size_t m;
@@ -2804,7 +2813,7 @@ static int brecv_put(bop_t *o, const char *from, size_t n, size_t at)
             m = 16 + o->hl - at < n ? 16 + o->hl - at : n;
             memcpy(o->hdr + (at - 16), from, m);
             o->got += m;
-            if (o->got == o->hl && brecv_check(o) < 0)
+            if (o->got == o->hl && brecv_check(o, ts) < 0)
                 return -1;
         } else { /* the data */
             m = n;
@@ -2836,7 +2845,7 @@ static int brecv_put(bop_t *o, const char *from, size_t n, size_t at)
 }
 
 /* Take every chunk that has arrived; 1 if any did. -1: no memory. */
-static int brecv_step(Engine *e, bop_t *o)
+static int brecv_step(Engine *e, bop_t *o, PyThreadState **ts)
 {
     const size_t cap = e->p2p_piece;
     _Atomic uint64_t *sent = &ctrl_line(e, o->peer, P2P_SENT_LINE(e->rank))->seq;
@@ -2859,7 +2868,7 @@ static int brecv_step(Engine *e, bop_t *o)
         o->limit = o->total < cap ? o->total : cap;
         o->started = 1;
         moved = 1;
-        if (o->hl == 0 && brecv_check(o) < 0) /* an empty header: decide now */
+        if (o->hl == 0 && brecv_check(o, ts) < 0) /* an empty header: decide now */
             return -1;
     }
     for (;;) {
@@ -2872,7 +2881,7 @@ static int brecv_step(Engine *e, bop_t *o)
         }
         if (o->used < o->limit) {
             const char *slot = p2p_slot_of(e, o->peer, e->rank, o->k);
-            if (brecv_put(o, slot + o->used, o->limit - o->used, o->pos + o->used) < 0)
+            if (brecv_put(o, slot + o->used, o->limit - o->used, o->pos + o->used, ts) < 0)
                 return -1;
             o->used = o->limit;
             moved = 1;
@@ -2917,7 +2926,7 @@ static int batch_run(Engine *e, bop_t *ops, Py_ssize_t n, PyThreadState **ts)
                 behind = !ops[j].done && ops[j].send == o->send && ops[j].peer == o->peer;
             if (behind)
                 continue;
-            int m = o->send ? bsend_step(e, o) : brecv_step(e, o);
+            int m = o->send ? bsend_step(e, o) : brecv_step(e, o, ts);
             if (m < 0)
                 return -1;
             moved |= m;
@@ -2982,7 +2991,7 @@ static void bops_free(bop_t *ops, Py_ssize_t n)
         PyMem_Free(ops[i].pc.addr);
         PyMem_Free(ops[i].pc.len);
         PyMem_RawFree(ops[i].hdr);
-        PyMem_RawFree(ops[i].scratch);
+        Py_XDECREF(ops[i].scratch_obj);
     }
     PyMem_Free(ops);
 }
@@ -3049,8 +3058,8 @@ static PyObject *eng_p2p_batch(Engine *e, PyObject *list)
     for (Py_ssize_t i = 0; bad && st == ST_OK && i < n; i++) {
         if (ops[i].send || !ops[i].drop)
             continue;
-        PyObject *pair = Py_BuildValue("(ny#y#)", i, ops[i].hdr, (Py_ssize_t)ops[i].hl,
-                                       ops[i].scratch, (Py_ssize_t)ops[i].dl);
+        PyObject *pair =
+            Py_BuildValue("(ny#O)", i, ops[i].hdr, (Py_ssize_t)ops[i].hl, ops[i].scratch_obj);
         if (!pair || PyList_Append(bad, pair) < 0)
             Py_CLEAR(bad);
         Py_XDECREF(pair);

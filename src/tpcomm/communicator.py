@@ -1026,6 +1026,64 @@ class Communicator:
             out = self._check_list(fn, out)
         return self._recv(fn, src, out)[0]
 
+    def sendrecv(
+        self,
+        tensors: Sequence[_Tensor],
+        dst: int,
+        src: int,
+        out: Optional[Sequence[_Tensor]] = None,
+    ) -> list[_Tensor]:
+        """Send ``tensors`` to ``dst`` and receive the next message from ``src``,
+        both moving at once (MPI_Sendrecv): when every rank calls it, no pattern
+        and no size can deadlock (a shift around a ring, an exchange between
+        pairs), which a ``send`` then ``recv`` on every rank can once a message
+        exceeds the channel's ring.  ``dst`` and ``src`` may be the same rank.
+
+        Args:
+            out: optional contiguous tensors to receive into, as for ``recv``;
+                without them the message lands in new tensors (one copy more).
+
+        Returns:
+            The received tensors (``out``'s when given).
+        """
+        fn = "sendrecv"
+        self._check_open(fn)
+        tensors = self._check_list(fn, tensors)
+        dst = self._check_rank(fn, "dst", dst, allow_self=False)
+        src = self._check_rank(fn, "src", src, allow_self=False)
+        if out is not None:
+            out = self._check_list(fn, out)
+        if self._all_dist:  # across hosts: torch.distributed's send and recv
+            self._send(fn, dst, tensors, None)
+            return self._recv(fn, src, out)[0]
+        datas = [dense(t) for t in tensors]  # alive until the call is done: pieces point in
+        header = b""  # matches no message: it lands in a bytearray
+        dests: list = []
+        if out is not None and all(is_dense(o) for o in out):
+            header = protocols.expected_header(out) or b""
+            dests = [(o.data_ptr(), n) for o in out if (n := o.numel() * o.element_size())]
+        ops = [(1, dst, protocols.message_pieces(datas, None)), (0, src, header, dests)]
+        odd = protocols.batch(self._engine, fn, ops)
+        del datas
+        if not odd:
+            return list(out)  # type: ignore[arg-type]
+        _, got_header, data = odd[0]
+        specs, extra = protocols.decode_header(got_header)
+        if extra is not None:
+            raise CommError(f"{fn}: rank {src} sent a dict or a scatter part, not a tensor list")
+        got = protocols.tensors_from_bytes(specs, data)
+        if out is None:
+            return got
+        have = [(o.dtype, tuple(o.shape)) for o in out]
+        if have != [(t.dtype, tuple(t.shape)) for t in got]:
+            raise ValueError(
+                f"{fn}: rank {src} sent {protocols.show(specs)} but out= holds "
+                f"{protocols.show(have)} (the message was received and dropped)"
+            )
+        for o, t in zip(out, got):  # out is not dense: copy in
+            o.copy_(t)
+        return list(out)
+
     def send_tensor_dict(self, data: dict, dst: int) -> None:
         """Send a dict whose values are tensors or any picklable Python values."""
         fn = "send_tensor_dict"

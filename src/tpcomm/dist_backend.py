@@ -730,13 +730,7 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
         for i, header, data in odd:  # a message that is not exactly what the recv expected
             try:
                 specs, extra = protocols.decode_header(header)
-                raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else None
-                got, at = [], 0
-                for dt, shape in specs:
-                    n = math.prod(shape) * torch.empty(0, dtype=dt).element_size()
-                    part = raw[at : at + n] if n else torch.empty(0, dtype=torch.uint8)
-                    got.append(part.view(dt).view(shape) if n else torch.empty(shape, dtype=dt))
-                    at += n
+                got = protocols.tensors_from_bytes(specs, data)
                 self._take(pending[i].keep, pending[i].op[1], got, extra)
             except (ValueError, CommError) as e:
                 errors[i] = e

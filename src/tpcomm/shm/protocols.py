@@ -235,12 +235,27 @@ def decode_header(header: bytes) -> tuple[list[tuple[torch.dtype, tuple]], Any]:
     return [(getattr(torch, name), tuple(shape)) for name, shape in named], extra
 
 
+def tensors_from_bytes(specs: Sequence[tuple[torch.dtype, tuple]], data: Any) -> list:
+    """New tensors of ``specs`` ((dtype, shape) each) filled from the message data
+    ``data`` (the tensors' bytes back to back, so not aligned for a view)."""
+    raw = torch.frombuffer(data, dtype=torch.uint8) if len(data) else None
+    out, at = [], 0
+    for dt, shape in specs:
+        t = torch.empty(shape, dtype=dt)
+        n = t.numel() * t.element_size()
+        if n:
+            t.view(-1).view(torch.uint8).copy_(raw[at : at + n])
+        out.append(t)
+        at += n
+    return out
+
+
 def batch(eng: ShmEngine, fn: str, ops: list) -> list:
     """Point-to-point operations progressed together (_native.c p2p_batch):
     ``(1, dst, message_pieces)`` sends, ``(0, src, expected_header, [(address,
     nbytes), ...])`` receives.  Returns ``(index, header, data)`` of each
     receive whose message did not match its header or size: received whole
-    into ``data`` instead, nothing written."""
+    into ``data`` (a bytearray) instead, nothing written."""
     status, odd = eng._native.p2p_batch(ops)
     if status:
         eng.raise_status(status, fn, 0, 0, 0, 0)
@@ -306,7 +321,7 @@ def _recv_body(
             tensors = list(out)
         else:
             problem = (
-                f"{fn}: rank {src} sent {_show(specs)} but out= holds {_show(have)} "
+                f"{fn}: rank {src} sent {show(specs)} but out= holds {show(have)} "
                 f"(or a tensor that is not dense: non-contiguous, or a conj/neg view)"
             )
     if tensors is None:
@@ -320,7 +335,7 @@ def _recv_body(
     return tensors, extra
 
 
-def _show(specs: Sequence[tuple]) -> list:
+def show(specs: Sequence[tuple]) -> list:
     return [(str(dt).rsplit(".", 1)[-1], tuple(shape)) for dt, shape in specs]
 
 
