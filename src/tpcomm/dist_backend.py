@@ -118,15 +118,15 @@ class _Pending(dist._Work):
         self._error = error
 
     def wait(self, timeout: Any = None) -> bool:
-        if not self._done:
-            self._pg._flush()
+        if not self._done:  # every group's, in the order they began to wait
+            _flush_all()
         if self._error is not None:
             raise self._error
         return True
 
     def is_completed(self) -> bool:
         if not self._done:
-            self._pg._flush()
+            _flush_all()
         return True
 
     def is_success(self) -> bool:
