@@ -513,11 +513,17 @@ def backend_across_hosts(comm, port):
         dist.all_gather(parts, torch.full((3,), float(r)))
         b = torch.full((2,), float(r))
         dist.broadcast(b, 3)
+        # a batch around the ring of 8 MiB each (gloo's Works there: asynchronous)
+        big, into = torch.full((1 << 21,), float(r)), torch.zeros(1 << 21)
+        ops = [dist.P2POp(dist.isend, big, (r + 1) % 4), dist.P2POp(dist.irecv, into, (r - 1) % 4)]
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
         return (
             pg.communicator._hier is not None,
             torch.allclose(x.double(), y, rtol=1e-5, atol=1e-5),
             [p[0].item() for p in parts],
             b.tolist(),
+            bool((into == float((r - 1) % 4)).all()),
         )
     finally:
         dist.destroy_process_group()
@@ -525,8 +531,8 @@ def backend_across_hosts(comm, port):
 
 def test_backend_on_a_group_spanning_hosts():
     res = tpcomm.launch(backend_across_hosts, 4, args=(free_port(),), timeout=180)
-    for hier, close, gathered, b in res:
-        assert hier and close and gathered == [0.0, 1.0, 2.0, 3.0] and b == [3.0, 3.0]
+    for hier, close, gathered, b, ring in res:
+        assert hier and close and gathered == [0.0, 1.0, 2.0, 3.0] and b == [3.0, 3.0] and ring
 
 
 def _peer_dies_in_dist_all_reduce(comm, port, outdir):

@@ -96,6 +96,10 @@ def hierarchical(comm, port, hosts):
             # the flat torch.distributed path still carries the rest
             g = c.gather(torch.tensor([r]), dst=w - 1)
             checks["gather"] = g.tolist() == list(range(w)) if r == w - 1 else g is None
+            # a ring shift of 8 MiB: every rank sends before it receives
+            big = torch.full((1 << 21,), float(r))
+            (got,) = c.sendrecv([big], (r + 1) % w, (r - 1) % w)
+            checks["sendrecv ring"] = bool((got == float((r - 1) % w)).all())
         return checks, [t.view(torch.uint8).flatten() if t.dtype != torch.bool else t for t in bits]
     finally:
         dist.destroy_process_group()

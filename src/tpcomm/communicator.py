@@ -1053,9 +1053,15 @@ class Communicator:
         src = self._check_rank(fn, "src", src, allow_self=False)
         if out is not None:
             out = self._check_list(fn, out)
-        if self._all_dist:  # across hosts: torch.distributed's send and recv
-            self._send(fn, dst, tensors, None)
-            return self._recv(fn, src, out)[0]
+        if self._all_dist:  # across hosts: torch.distributed, sends posted first
+            got, extra = self._via_dist(fn, None, lambda p: p.sendrecv(tensors, dst, src), None)
+            if extra is not None:
+                raise CommError(f"{fn}: rank {src} sent a dict, not a tensor list")
+            if out is None:
+                return got
+            for o, t in zip(out, got):
+                o.copy_(t)
+            return list(out)
         datas = [dense(t) for t in tensors]  # alive until the call is done: pieces point in
         header = b""  # matches no message: it lands in a bytearray
         dests: list = []

@@ -660,12 +660,14 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
         self._pending.append(p2p)
 
     def _p2p_now(self, send: bool, tensors: list, peer: int, tag: int) -> Any:
-        """A send or recv that does not wait in the group (CUDA tensors: NCCL; a
-        tag: gloo; no engine; a recv into tensors without a compact header),
-        after whatever does."""
+        """A send or recv that does not wait in the group, after whatever does:
+        CUDA tensors go to NCCL; a tag, or a group without shared memory (across
+        hosts), to gloo, whose Works are asynchronous (so batches cannot
+        deadlock there either); a recv into tensors without a compact header
+        takes the engine's ordinary path."""
         if _WAITING:
             _flush_all()
-        if self._on_gpu(tensors) or tag:
+        if self._on_gpu(tensors) or tag or self._comm._engine is None:
             g = self._cuda() if self._on_gpu(tensors) else self._private_gloo()
             return g.send(tensors, peer, tag) if send else g.recv(tensors, peer, tag)
         if send:

@@ -179,15 +179,30 @@ class DistPath:
     def barrier(self) -> None:
         self.group.barrier(c10d.BarrierOptions()).wait()
 
-    def send(self, tensors: Sequence[torch.Tensor], dst: int, extra: Any) -> None:
+    def _post(self, tensors: Sequence[torch.Tensor], dst: int, extra: Any) -> list:
+        """Start sending a message (length, header, tensors); the Works to wait for
+        (each holds its tensor)."""
         meta = pickle.dumps(([(t.dtype, tuple(t.shape)) for t in tensors], extra))
         head = torch.frombuffer(bytearray(meta), dtype=torch.uint8)
         g = self.group
-        g.send([torch.tensor([head.numel()], dtype=torch.int64)], dst, 0).wait()
-        g.send([head], dst, 0).wait()
-        for t in tensors:
-            if t.numel():
-                g.send([_real(dense(t))], dst, 0).wait()
+        parts = [torch.tensor([head.numel()], dtype=torch.int64), head]
+        parts += [_real(dense(t)) for t in tensors if t.numel()]
+        return [(g.send([part], dst, 0), part) for part in parts]
+
+    def send(self, tensors: Sequence[torch.Tensor], dst: int, extra: Any) -> None:
+        for work, _ in self._post(tensors, dst, extra):
+            work.wait()
+
+    def sendrecv(
+        self, tensors: Sequence[torch.Tensor], dst: int, src: int
+    ) -> tuple[list[torch.Tensor], Any]:
+        """Send to dst while receiving from src: the sends are posted first and
+        waited for last, so a ring of ranks doing this cannot wait on each other."""
+        posted = self._post(tensors, dst, None)
+        got = self.recv(src)
+        for work, _ in posted:
+            work.wait()
+        return got
 
     def recv(self, src: int) -> tuple[list[torch.Tensor], Any]:
         g = self.group
