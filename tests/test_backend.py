@@ -513,6 +513,9 @@ def backend_across_hosts(comm, port):
         dist.all_gather(parts, torch.full((3,), float(r)))
         b = torch.full((2,), float(r))
         dist.broadcast(b, 3)
+        sc = torch.zeros(2)
+        dist.scatter(sc, [torch.full((2,), 10.0 + q) for q in range(4)] if r == 1 else None, src=1)
+        b = b if sc.tolist() == [10.0 + r] * 2 else None
         # a batch around the ring of 8 MiB each (gloo's Works there: asynchronous)
         big, into = torch.full((1 << 21,), float(r)), torch.zeros(1 << 21)
         ops = [dist.P2POp(dist.isend, big, (r + 1) % 4), dist.P2POp(dist.irecv, into, (r - 1) % 4)]

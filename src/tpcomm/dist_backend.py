@@ -431,8 +431,10 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
             _flush_all()
         if self._on_gpu(outputs):
             return self._cuda().scatter(outputs, input_lists, opts)
-        root = opts.rootRank
         comm = self._comm
+        if comm._engine is None:  # across hosts (or one rank): gloo, like send/recv there
+            return self._private_gloo().scatter(outputs, input_lists, opts)
+        root = opts.rootRank
         for i, out in enumerate(outputs):
             if self._rank == root:
                 parts = input_lists[i]
