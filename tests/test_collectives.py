@@ -460,3 +460,51 @@ def test_reduce_scatter_fast_and_general_paths_agree(pools):
     for out, errs in pools.run(3, reduce_scatter_mixed_paths):
         assert all(out), out
         assert all(e is not None and "reduce_scatter" in e for e in errs), errs
+
+
+def all_to_all_cases(comm):
+    """Communicator.all_to_all_single against the definition, computed locally
+    from every rank's data: even blocks, uneven split sizes with zeros, rows of
+    several elements, any dtype; then bad splits raise on every rank."""
+    import random
+
+    r, w = comm.rank, comm.world_size
+    bad = []
+    for case, dtype in enumerate(
+        [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.complex64, torch.uint8]
+    ):
+        rng = random.Random(case)  # the same table on every rank
+        table = [[rng.choice([0, 1, 2, 5, 300]) for _ in range(w)] for _ in range(w)]
+        rest = rng.choice([(), (3,), (2, 5)])
+        for even in (True, False):
+            sends = [[4] * w for _ in range(w)] if even else table
+            xs = [make(q, (sum(sends[q]), *rest), dtype, 50 + case) for q in range(w)]
+            want = torch.cat([xs[q][sum(sends[q][:r]) : sum(sends[q][: r + 1])] for q in range(w)])
+            out = torch.full((sum(sends[q][r] for q in range(w)), *rest), 0, dtype=dtype)
+            if even:
+                got = comm.all_to_all_single(out, xs[r])
+            else:
+                got = comm.all_to_all_single(out, xs[r], [sends[q][r] for q in range(w)], sends[r])
+            if got is not out or not torch.equal(out, want):
+                bad.append((dtype, even, rest))
+    errors = []
+    if w > 1:
+        # rank 0 sends rank 1 two rows, rank 1 expects three
+        ins = [2 if (r == 0 and q == 1) else 1 for q in range(w)]
+        outs = [3 if (r == 1 and q == 0) else 1 for q in range(w)]
+        try:
+            comm.all_to_all_single(torch.zeros(sum(outs)), torch.zeros(sum(ins)), outs, ins)
+            errors.append("no error")
+        except ValueError as e:
+            errors.append(str(e))
+    y = comm.all_reduce(torch.ones(2))
+    return bad, errors, y.tolist()
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_all_to_all_single(pools, world):
+    for bad, errors, y in pools.run(world, all_to_all_cases):
+        assert bad == []
+        for e in errors:
+            assert e == "all_to_all_single: rank 0 sends 2 rows to rank 1, which expects 3 from it"
+        assert y == [float(world)] * 2

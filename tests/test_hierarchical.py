@@ -96,6 +96,13 @@ def hierarchical(comm, port, hosts):
             # the flat torch.distributed path still carries the rest
             g = c.gather(torch.tensor([r]), dst=w - 1)
             checks["gather"] = g.tolist() == list(range(w)) if r == w - 1 else g is None
+            # all_to_all_single across hosts (the gathered fallback), uneven
+            sends = [[(q + j) % 3 for j in range(w)] for q in range(w)]
+            xs = [torch.arange(sum(sends[q]), dtype=torch.float32) + 100 * q for q in range(w)]
+            want = torch.cat([xs[q][sum(sends[q][:r]) : sum(sends[q][: r + 1])] for q in range(w)])
+            out = torch.empty(len(want))
+            c.all_to_all_single(out, xs[r], [sends[q][r] for q in range(w)], sends[r])
+            checks["all_to_all_single"] = torch.equal(out, want)
             # a ring shift of 8 MiB: every rank sends before it receives
             big = torch.full((1 << 21,), float(r))
             (got,) = c.sendrecv([big], (r + 1) % w, (r - 1) % w)

@@ -78,6 +78,21 @@ def _timeout_seconds(fn: str, timeout: Timeout) -> float:
 _NOT_PLAIN = object()  # _plain_gather: not its case
 
 
+def _offsets(sizes: Sequence[int]) -> list[int]:
+    """Where each of ``sizes`` starts when laid out back to back."""
+    out, at = [], 0
+    for v in sizes:
+        out.append(at)
+        at += v
+    return out
+
+
+def _overlap(a: _Tensor, b: _Tensor) -> bool:
+    """Whether two tensors' memory overlaps."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
 class Communicator:
     """Collectives between the processes of one group, through shared memory.
 
@@ -1025,6 +1040,156 @@ class Communicator:
         if out is not None:
             out = self._check_list(fn, out)
         return self._recv(fn, src, out)[0]
+
+    def all_to_all_single(
+        self,
+        output: _Tensor,
+        input: _Tensor,
+        output_split_sizes: Optional[Sequence[int]] = None,
+        input_split_sizes: Optional[Sequence[int]] = None,
+    ) -> _Tensor:
+        """torch-style all-to-all along dim 0 (MoE token dispatch and combine).
+
+        Rank r's input rows ``input_split_sizes[j]`` (after the rows it sends to
+        ranks before j) go to rank j, which puts them at its output rows after
+        those of ranks before r (``output_split_sizes[r]`` rows).  Without split
+        sizes the rows are cut evenly (divisible by the world size).  Split sizes
+        may change every call; every rank's are checked against every other
+        rank's first, so bad ones raise the same ``ValueError`` on every rank and
+        the communicator stays usable.  Any dtype; output and input share it and
+        the shape of a row.  Returns ``output``.
+        """
+        fn = "all_to_all_single"
+        self._check_open(fn)
+        self._check_any(fn, output, "output")
+        self._check_any(fn, input, "input")
+        outs = self._check_splits(fn, "output_split_sizes", output_split_sizes)
+        ins = self._check_splits(fn, "input_split_sizes", input_split_sizes)
+        if self._engine is None:  # one rank, or across hosts
+            self._all_to_all_gathered(fn, output, input, outs, ins)
+            return output
+        eng = self._engine
+        eng.hold(fn)  # the split table and the rounds are one thread's turn
+        try:
+            self._all_to_all_shm(fn, output, input, outs, ins)
+        finally:
+            eng.release()
+        return output
+
+    def _check_splits(self, fn: str, name: str, sizes: Any) -> list[int]:
+        if sizes is None:
+            return []
+        if not isinstance(sizes, (list, tuple)) or any(
+            isinstance(v, bool) or not isinstance(v, int) for v in sizes
+        ):
+            raise TypeError(f"{fn}: {name} must be a list of ints, got {sizes!r}")
+        return [int(v) for v in sizes]
+
+    @staticmethod
+    def _rows(t: _Tensor) -> tuple[int, int]:
+        """(rows, bytes per row) of an all_to_all tensor (a 0-d one is one row)."""
+        return (t.shape[0] if t.dim() else 1), _prod(t.shape[1:]) * t.element_size()
+
+    def _all_to_all_table(
+        self, fn: str, output: _Tensor, input: _Tensor, outs: list, ins: list
+    ) -> tuple[list, list]:
+        """Every rank's split sizes, checked by every rank: one all_gather of
+        everyone's, so every rank reaches the same verdict (and raises together)
+        and all run the same rounds.  Returns (sends, recvs): row counts,
+        sends[q][j] from rank q to rank j."""
+        w = self._world
+        rows_in, row = self._rows(input)
+        rows_out, out_row = self._rows(output)
+        ins = ins or [rows_in // w] * w
+        outs = outs or [rows_out // w] * w
+        ok = len(ins) == len(outs) == w
+        code_in = protocols.dtype_code_any(input.dtype)
+        code_out = protocols.dtype_code_any(output.dtype)
+        mine = (ins + outs if ok else [-1] * 2 * w) + [
+            rows_in, rows_out, row, out_row, code_in, code_out,
+        ]  # fmt: skip
+        every = torch.empty(w * (2 * w + 6), dtype=torch.int64)
+        self.all_gather_into_tensor(every, torch.tensor(mine, dtype=torch.int64))
+        every = every.view(w, 2 * w + 6)
+        sends, recvs = every[:, :w], every[:, w : 2 * w]
+        info = every[:, 2 * w :].tolist()
+        problem = None
+        for q, (r_in, r_out, b_in, b_out, c_in, c_out) in enumerate(info):
+            s_q, r_q = sends[q].tolist(), recvs[q].tolist()
+            if min(s_q + r_q) < 0:
+                problem = f"rank {q}'s split sizes are not {w} sizes >= 0"
+            elif sum(s_q) != r_in or sum(r_q) != r_out:
+                problem = (
+                    f"rank {q}'s split sizes {s_q} / {r_q} do not sum to its "
+                    f"{r_in} input / {r_out} output rows"
+                )
+            elif c_in != c_out or c_in != info[0][4] or b_in != b_out or b_in != info[0][2]:
+                problem = f"rank {q}'s input and output differ in dtype or row shape"
+            if problem:
+                break
+        if problem is None and not torch.equal(sends, recvs.t()):
+            q, j = next((q, j) for q in range(w) for j in range(w) if sends[q, j] != recvs[j, q])
+            problem = (
+                f"rank {q} sends {int(sends[q, j])} rows to rank {j}, "
+                f"which expects {int(recvs[j, q])} from it"
+            )
+        if problem is not None:
+            raise ValueError(f"{fn}: {problem}")
+        return sends.tolist(), recvs.tolist()
+
+    def _all_to_all_shm(
+        self, fn: str, output: _Tensor, input: _Tensor, outs: list, ins: list
+    ) -> None:
+        w, me = self._world, self._rank
+        rows_in, row = self._rows(input)
+        rows_out, out_row = self._rows(output)
+        # no splits: even blocks, checked by the rounds' metadata (the block size);
+        # any split sizes, even uniform ones (they depend on data, as in MoE
+        # dispatch, so ranks may differ): every rank's checked first
+        if not ins and not outs:
+            if rows_in % w or rows_out != rows_in or input.dtype != output.dtype or row != out_row:
+                raise ValueError(
+                    f"{fn}: input {tuple(input.shape)} {input.dtype} and output "
+                    f"{tuple(output.shape)} {output.dtype}: without split sizes both need the "
+                    f"same shape and dtype, with rows divisible by the {w} ranks"
+                )
+            sb = [rows_in // w * row] * w
+            rb, most = sb, sb[0]
+        else:
+            sends, _ = self._all_to_all_table(fn, output, input, outs, ins)
+            sb = [v * row for v in sends[me]]
+            rb = [sends[q][me] * row for q in range(w)]
+            most = max(max(s) for s in sends) * row
+        x = dense(input)
+        res = output if is_dense(output) else torch.empty(output.shape, dtype=output.dtype)
+        if most and _overlap(x, res):
+            x = x.clone()
+        protocols.alltoallv(
+            self._engine, x.data_ptr(), sb, _offsets(sb), res.data_ptr(), rb, _offsets(rb),
+            most, protocols.dtype_code_any(input.dtype),
+        )  # fmt: skip
+        if res is not output:
+            output.copy_(res)
+
+    def _all_to_all_gathered(
+        self, fn: str, output: _Tensor, input: _Tensor, outs: list, ins: list
+    ) -> None:
+        """all_to_all_single without shared memory (one rank, or across hosts):
+        the checked split table, then every rank's whole input gathered and this
+        rank's blocks picked out (memory: the world's inputs, a fallback)."""
+        w, me = self._world, self._rank
+        sends, _ = self._all_to_all_table(fn, output, input, outs, ins)
+        rows_in, row = self._rows(input)
+        per_row = row // input.element_size() if input.element_size() else 0
+        flat = dense(input).reshape(-1)
+        sizes = [sum(sends[q]) * per_row for q in range(w)]
+        everyone = self.all_gatherv(flat, sizes) if w > 1 else flat
+        starts = _offsets(sizes)
+        parts = []
+        for q in range(w):
+            at = starts[q] + sum(sends[q][:me]) * per_row
+            parts.append(everyone[at : at + sends[q][me] * per_row])
+        output.copy_(torch.cat(parts).view(output.shape))
 
     def sendrecv(
         self,

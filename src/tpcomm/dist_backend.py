@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import math
 import os
 from typing import Any
 
@@ -170,19 +169,6 @@ class _P2P:
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1)
-
-
-def _offsets(sizes: list) -> list:
-    out, at = [], 0
-    for v in sizes:
-        out.append(at)
-        at += v
-    return out
-
-
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 def _copy_parts(outs: list, flat: torch.Tensor, fn: str) -> None:
@@ -473,107 +459,8 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
         comm = self._comm
         if comm._engine is None or comm._hier is not None:  # world 1, or across hosts
             return self._alltoall_gather(output, input, out_splits, in_splits, opts)
-        # the split table and the rounds are one thread's turn
-        eng = comm._engine
-        eng.hold("all_to_all_single")
-        try:
-            return self._alltoall_shm(output, input, out_splits, in_splits)
-        finally:
-            eng.release()
-
-    def _alltoall_shm(
-        self, output: torch.Tensor, input: torch.Tensor, out_splits: list, in_splits: list
-    ) -> Any:
-        comm = self._comm
-        w = self._world
-        rows_in = input.shape[0] if input.dim() else 1
-        rows_out = output.shape[0] if output.dim() else 1
-        row = math.prod(input.shape[1:]) * input.element_size()
-        out_row = math.prod(output.shape[1:]) * output.element_size()
-        # no splits: even blocks, checked by the rounds' metadata (the block size);
-        # any split sizes, even uniform ones (they depend on data, as in MoE
-        # dispatch, so ranks may differ): every rank's checked first
-        if not in_splits and not out_splits:
-            if rows_in % w or rows_out != rows_in or input.dtype != output.dtype or row != out_row:
-                raise ValueError(
-                    f"all_to_all_single: input {tuple(input.shape)} {input.dtype} and output "
-                    f"{tuple(output.shape)} {output.dtype}: without split sizes both need the "
-                    f"same shape and dtype, with rows divisible by the {w} ranks"
-                )
-            sb = [rows_in // w * row] * w
-            rb, most = sb, sb[0]
-        else:
-            sb, rb, most = self._alltoall_table(input, output, in_splits, out_splits, row, out_row)
-        x = dense(input)
-        res = output if is_dense(output) else torch.empty(output.shape, dtype=output.dtype)
-        if most and _overlap(x, res):
-            x = x.clone()
-        protocols.alltoallv(
-            comm._engine, x.data_ptr(), sb, _offsets(sb), res.data_ptr(), rb, _offsets(rb),
-            most, protocols.dtype_code_any(input.dtype),
-        )  # fmt: skip
-        if res is not output:
-            output.copy_(res)
+        comm.all_to_all_single(output, input, out_splits, in_splits)
         return _Done([output])
-
-    def _alltoall_table(
-        self,
-        input: torch.Tensor,
-        output: torch.Tensor,
-        in_splits: list,
-        out_splits: list,
-        row: int,
-        out_row: int,
-    ) -> tuple[list, list, int]:
-        """all_to_all_single's uneven splits checked against every rank's: one
-        all_gather of everyone's splits, so that every rank checks the same table
-        (and raises together) and all run the same rounds.  Returns the bytes to
-        send to and receive from each rank, and the largest block of any rank."""
-        w = self._world
-        rows_in = input.shape[0] if input.dim() else 1
-        rows_out = output.shape[0] if output.dim() else 1
-        ins = [int(v) for v in in_splits] if in_splits else [rows_in // w] * w
-        outs = [int(v) for v in out_splits] if out_splits else [rows_out // w] * w
-        ok = len(ins) == len(outs) == w
-        code_in = protocols.dtype_code_any(input.dtype)
-        code_out = protocols.dtype_code_any(output.dtype)
-        mine = (ins + outs if ok else [-1] * 2 * w) + [
-            rows_in,
-            rows_out,
-            row,
-            out_row,
-            code_in,
-            code_out,
-        ]
-        every = torch.empty(w * (2 * w + 6), dtype=torch.int64)
-        self._comm.all_gather_into_tensor(every, torch.tensor(mine, dtype=torch.int64))
-        every = every.view(w, 2 * w + 6)
-        sends, recvs = every[:, :w], every[:, w : 2 * w]  # sends[q][j]: rows q sends to j
-        info = every[:, 2 * w :].tolist()
-        # every rank checks every rank's entries: the same verdict everywhere
-        problem = None
-        for q, (r_in, r_out, b_in, b_out, c_in, c_out) in enumerate(info):
-            s_q, r_q = sends[q].tolist(), recvs[q].tolist()
-            if min(s_q + r_q) < 0:
-                problem = f"rank {q}'s split sizes are not {w} sizes >= 0"
-            elif sum(s_q) != r_in or sum(r_q) != r_out:
-                problem = (
-                    f"rank {q}'s split sizes {s_q} / {r_q} do not sum to its "
-                    f"{r_in} input / {r_out} output rows"
-                )
-            elif c_in != c_out or c_in != info[0][4] or b_in != b_out or b_in != info[0][2]:
-                problem = f"rank {q}'s input and output differ in dtype or row shape"
-            if problem:
-                break
-        if problem is None and not torch.equal(sends, recvs.t()):
-            q, j = next((q, j) for q in range(w) for j in range(w) if sends[q, j] != recvs[j, q])
-            problem = (
-                f"rank {q} sends {int(sends[q, j])} rows to rank {j}, "
-                f"which expects {int(recvs[j, q])} from it"
-            )
-        if problem is not None:
-            raise ValueError(f"all_to_all_single: {problem}")
-        return [v * row for v in ins], [v * row for v in outs], int(sends.max()) * row
 
     def _alltoall_gather(
         self,
