@@ -185,29 +185,37 @@ def test_launch_reports_the_failing_rank_and_ends_the_others():
     assert _rank_processes() == before
 
 
-def interrupted_while_waiting(comm):
+def interrupted_while_waiting(comm, where):
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def call():
+        if where == "all_reduce":
+            comm.all_reduce(torch.ones(4))
+        else:  # the batch wait of sendrecv (p2p_batch)
+            comm.sendrecv([torch.ones(4)], 1 - comm.rank, 1 - comm.rank)
+
     if comm.rank == 1:
         time.sleep(2.0)  # late: rank 0 is waiting when Ctrl-C arrives
         try:
-            comm.all_reduce(torch.ones(4))
+            call()
         except tpcomm.PeerFailedError as e:
             return ["peer", e.rank, "interrupted" in str(e)]
         return "no error"
     threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
     t0 = time.monotonic()
     try:
-        comm.all_reduce(torch.ones(4))
+        call()
     except KeyboardInterrupt:
         return ["interrupt", time.monotonic() - t0]
     return "no error"
 
 
-def test_ctrl_c_does_not_wait_for_the_timeout():
+@pytest.mark.parametrize("where", ["all_reduce", "sendrecv"])
+def test_ctrl_c_does_not_wait_for_the_timeout(where):
     """A signal handler that raises (Ctrl-C) ends a wait within ~50 ms of running,
     not after TPCOMM_TIMEOUT; the peers are told the rank left."""
     with LocalGroup(2, timeout=60) as g:
-        res = g.run(interrupted_while_waiting, timeout=60)
+        res = g.run(interrupted_while_waiting, where, timeout=60)
     kind, took = res[0]
     assert kind == "interrupt" and took < 1.5, res[0]
     assert res[1] == ["peer", 0, True]
