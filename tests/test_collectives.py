@@ -508,3 +508,36 @@ def test_all_to_all_single(pools, world):
         for e in errors:
             assert e == "all_to_all_single: rank 0 sends 2 rows to rank 1, which expects 3 from it"
         assert y == [float(world)] * 2
+
+
+def aliased_in_place(comm):
+    """The in-place forms frameworks use: all_gather_into_tensor whose input is
+    this rank's chunk of the output (FSDP), reduce_scatter_tensor whose output
+    is this rank's chunk of the input, all_to_all_single(a, a); sizes below one
+    slot and across several."""
+    r, w = comm.rank, comm.world_size
+    bad = []
+    for n in (5, 1000, 300_000, 700_001):
+        out = torch.empty(w * n)
+        inp = out[r * n : (r + 1) * n]
+        inp.copy_(make(r, n, torch.float32, 70))
+        comm.all_gather_into_tensor(out, inp)
+        if not torch.equal(out, torch.cat([make(q, n, torch.float32, 70) for q in range(w)])):
+            bad.append(("all_gather_into_tensor", n))
+        xs = [make(q, w * n, torch.float32, 71) for q in range(w)]
+        x = xs[r].clone()
+        o = x[r * n : (r + 1) * n]
+        comm.reduce_scatter_tensor(o, x)
+        if not torch.equal(o, reference(xs, tpcomm.ReduceOp.SUM)[r * n : (r + 1) * n]):
+            bad.append(("reduce_scatter_tensor", n))
+        a = make(r, w * n, torch.int64, 72)
+        comm.all_to_all_single(a, a)
+        want = torch.cat([make(q, w * n, torch.int64, 72)[r * n : (r + 1) * n] for q in range(w)])
+        if not torch.equal(a, want):
+            bad.append(("all_to_all_single", n))
+    return bad
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_aliased_in_place_forms(pools, world):
+    assert pools.run(world, aliased_in_place) == [[]] * world
