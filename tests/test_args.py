@@ -14,6 +14,8 @@ import torch
 
 import tpcomm
 
+from ._ref import unexpected_errors
+
 
 class NotATensor:
     pass
@@ -36,6 +38,7 @@ def bad_arguments(comm):
         ((torch.ones(3), 0), TypeError, "op must be a tpcomm.ReduceOp"),
         ((torch.ones(3, device="meta"),), ValueError, "must be a CPU tensor"),
         ((torch.ones(3).to_sparse(),), ValueError, "dense"),
+        ((torch.ones(1).expand(4),), ValueError, "has elements that share memory"),
     ]
     out = []
     eng = comm._engine._native if comm._engine else None
@@ -176,6 +179,53 @@ def test_a_communicator_cannot_be_pickled_or_copied(pools, world):
         assert len(msgs) == 3
         for m in msgs:
             assert m.startswith("Communicator cannot be pickled or copied"), m
+
+
+def written_views(comm):
+    """Every call that writes into a tensor refuses one whose elements share
+    memory (an expand()ed view) before anything is touched, on every rank."""
+    w, other = comm.world_size, 1 - comm.rank
+    shared = torch.zeros(1).expand(2 * w)
+    cases = [
+        (lambda: comm.broadcast(shared, 0), ValueError, "broadcast: tensor has elements"),
+        (
+            lambda: comm.all_gather_into_tensor(shared, torch.ones(2)),
+            ValueError,
+            "all_gather_into_tensor: output has elements",
+        ),
+        (
+            lambda: comm.reduce_scatter_tensor(torch.zeros(1).expand(2), torch.ones(2 * w)),
+            ValueError,
+            "reduce_scatter_tensor: output has elements",
+        ),
+        (
+            lambda: comm.all_to_all_single(shared, torch.ones(2 * w)),
+            ValueError,
+            "all_to_all_single: output has elements",
+        ),
+        (lambda: comm.recv(other, out=[shared]), ValueError, "recv: tensors[0] has elements"),
+        (
+            lambda: comm.recv(other, out=[torch.zeros(8)[::2]]),
+            ValueError,
+            "recv: out tensors must be contiguous",
+        ),
+        (
+            lambda: comm.sendrecv([torch.ones(2)], other, other, out=[shared]),
+            ValueError,
+            "sendrecv: tensors[0] has elements",
+        ),
+    ]
+    r0 = comm._engine._native.round
+    problems = unexpected_errors(cases)
+    if comm._engine._native.round != r0:
+        problems.append("touched shared memory")
+    y = comm.all_reduce(torch.ones(2))
+    return problems, y.tolist()
+
+
+def test_written_tensors_must_own_their_elements(pools):
+    for problems, y in pools.run(2, written_views):
+        assert problems == [] and y == [2.0, 2.0]
 
 
 def test_launch_arguments():

@@ -2646,7 +2646,7 @@ static PyObject *eng_p2p_recv_into(Engine *e, PyObject *const *args, Py_ssize_t 
     if (!items)
         Py_RETURN_NONE;
     for (Py_ssize_t i = 0; i < n; i++)
-        if (Py_TYPE(items[i]) != e->tensor_type)
+        if (plain_code(e, items[i]) < 0)
             Py_RETURN_NONE; /* the general path checks these before receiving */
     if (take_abort(e))
         Py_RETURN_NONE;

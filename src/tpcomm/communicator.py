@@ -76,6 +76,8 @@ def _timeout_seconds(fn: str, timeout: Timeout) -> float:
 
 
 _NOT_PLAIN = object()  # _plain_gather: not its case
+# torch's own check of a tensor whose elements share memory (what copy_ refuses)
+_OVERLAP = getattr(torch, "_debug_has_internal_overlap", None)
 
 
 def _offsets(sizes: Sequence[int]) -> list[int]:
@@ -428,6 +430,7 @@ class Communicator:
         if isinstance(tensor, _Tensor) and tensor.is_cuda:
             return self._cuda_all_reduce(tensor, op)
         op, reason = self._check_reduce(fn, tensor, op)
+        self._check_written(fn, tensor)
         if reason:
             return self._via_dist(fn, reason, lambda d: d.all_reduce(tensor, op), tensor)
         if self._hier is not None:
@@ -484,6 +487,16 @@ class Communicator:
             raise ValueError(f"{fn}: {name} must be a CPU tensor, got one on {tensor.device}")
         if tensor.layout is not _STRIDED:
             raise ValueError(f"{fn}: {name} must be dense (strided), got layout {tensor.layout}")
+
+    def _check_written(self, fn: str, tensor: _Tensor, name: str = "tensor") -> None:
+        """A tensor a call writes into must own its elements: an expand()ed view
+        (or any whose elements share memory) cannot hold a result."""
+        if _OVERLAP is not None and _OVERLAP(tensor) == 1:  # MemOverlap::Yes
+            raise ValueError(
+                f"{fn}: {name} has elements that share memory (an expand()ed or overlapping "
+                f"view, strides {tuple(tensor.stride())}), so the result cannot be written "
+                f"into it; pass a tensor that owns its elements (e.g. .clone())"
+            )
 
     def _check_same_dtype(self, fn: str, output: _Tensor, input: _Tensor) -> None:
         if output.dtype != input.dtype:
@@ -613,6 +626,7 @@ class Communicator:
             shape[d] *= self._world
             try:
                 self._check_any(fn, out, "out")
+                self._check_written(fn, out, "out")
                 if out.dtype != tensor.dtype or list(out.shape) != shape:
                     raise ValueError(
                         f"{fn}: out has dtype {out.dtype} and shape {tuple(out.shape)}, "
@@ -648,6 +662,7 @@ class Communicator:
         fn = "all_gather_into_tensor"
         self._check_open(fn)
         self._check_any(fn, output, "output")
+        self._check_written(fn, output, "output")
         self._check_any(fn, input, "input")
         self._check_same_dtype(fn, output, input)
         if output.numel() != self._world * input.numel():
@@ -877,6 +892,7 @@ class Communicator:
         self._check_open(fn)
         op, reason = self._check_reduce(fn, input, op)
         self._check_any(fn, output, "output")
+        self._check_written(fn, output, "output")
         self._check_same_dtype(fn, output, input)
         if input.numel() != self._world * output.numel():
             raise ValueError(
@@ -940,6 +956,7 @@ class Communicator:
         fn = "broadcast"
         self._check_open(fn)
         self._check_any(fn, tensor)
+        self._check_written(fn, tensor)
         src = self._check_rank(fn, "src", src)
         if self._hier is not None:
             return self._hier.broadcast(tensor, src)
@@ -988,13 +1005,15 @@ class Communicator:
 
     # -- point to point --------------------------------------------------------
 
-    def _check_list(self, fn: str, tensors: Any) -> list[_Tensor]:
+    def _check_list(self, fn: str, tensors: Any, written: bool = False) -> list[_Tensor]:
         if not isinstance(tensors, (list, tuple)):
             raise TypeError(
                 f"{fn}: tensors must be a list or tuple of tensors, got {type(tensors).__name__}"
             )
         for i, t in enumerate(tensors):
             self._check_any(fn, t, f"tensors[{i}]")
+            if written:
+                self._check_written(fn, t, f"tensors[{i}]")
         return list(tensors)
 
     def send(self, tensors: Sequence[_Tensor], dst: int) -> None:
@@ -1038,7 +1057,13 @@ class Communicator:
         self._check_open(fn)
         src = self._check_rank(fn, "src", src, allow_self=False)
         if out is not None:
-            out = self._check_list(fn, out)
+            out = self._check_list(fn, out, written=True)
+            for i, o in enumerate(out):
+                if not is_dense(o):
+                    raise ValueError(
+                        f"{fn}: out tensors must be contiguous (and not a conj/neg view); "
+                        f"tensors[{i}] has shape {tuple(o.shape)} and strides {o.stride()}"
+                    )
         return self._recv(fn, src, out)[0]
 
     def all_to_all_single(
@@ -1062,6 +1087,7 @@ class Communicator:
         fn = "all_to_all_single"
         self._check_open(fn)
         self._check_any(fn, output, "output")
+        self._check_written(fn, output, "output")
         self._check_any(fn, input, "input")
         outs = self._check_splits(fn, "output_split_sizes", output_split_sizes)
         ins = self._check_splits(fn, "input_split_sizes", input_split_sizes)
@@ -1217,7 +1243,7 @@ class Communicator:
         dst = self._check_rank(fn, "dst", dst, allow_self=False)
         src = self._check_rank(fn, "src", src, allow_self=False)
         if out is not None:
-            out = self._check_list(fn, out)
+            out = self._check_list(fn, out, written=True)
         if self._all_dist:  # across hosts: torch.distributed, sends posted first
             got, extra = self._via_dist(fn, None, lambda p: p.sendrecv(tensors, dst, src), None)
             if extra is not None:
