@@ -207,7 +207,7 @@ def written_views(comm):
         (
             lambda: comm.recv(other, out=[torch.zeros(8)[::2]]),
             ValueError,
-            "recv: out tensors must be contiguous",
+            "recv: out tensors must be dense",
         ),
         (
             lambda: comm.sendrecv([torch.ones(2)], other, other, out=[shared]),

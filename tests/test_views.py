@@ -121,6 +121,8 @@ def collectives(comm):
             checks["recv into a conj view raises"] = False
         except ValueError as e:
             checks["recv into a conj view raises"] = "not dense" in str(e)
+        # refused before receiving: the message is still there
+        checks["then received"] = torch.equal(comm.recv(0)[0], torch.ones(3, dtype=torch.complex64))
     comm.barrier()
     return checks, digest(comm.all_reduce(_input(r, 64, torch.bfloat16, 10)).resolve_neg())
 

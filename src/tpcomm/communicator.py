@@ -1061,8 +1061,9 @@ class Communicator:
             for i, o in enumerate(out):
                 if not is_dense(o):
                     raise ValueError(
-                        f"{fn}: out tensors must be contiguous (and not a conj/neg view); "
-                        f"tensors[{i}] has shape {tuple(o.shape)} and strides {o.stride()}"
+                        f"{fn}: out tensors must be dense (contiguous, not a conj/neg view); "
+                        f"tensors[{i}] is not dense: shape {tuple(o.shape)}, strides "
+                        f"{o.stride()}; nothing was received"
                     )
         return self._recv(fn, src, out)[0]
 
