@@ -55,6 +55,12 @@ def in_dist_job(comm, port):
                 cs.broadcast(bb, src=1)
                 out.setdefault("interleaved", []).append((g.tolist(), v.tolist(), bb.tolist()))
             cw.barrier()
+            # a dup of the sub-group's communicator: its own engine, the same ranks;
+            # its fallback is the same torch.distributed group (float64 goes there)
+            with cs.dup() as cd:
+                z = torch.full((4,), float(rank), dtype=torch.float64)
+                cd.all_reduce(z)
+                out["dup"] = (cd.rank, cd.world_size, cd._engine is not cs._engine, z.tolist())
         return out
     finally:
         dist.destroy_process_group()
@@ -69,6 +75,8 @@ def test_communicator_in_torch_distributed_job():
         assert out["sub_equal"] == [True] * 3
         assert out["world_ints"] == [[6 + 4 * k] * 5 for k in range(3)]
         base = 0 if r < 2 else 2
+        base_sum = float(2 * (0 if r < 2 else 2) + 1)
+        assert out["dup"] == (r % 2, 2, True, [base_sum] * 4)
         assert out["interleaved"] == [
             ([base, k, base + 1, k], [4.0 * k] * 3, [float(base + 1)] * 2) for k in range(3)
         ]
@@ -90,9 +98,11 @@ def from_env(comm, port):
     with tpcomm.Communicator.from_env(timeout=30) as c:
         x = torch.full((1000,), float(c.rank))
         c.all_reduce(x, tpcomm.ReduceOp.AVG)
-        return c.rank, c.world_size, x[0].item()
+        with c.dup() as d:  # over the same TCPStore
+            y = d.all_reduce(torch.ones(3))
+        return c.rank, c.world_size, x[0].item(), y.tolist()
 
 
 def test_from_env():
     res = tpcomm.launch(from_env, 3, args=(free_port(),), timeout=120)
-    assert res == [(r, 3, 1.0) for r in range(3)]
+    assert res == [(r, 3, 1.0, [3.0] * 3) for r in range(3)]

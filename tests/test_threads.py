@@ -256,3 +256,41 @@ def test_close_gives_up_on_a_thread_that_stays():
     # complete) and the peer learns that rank 0 closed the communicator
     assert err == "no error" or "another thread closed this Communicator" in err, err
     assert peer == 0
+
+
+def two_threads_two_communicators(comm):
+    """The way to communicate from two threads at once: a dup() per thread. Both
+    run collectives and sendrecv concurrently; results are checked; closing the
+    dup leaves the original working."""
+    r, w = comm.rank, comm.world_size
+    second = comm.dup()
+    res = {}
+
+    def loop(c, name, calls):
+        ok = c.rank == r and c.world_size == w and (c is not comm) == (name == "second")
+        for i in range(calls):
+            x = torch.full((1000 + i,), float(r + i))
+            c.all_reduce(x)
+            ok = ok and bool((x == sum(float(q + i) for q in range(w))).all())
+            if w > 1:
+                (got,) = c.sendrecv([torch.full((70_000,), float(r))], (r + 1) % w, (r - 1) % w)
+                ok = ok and bool((got == float((r - 1) % w)).all())
+        res[name] = ok
+
+    threads = [
+        threading.Thread(target=loop, args=(comm, "first", 200)),
+        threading.Thread(target=loop, args=(second, "second", 200)),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    second.close()
+    res["original after"] = comm.all_reduce(torch.ones(2)).tolist() == [float(w)] * 2
+    return res
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_a_dup_per_thread_runs_at_once(pools, world):
+    for res in pools.run(world, two_threads_two_communicators):
+        assert res == {"first": True, "second": True, "original after": True}, res

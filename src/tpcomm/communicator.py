@@ -237,6 +237,9 @@ class Communicator:
         # gloo group over the set-up store, made on first use (see dist_fallback.py)
         self._store = store
         self._prefix = prefix
+        self._tag = tag
+        self._fallback = fallback
+        self._dups = 0
         self._cuda_ar: dict = {}  # device -> tpcomm.cuda.CustomAllreduce, made on first use
         self._cuda_dist: Optional[DistPath] = None  # NCCL, for what the custom path declines
         self._dist: Optional[DistPath] = None
@@ -331,6 +334,27 @@ class Communicator:
         self._cuda_ar.clear()
         if self._hier is not None:
             self._hier.close()
+
+    def dup(self, *, timeout: Timeout = None) -> Communicator:
+        """A new Communicator over the same ranks (collective: every rank calls it,
+        in the same order), with shared memory, sequence numbers and channels of
+        its own.
+
+        A Communicator serves one thread at a time; a second thread that must
+        communicate at the same time (a pipeline stage's sender, a background
+        prefetch) gets its own ``dup()`` and both run at once.  Also a way to keep
+        two streams of calls apart.  ``timeout`` defaults to this one's.
+        """
+        fn = "dup"
+        self._check_open(fn)
+        seconds = self._timeout if timeout is None else _timeout_seconds(fn, timeout)
+        self._dups += 1
+        other = type(self).__new__(type(self))
+        other._setup(
+            self._store, self._rank, self._world, f"{self._prefix}/dup{self._dups}",
+            f"{self._tag}d{self._dups}", seconds, self._group, self._fallback,
+        )  # fmt: skip
+        return other
 
     def __reduce__(self) -> Any:
         raise TypeError(

@@ -193,7 +193,7 @@ class ShmEngine:
             raise CommError(
                 f"{fn}: another thread of rank {self.rank} is inside a call on this "
                 f"Communicator; a Communicator serves one thread at a time (serialize the "
-                f"calls, or give each thread its own Communicator); nothing was done and "
+                f"calls, or give each thread its own: comm.dup()); nothing was done and "
                 f"the Communicator is still usable"
             )
         if status == ST_MISMATCH:
