@@ -2197,45 +2197,86 @@ static int parse_pieces(PyObject *list, pieces_t *pc)
     return 0;
 }
 
-/* Stream the pieces to dst.  Called and returns with the GIL held. */
-static int send_pieces(Engine *e, int dst, const pieces_t *pc)
+/* One send or receive in progress: a message streamed chunk by chunk
+ * (send_pieces, and p2p_batch below). */
+typedef struct {
+    int send, peer, started, done, drop, need;
+    pieces_t pc;
+    Py_ssize_t piece;      /* position in pc */
+    size_t off;
+    uint64_t k;            /* the chunk last published (send) / being read (recv) */
+    size_t total, pos;     /* message bytes; send: pushed; recv: before chunk k */
+    size_t used, limit;    /* recv: read of chunk k, and its size */
+    const char *want;      /* recv: the expected header */
+    size_t want_len, hl, dl, got;
+    char *hdr;             /* recv: the header as it arrives */
+    PyObject *scratch_obj; /* recv: a bytearray for the data of a message that */
+    char *scratch;         /* does not match (Python judges it) */
+    size_t soff;
+} bop_t;
+
+/* Push as many chunks as the ring takes; 1 if any moved. */
+static int bsend_step(Engine *e, bop_t *o)
 {
-    size_t total = 0;
-    for (Py_ssize_t i = 0; i < pc->n; i++)
-        total += pc->len[i];
-    const int me = e->rank;
     const size_t cap = e->p2p_piece;
-    line_t *done = ctrl_line(e, dst, P2P_DONE_LINE(e->world, me));
-    line_t *sent = ctrl_line(e, me, P2P_SENT_LINE(dst));
-    e->busy = 1;
-    PyThreadState *ts = total >= GIL_RELEASE_BYTES ? PyEval_SaveThread() : NULL;
-    uint64_t k = e->p2p_sent[dst];
-    size_t pos = 0, off = 0;
-    Py_ssize_t piece = 0;
-    int st = ST_OK;
-    for (;;) {
-        k++;
-        if (k > P2P_RING && (st = wait_p2p(e, &done->seq, k - P2P_RING, dst, &ts)) != ST_OK)
+    _Atomic uint64_t *done = &ctrl_line(e, o->peer, P2P_DONE_LINE(e->world, e->rank))->seq;
+    line_t *sent = ctrl_line(e, e->rank, P2P_SENT_LINE(o->peer));
+    int moved = 0;
+    if (!o->started) {
+        o->k = e->p2p_sent[o->peer];
+        o->started = 1;
+    }
+    while (o->pos < o->total) {
+        uint64_t k = o->k + 1;
+        if (k > P2P_RING && atomic_load_explicit(done, memory_order_acquire) < k - P2P_RING)
             break;
-        char *slot = p2p_slot_of(e, me, dst, k);
+        char *slot = p2p_slot_of(e, e->rank, o->peer, k);
         size_t fill = 0;
-        while (fill < cap && piece < pc->n) {
-            size_t n = pc->len[piece] - off < cap - fill ? pc->len[piece] - off : cap - fill;
-            memcpy(slot + fill, pc->addr[piece] + off, n);
+        while (fill < cap && o->piece < o->pc.n) {
+            size_t left = o->pc.len[o->piece] - o->off;
+            size_t n = left < cap - fill ? left : cap - fill;
+            memcpy(slot + fill, o->pc.addr[o->piece] + o->off, n);
             fill += n;
-            off += n;
-            if (off == pc->len[piece]) {
-                piece++;
-                off = 0;
+            o->off += n;
+            if (o->off == o->pc.len[o->piece]) {
+                o->piece++;
+                o->off = 0;
             }
         }
         publish(e, sent, k);
-        pos += fill;
-        if (pos >= total)
+        o->k = k;
+        o->pos += fill;
+        moved = 1;
+    }
+    if (o->pos >= o->total) {
+        o->done = 1;
+        e->p2p_sent[o->peer] = o->k;
+    }
+    return moved;
+}
+
+/* Stream the pieces to dst: bsend_step while the ring has room, wait_p2p
+ * for room in between.  Called and returns with the GIL held. */
+static int send_pieces(Engine *e, int dst, const pieces_t *pc)
+{
+    bop_t o;
+    memset(&o, 0, sizeof o);
+    o.send = 1;
+    o.peer = dst;
+    o.pc = *pc;
+    for (Py_ssize_t i = 0; i < pc->n; i++)
+        o.total += pc->len[i];
+    _Atomic uint64_t *done = &ctrl_line(e, dst, P2P_DONE_LINE(e->world, e->rank))->seq;
+    e->busy = 1;
+    PyThreadState *ts = o.total >= GIL_RELEASE_BYTES ? PyEval_SaveThread() : NULL;
+    int st = ST_OK;
+    for (;;) {
+        bsend_step(e, &o);
+        if (o.done)
+            break;
+        if ((st = wait_p2p(e, done, o.k + 1 - P2P_RING, dst, &ts)) != ST_OK)
             break;
     }
-    if (st == ST_OK)
-        e->p2p_sent[dst] = k;
     if (ts)
         PyEval_RestoreThread(ts);
     e->busy = 0;
@@ -2726,61 +2767,6 @@ static PyObject *eng_p2p_recv_into(Engine *e, PyObject *const *args, Py_ssize_t 
  * of wait_seq (spin, yield, sleep; liveness, crossed calls, the deadline
  * since the last progress, abort, signals) over every blocked peer.
  */
-typedef struct {
-    int send, peer, started, done, drop, need;
-    pieces_t pc;
-    Py_ssize_t piece;      /* position in pc */
-    size_t off;
-    uint64_t k;            /* the chunk last published (send) / being read (recv) */
-    size_t total, pos;     /* message bytes; send: pushed; recv: before chunk k */
-    size_t used, limit;    /* recv: read of chunk k, and its size */
-    const char *want;      /* recv: the expected header */
-    size_t want_len, hl, dl, got;
-    char *hdr;             /* recv: the header as it arrives */
-    PyObject *scratch_obj; /* recv: a bytearray for the data of a message that */
-    char *scratch;         /* does not match (Python judges it) */
-    size_t soff;
-} bop_t;
-
-/* Push as many chunks as the ring takes; 1 if any moved. */
-static int bsend_step(Engine *e, bop_t *o)
-{
-    const size_t cap = e->p2p_piece;
-    _Atomic uint64_t *done = &ctrl_line(e, o->peer, P2P_DONE_LINE(e->world, e->rank))->seq;
-    line_t *sent = ctrl_line(e, e->rank, P2P_SENT_LINE(o->peer));
-    int moved = 0;
-    if (!o->started) {
-        o->k = e->p2p_sent[o->peer];
-        o->started = 1;
-    }
-    while (o->pos < o->total) {
-        uint64_t k = o->k + 1;
-        if (k > P2P_RING && atomic_load_explicit(done, memory_order_acquire) < k - P2P_RING)
-            break;
-        char *slot = p2p_slot_of(e, e->rank, o->peer, k);
-        size_t fill = 0;
-        while (fill < cap && o->piece < o->pc.n) {
-            size_t left = o->pc.len[o->piece] - o->off;
-            size_t n = left < cap - fill ? left : cap - fill;
-            memcpy(slot + fill, o->pc.addr[o->piece] + o->off, n);
-            fill += n;
-            o->off += n;
-            if (o->off == o->pc.len[o->piece]) {
-                o->piece++;
-                o->off = 0;
-            }
-        }
-        publish(e, sent, k);
-        o->k = k;
-        o->pos += fill;
-        moved = 1;
-    }
-    if (o->pos >= o->total) {
-        o->done = 1;
-        e->p2p_sent[o->peer] = o->k;
-    }
-    return moved;
-}
 
 /* The whole header is in: does the message fit the receive?  If not, its
  * data goes to a new bytearray, which Python gets without another copy (the

@@ -1143,11 +1143,11 @@ class Communicator:
 
     def _all_to_all_table(
         self, fn: str, output: _Tensor, input: _Tensor, outs: list, ins: list
-    ) -> tuple[list, list]:
+    ) -> list:
         """Every rank's split sizes, checked by every rank: one all_gather of
         everyone's, so every rank reaches the same verdict (and raises together)
-        and all run the same rounds.  Returns (sends, recvs): row counts,
-        sends[q][j] from rank q to rank j."""
+        and all run the same rounds.  Returns the row counts sends[q][j] from
+        rank q to rank j (what rank j receives, once checked)."""
         w = self._world
         rows_in, row = self._rows(input)
         rows_out, out_row = self._rows(output)
@@ -1186,7 +1186,7 @@ class Communicator:
             )
         if problem is not None:
             raise ValueError(f"{fn}: {problem}")
-        return sends.tolist(), recvs.tolist()
+        return sends.tolist()
 
     def _all_to_all_shm(
         self, fn: str, output: _Tensor, input: _Tensor, outs: list, ins: list
@@ -1207,7 +1207,7 @@ class Communicator:
             sb = [rows_in // w * row] * w
             rb, most = sb, sb[0]
         else:
-            sends, _ = self._all_to_all_table(fn, output, input, outs, ins)
+            sends = self._all_to_all_table(fn, output, input, outs, ins)
             sb = [v * row for v in sends[me]]
             rb = [sends[q][me] * row for q in range(w)]
             most = max(max(s) for s in sends) * row
@@ -1229,9 +1229,8 @@ class Communicator:
         the checked split table, then every rank's whole input gathered and this
         rank's blocks picked out (memory: the world's inputs, a fallback)."""
         w, me = self._world, self._rank
-        sends, _ = self._all_to_all_table(fn, output, input, outs, ins)
-        rows_in, row = self._rows(input)
-        per_row = row // input.element_size() if input.element_size() else 0
+        sends = self._all_to_all_table(fn, output, input, outs, ins)
+        per_row = _prod(input.shape[1:])  # elements
         flat = dense(input).reshape(-1)
         sizes = [sum(sends[q]) * per_row for q in range(w)]
         everyone = self.all_gatherv(flat, sizes) if w > 1 else flat

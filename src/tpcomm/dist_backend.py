@@ -158,13 +158,13 @@ def _flush_all() -> None:
 
 
 class _P2P:
-    """A send or recv waiting in its group: the p2p_batch op, what keeps its
-    memory alive, and how it runs on its own."""
+    """A send or recv waiting in its group: its p2p_batch op, and the tensors
+    (a send's dense data, a recv's destinations) that keep its memory alive."""
 
-    __slots__ = ("work", "op", "keep", "alone")
+    __slots__ = ("work", "op", "keep")
 
-    def __init__(self, work: _Pending, op: tuple, keep: Any, alone: Any):
-        self.work, self.op, self.keep, self.alone = work, op, keep, alone
+    def __init__(self, work: _Pending, op: tuple, keep: list):
+        self.work, self.op, self.keep = work, op, keep
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -526,7 +526,7 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
                 return _Done(tensors)
         # else it waits for its Work (or the next call): see _Pending
         work = _Pending(self, tensors)
-        self._wait_with(_P2P(work, (1, dst, pieces), datas, lambda: self._comm.send(tensors, dst)))
+        self._wait_with(_P2P(work, (1, dst, pieces), datas))
         return work
 
     def recv(self, tensors: list, src: int, tag: int = 0) -> Any:
@@ -540,7 +540,7 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
         work = _Pending(self, tensors)
         dests = [(t.data_ptr(), n) for t in tensors if (n := t.numel() * t.element_size())]
         op = (0, src, header, dests)
-        self._wait_with(_P2P(work, op, tensors, None))
+        self._wait_with(_P2P(work, op, tensors))
         return work
 
     def _wait_with(self, p2p: _P2P) -> None:
@@ -605,7 +605,7 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
         if len(pending) == 1 and pending[0].op[0] == 1:  # a send alone: the ordinary path
             p = pending[0]
             try:
-                p.alone()
+                self._comm.send(p.keep, p.op[1])
             except BaseException as e:
                 p.work._finish(e)
                 raise
