@@ -710,6 +710,36 @@ def test_batch_isend_irecv_cannot_deadlock(world):
         assert all(out.values()), out
 
 
+def late_look_at_a_sent_message(comm, port):
+    """Rank 1 waits in a recv; rank 0 sends, then goes into a collective before
+    rank 1 has looked again.  Rank 1's next check sees rank 0 ahead in the
+    collectives, but its message is there: that is not a crossed call.  (The
+    fault knob holds rank 1 100 ms between its last look and its verdicts, the
+    window a preempted rank gets on a busy machine.)"""
+    _init(comm, port)
+    r = dist.get_rank()
+    try:
+        got = None
+        if r == 1:
+            dist.group.WORLD._comm._engine._native.fault_check_delay(100_000.0)
+            buf = torch.zeros(4)
+            dist.recv(buf, src=0)
+            got = buf.tolist()
+        else:
+            time.sleep(0.03)  # rank 1 is inside its first check by now
+            dist.send(torch.full((4,), 7.0), 1)
+        x = torch.ones(3)
+        dist.all_reduce(x)
+        return got, x.tolist()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_message_sent_before_a_collective_is_not_a_crossed_call():
+    res = tpcomm.launch(late_look_at_a_sent_message, 2, args=(free_port(),), timeout=60)
+    assert res == [(None, [2.0] * 3), ([7.0] * 4, [2.0] * 3)]
+
+
 def waits_past_tpcomm_timeout(comm, port):
     _init(comm, port)
     try:

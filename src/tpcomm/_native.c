@@ -811,6 +811,7 @@ typedef struct {
     void *next_live;
     int failed;      /* the communicator is unusable after a failure */
     int in_p2p;      /* inside a point-to-point wait (wait_p2p) */
+    uint64_t fault_check_delay_ns; /* tests only: sleep before a slow wait's verdicts */
     /* details of the last error, for Python's message */
     int err_rank;
     uint32_t err_kind, err_dtype, err_op;
@@ -2899,6 +2900,12 @@ static int batch_run(Engine *e, bop_t *ops, Py_ssize_t n, PyThreadState **ts)
 {
     uint64_t last = now_ns(), next_check = last + 2000000ull, next_signal = last + 50000000ull;
     hdr_t *h = HDR(e);
+    /* a verdict (peer dead, calls crossed) is only given after one more pass
+     * over the operations that moved nothing: the peer may have sent this
+     * rank's message and then gone on (into a collective, or out) between the
+     * last pass and the check.  Its counters were published before its round
+     * or its exit, so the pass after seeing either sees them too. */
+    int recheck = 0;
     for (;;) {
         int moved = 0, pending = 0;
         bop_t *first = NULL; /* the first blocked operation: the one to sleep on */
@@ -2924,28 +2931,40 @@ static int batch_run(Engine *e, bop_t *ops, Py_ssize_t n, PyThreadState **ts)
         uint64_t t = now_ns();
         if (moved) {
             last = t;
+            recheck = 0;
             continue;
         }
-        if (t >= next_check) {
+        if (t >= next_check || recheck) {
             next_check = t + 2000000ull;
             if (take_abort(e))
                 return ST_ABORTED;
-            for (Py_ssize_t i = 0; i < n; i++) {
+            if (e->fault_check_delay_ns) /* widen the race the recheck closes */
+            {
+                struct timespec d = {(time_t)(e->fault_check_delay_ns / 1000000000ull),
+                                     (long)(e->fault_check_delay_ns % 1000000000ull)};
+                nanosleep(&d, NULL);
+            }
+            int verdict = ST_OK, who = -1;
+            for (Py_ssize_t i = 0; i < n && verdict == ST_OK; i++) {
                 bop_t *o = &ops[i];
                 if (o->done)
                     continue;
-                if (!peer_alive(e, o->peer)) {
-                    e->err_rank = o->peer;
-                    e->failed = 1;
-                    set_abort(e, ST_PEER_DEAD, o->peer);
-                    return ST_PEER_DEAD;
-                }
-                if (peer_ahead(e, o->peer)) { /* crossed: see wait_seq */
-                    e->err_rank = o->peer;
-                    e->failed = 1;
-                    set_abort(e, ST_CROSSED, e->rank);
-                    return ST_CROSSED;
-                }
+                who = o->peer;
+                if (!peer_alive(e, o->peer))
+                    verdict = ST_PEER_DEAD;
+                else if (peer_ahead(e, o->peer)) /* crossed: see wait_seq */
+                    verdict = ST_CROSSED;
+            }
+            if (verdict != ST_OK && !recheck) {
+                recheck = 1; /* one more pass first (above) */
+                continue;
+            }
+            recheck = 0;
+            if (verdict != ST_OK) {
+                e->err_rank = who;
+                e->failed = 1;
+                set_abort(e, verdict, verdict == ST_PEER_DEAD ? who : e->rank);
+                return verdict;
             }
             int st = deadline_and_signals(e, t - last >= e->timeout_ns, first ? first->peer : -1,
                                           t, &next_signal, ts);
@@ -3604,7 +3623,19 @@ static PyObject *eng_set_twoshot_min(Engine *e, PyObject *arg)
 }
 
 
+/* Fault injection for tests: every slow wait of p2p_batch sleeps this long
+ * (microseconds) between its last pass and its verdicts (see batch_run). */
+static PyObject *eng_fault_check_delay(Engine *e, PyObject *arg)
+{
+    double us = PyFloat_AsDouble(arg);
+    if (us == -1.0 && PyErr_Occurred())
+        return NULL;
+    e->fault_check_delay_ns = us > 0 ? (uint64_t)(us * 1e3) : 0;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef eng_methods[] = {
+    {"fault_check_delay", (PyCFunction)eng_fault_check_delay, METH_O, NULL},
     {"all_reduce", (PyCFunction)(void (*)(void))eng_all_reduce, METH_FASTCALL, NULL},
     {"fast_all_reduce", (PyCFunction)(void (*)(void))eng_fast_all_reduce,
      METH_FASTCALL | METH_KEYWORDS, NULL},
