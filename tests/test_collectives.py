@@ -513,28 +513,58 @@ def test_all_to_all_single(pools, world):
 def aliased_in_place(comm):
     """The in-place forms frameworks use: all_gather_into_tensor whose input is
     this rank's chunk of the output (FSDP), reduce_scatter_tensor whose output
-    is this rank's chunk of the input, all_to_all_single(a, a); sizes below one
+    is this rank's chunk of the input, all_to_all_single(a, a), sendrecv into
+    the tensor it sends (a shift around the ring); and inputs and outputs that
+    overlap anywhere else (another rank's chunk, straddling two), which must
+    give the result of the same call on separate tensors.  Sizes below one
     slot and across several."""
     r, w = comm.rank, comm.world_size
     bad = []
     for n in (5, 1000, 300_000, 700_001):
-        out = torch.empty(w * n)
-        inp = out[r * n : (r + 1) * n]
-        inp.copy_(make(r, n, torch.float32, 70))
-        comm.all_gather_into_tensor(out, inp)
-        if not torch.equal(out, torch.cat([make(q, n, torch.float32, 70) for q in range(w)])):
-            bad.append(("all_gather_into_tensor", n))
+        gathered = torch.cat([make(q, n, torch.float32, 70) for q in range(w)])
+        for where, at in (("own", r * n), ("next", (r + 1) % w * n), ("straddling", n // 2 + 1)):
+            out = torch.empty(w * n)
+            inp = out[at : at + n]
+            inp.copy_(make(r, n, torch.float32, 70))
+            comm.all_gather_into_tensor(out, inp)
+            if not torch.equal(out, gathered):
+                bad.append(("all_gather_into_tensor", where, n))
+            # gather into an out= that holds the input (on the root; the others
+            # send from inside a tensor of the same layout)
+            out = torch.empty(w * n)
+            inp = out[at : at + n]
+            inp.copy_(make(r, n, torch.float32, 70))
+            got = comm.gather(inp, 0, out=out if r == 0 else None)
+            if r == 0 and not (got is out and torch.equal(out, gathered)):
+                bad.append(("gather", where, n))
         xs = [make(q, w * n, torch.float32, 71) for q in range(w)]
-        x = xs[r].clone()
-        o = x[r * n : (r + 1) * n]
-        comm.reduce_scatter_tensor(o, x)
-        if not torch.equal(o, reference(xs, tpcomm.ReduceOp.SUM)[r * n : (r + 1) * n]):
-            bad.append(("reduce_scatter_tensor", n))
+        want = reference(xs, tpcomm.ReduceOp.SUM)[r * n : (r + 1) * n]
+        for where, at in (("own", r * n), ("next", (r + 1) % w * n), ("straddling", n // 2 + 3)):
+            x = xs[r].clone()
+            o = x[at : at + n]
+            comm.reduce_scatter_tensor(o, x)
+            if not torch.equal(o, want):
+                bad.append(("reduce_scatter_tensor", where, n))
         a = make(r, w * n, torch.int64, 72)
         comm.all_to_all_single(a, a)
         want = torch.cat([make(q, w * n, torch.int64, 72)[r * n : (r + 1) * n] for q in range(w)])
         if not torch.equal(a, want):
             bad.append(("all_to_all_single", n))
+        # sendrecv: receive into what is sent, around the ring and, with two
+        # tensors, each received into the other one's memory
+        prev = (r - 1) % w
+        x = make(r, n, torch.float32, 73)
+        comm.sendrecv([x], (r + 1) % w, prev, out=[x])
+        if not torch.equal(x, make(prev, n, torch.float32, 73)):
+            bad.append(("sendrecv", "in place", n))
+        if w > 1:
+            y, z = make(r, n, torch.float32, 74), make(r, n, torch.float32, 75)
+            comm.sendrecv([y, z], (r + 1) % w, prev, out=[z, y])
+            if not (
+                torch.equal(z, make(prev, n, torch.float32, 74))
+                and torch.equal(y, make(prev, n, torch.float32, 75))
+            ):
+                bad.append(("sendrecv", "swapped", n))
     return bad
 
 

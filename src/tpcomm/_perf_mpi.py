@@ -18,20 +18,23 @@ import sys
 import torch
 
 from .ops import ReduceOp
-from .perf import COLLECTIVES, MPI_DTYPES, MPI_OPS, _concat, _fresh_timed, _timed
+from .perf import COLLECTIVES, MPI_DTYPES, MPI_OPS, _concat, _fresh_timed, _timed, in_place
 
 
 def supported(dtype: torch.dtype, op: str) -> bool:
     return dtype in MPI_DTYPES and op in MPI_OPS
 
 
-def _calls(MPI, comm, name: str, mpi_op):
-    """(make, run, out) for one collective, on numpy views of torch tensors."""
+def _calls(MPI, comm, name: str, mpi_op, inplace: bool = False):
+    """(make, run, out) for one collective, on numpy views of torch tensors;
+    inplace: perf's --in-place (all_gather with MPI_IN_PLACE)."""
     coll = COLLECTIVES[name]
     rank, world = comm.rank, comm.size
 
     def make(count, dtype, salt):
         st = coll.make(rank, world, count, dtype, ReduceOp.SUM, salt)
+        if inplace:
+            st = in_place(name, st, rank)
         if name == "gather":  # one flat receive buffer on the root instead of a list
             st["y"] = torch.empty(count, dtype=dtype) if rank == 0 else None
         # numpy views made once, outside the timed loop (t.numpy() costs ~0.5 us)
@@ -42,6 +45,11 @@ def _calls(MPI, comm, name: str, mpi_op):
 
         def run(st):
             comm.Allreduce(MPI.IN_PLACE, st["np"]["x"], op=mpi_op)
+
+    elif name == "all_gather" and inplace:
+
+        def run(st):
+            comm.Allgather(MPI.IN_PLACE, st["np"]["y"])
 
     elif name == "all_gather":
 
@@ -107,7 +115,7 @@ def main(cfg: dict) -> None:
     if not supported(dtype, op):
         rows = [{"size": s, "time": None, "wrong": None} for s in cfg["sizes"]]
     else:
-        make, run, out = _calls(MPI, comm, name, getattr(MPI, op))
+        make, run, out = _calls(MPI, comm, name, getattr(MPI, op), cfg.get("in_place", False))
         for i, size in enumerate(cfg["sizes"]):
             count = max(1, size // es)
             if coll.parts:

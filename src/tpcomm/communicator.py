@@ -95,6 +95,33 @@ def _overlap(a: _Tensor, b: _Tensor) -> bool:
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
+def _any_overlap(xs: Sequence[_Tensor], ys: Sequence[_Tensor]) -> bool:
+    """Whether any tensor of ``xs`` shares memory with any of ``ys`` (by the
+    span each one's storage covers: conservative for strided views)."""
+
+    def spans(ts: Sequence[_Tensor]) -> list:
+        out = []
+        for t in ts:
+            if t.numel():
+                lo = t.data_ptr()
+                hi = lo + t.element_size() * (
+                    1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+                )
+                out.append((lo, hi))
+        return sorted(out)
+
+    a, b = spans(xs), spans(ys)
+    i = j = 0
+    while i < len(a) and j < len(b):  # two sorted lists of intervals: a merge
+        if a[i][0] < b[j][1] and b[j][0] < a[i][1]:
+            return True
+        if a[i][1] <= b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return False
+
+
 class Communicator:
     """Collectives between the processes of one group, through shared memory.
 
@@ -1278,6 +1305,10 @@ class Communicator:
                 o.copy_(t)
             return list(out)
         datas = [dense(t) for t in tensors]  # alive until the call is done: pieces point in
+        if out is not None and _any_overlap(datas, out):
+            # receiving into what is being sent (a shift in place): the send and
+            # the receive progress together, so the data is sent from a copy
+            datas = [t.clone() for t in datas]
         header = b""  # matches no message: it lands in a bytearray
         dests: list = []
         if out is not None and all(is_dense(o) for o in out):

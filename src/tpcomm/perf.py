@@ -219,6 +219,17 @@ COLLECTIVES = {
 REDUCING = ("all_reduce", "reduce_scatter")
 
 
+def in_place(name: str, st: dict, rank: int) -> dict:
+    """--in-place: all_gather's input moved into its own chunk of the output
+    (torch's in-place all_gather_into_tensor, nccl-tests' in-place run)."""
+    if name == "all_gather":
+        x, y = st["x"], st["y"]
+        own = y[rank * x.numel() : (rank + 1) * x.numel()]
+        own.copy_(x)
+        st["x"] = own
+    return st
+
+
 def _data(rank: int, count: int, dtype: torch.dtype, salt: int) -> torch.Tensor:
     """Small integers: exact in every dtype, different per rank and per element."""
     base = (torch.arange(count, dtype=torch.int64) * 7 + rank * 3 + salt) % 13
@@ -321,6 +332,8 @@ def _worker(comm, cfg: dict) -> list[dict]:
                 count = max(world, count // world * world)
             row = {"size": count * es, "count": count}
             st = coll.make(rank, world, count, dtype, op, 0)
+            if cfg["in_place"]:
+                st = in_place(coll.name, st, rank)
             zbuf = None
             if cfg["zero_copy"]:  # all_reduce of a tensor that lives in shared memory
                 zbuf = comm.empty((count,), dtype)
@@ -348,6 +361,8 @@ def _worker(comm, cfg: dict) -> list[dict]:
                 wrong = 0
                 for salt in range(1, cfg["check"] + 1):
                     chk = coll.make(rank, world, count, dtype, op, salt)
+                    if cfg["in_place"]:
+                        chk = in_place(coll.name, chk, rank)
                     if zbuf is not None:
                         zbuf.copy_(chk["x"])
                         chk["x"] = zbuf
@@ -359,6 +374,8 @@ def _worker(comm, cfg: dict) -> list[dict]:
                 row["wrong"] = wrong
             if gloo:
                 g = coll.make(rank, world, count, dtype, op, 0)
+                if cfg["in_place"]:
+                    g = in_place(coll.name, g, rank)
                 coll.run_dist(g, op)
                 giters = max(3, min(iters, int(cfg["target"] / 2 / max(row["time"] * 50, 1e-6))))
                 giters = _agree(comm, giters)
@@ -457,6 +474,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--plot", metavar="FILE.png", help="plot time and busbw vs size (needs matplotlib)"
     )
     p.add_argument(
+        "--in-place",
+        action="store_true",
+        help="all_gather: the input is this rank's chunk of the output (torch's "
+        "in-place form, as FSDP calls it); for every library compared",
+    )
+    p.add_argument(
         "-Z",
         "--zero-copy",
         action="store_true",
@@ -486,6 +509,9 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
     if args.zero_copy and args.backend == "dist":
         print("# error: --zero-copy needs --backend comm", file=sys.stderr)
         return 2
+    if args.in_place and args.collective != "all_gather":
+        print("# error: --in-place applies to all_gather", file=sys.stderr)
+        return 2
     if op == "AVG" and dtype not in FLOAT_DTYPES:
         print("# error: avg needs a floating datatype", file=sys.stderr)
         return 2
@@ -514,6 +540,7 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
         "zero_copy": args.zero_copy,
         "backend": args.backend,
         "fresh": args.fresh,
+        "in_place": args.in_place,
     }
     coll = COLLECTIVES[args.collective]
     n = args.nranks
@@ -524,7 +551,8 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
         f"check {args.check}, pinned {not args.no_pin}, "
         f"{'dist.* on a cpu:tpcomm group' if args.backend == 'dist' else 'Communicator calls'}"
         f"{', zero-copy (comm.empty)' if args.zero_copy else ''}"
-        f"{', fresh input every call' if args.fresh else ''}\n"
+        f"{', fresh input every call' if args.fresh else ''}"
+        f"{', in place (input = output.chunk(n)[rank])' if args.in_place else ''}\n"
     )
     w(
         f"# host {socket.gethostname()}: {platform.processor() or platform.machine()}, "
@@ -678,6 +706,7 @@ def _run_mpi(mpirun: str, args: argparse.Namespace, cfg: dict, n: int):
         "target": cfg["target"],
         "pin": not args.no_pin,
         "fresh": cfg["fresh"],
+        "in_place": cfg["in_place"],
     }
     cmd = [mpirun, "-np", str(n), "--bind-to", "none"]
     if n > (os.cpu_count() or 1):
