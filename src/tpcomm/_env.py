@@ -18,6 +18,8 @@ __all__ = [
     "spin_us",
     "yield_us",
     "nt_min_bytes",
+    "cma",
+    "cma_min_bytes",
     "host_id_override",
     "cuda_algo",
     "cache_dir",
@@ -102,6 +104,31 @@ def yield_us() -> float:
 def nt_min_bytes() -> int:
     """TPCOMM_NT_MIN_BYTES (default -1: never)."""
     return _int("TPCOMM_NT_MIN_BYTES", DEFAULT_NT_MIN_BYTES, -1, " (-1: never)")
+
+
+# all_gathers that move at least this many bytes in all read the peers' inputs
+# straight from their memory (process_vm_readv) when every rank can: see
+# docs/COLLECTIVES.md "Single-copy all_gather".  Switch points measured on the
+# development machine, by world size as TWOSHOT_MIN_BYTES (world 2 gains from
+# 32-64 KiB; worlds 3 and 4, oversubscribed there, lose at 64 KiB and gain
+# from 1 MiB).
+CMA_MIN_BYTES = {2: 64 << 10, 3: 1 << 20}
+
+
+def cma() -> bool:
+    """TPCOMM_CMA: 1 (default: single-copy all_gather where every rank can read its
+    peers' memory) or 0 (never; on any rank, for every rank)."""
+    value = os.environ.get("TPCOMM_CMA", "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"TPCOMM_CMA={value!r}: expected 0 or 1")
+    return value == "1"
+
+
+def cma_min_bytes(world: int) -> int:
+    """TPCOMM_CMA_MIN_BYTES: the smallest all_gather (total bytes) read single-copy
+    (default: CMA_MIN_BYTES for this world size)."""
+    key = max(k for k in CMA_MIN_BYTES if k <= max(world, 2))
+    return _int("TPCOMM_CMA_MIN_BYTES", CMA_MIN_BYTES[key], 0)
 
 
 def allreduce_algo() -> str:

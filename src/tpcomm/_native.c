@@ -66,6 +66,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
+#include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
 #include <linux/futex.h>
@@ -85,7 +86,7 @@
 #endif
 
 #define MAGIC 0x314d4d4f43505454ULL /* "TTPCOMM1" little endian */
-#define VERSION 3u
+#define VERSION 4u
 #define PAGE 4096u
 #define LINE 64u
 #define NCHAN 1          /* channels per rank: 0 = collectives */
@@ -104,7 +105,8 @@
 
 /* status codes returned to Python (see shm/engine.py) */
 enum { ST_OK = 0, ST_TIMEOUT = 1, ST_PEER_DEAD = 2, ST_MISMATCH = 3, ST_ABORTED = 4,
-       ST_INTERRUPTED = 5, ST_CROSSED = 6, ST_BUSY = 7, ST_CLOSED = 8 };
+       ST_INTERRUPTED = 5, ST_CROSSED = 6, ST_BUSY = 7, ST_CLOSED = 8,
+       ST_CMA = 9 };
 
 /* dtype and op codes shared with Python */
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_I32 = 3, DT_I64 = 4, DT_COUNT };
@@ -131,7 +133,8 @@ typedef struct {
     _Atomic uint64_t seq;
     uint32_t kind, dtype, op, _r;
     uint64_t count, arg;
-    char _pad[LINE - 40];
+    uint64_t addr; /* single-copy all_gather: where this rank's input is (its own memory) */
+    char _pad[LINE - 48];
 } line_t;
 
 _Static_assert(sizeof(line_t) == LINE, "line_t must be one cache line");
@@ -812,6 +815,7 @@ typedef struct {
     int failed;      /* the communicator is unusable after a failure */
     int in_p2p;      /* inside a point-to-point wait (wait_p2p) */
     uint64_t fault_check_delay_ns; /* tests only: sleep before a slow wait's verdicts */
+    int fault_cma_addr;            /* tests only: publish an unreadable input address */
     /* details of the last error, for Python's message */
     int err_rank;
     uint32_t err_kind, err_dtype, err_op;
@@ -833,6 +837,10 @@ typedef struct {
     PyObject *mapping; /* the Mapping that owns base */
     PyObject *pending; /* exception a signal handler raised during a wait */
     uint64_t twoshot_min; /* all-reduces of at least this many bytes go two-shot */
+    int cma;              /* all ranks can read each other's memory (cma_init) */
+    int err_errno;        /* the errno of a failed process_vm_readv (ST_CMA) */
+    uint64_t cma_min;     /* all_gathers of at least this many bytes read the peers directly */
+    uint64_t cma_word;    /* the word peers read to check they can (cma_init) */
     /* symmetric buffers (Communicator.empty): this rank's range and every
      * rank's base address of the same buffer, as mapped here */
     pool_t *pool; /* helper threads, NULL with one thread */
@@ -1810,6 +1818,96 @@ static PyObject *eng_fast_gather(Engine *e, PyObject *const *args, Py_ssize_t na
                        dst == e->rank ? ao : NULL);
 }
 
+/*
+ * Single-copy all_gather (cross-memory attach, as Open MPI's shared-memory
+ * transport does for large messages): instead of copying its input into its
+ * slot for the peers to copy out, every rank publishes where its input is and
+ * reads each peer's input straight into its own result with
+ * process_vm_readv(2); a second round keeps every input in place until all
+ * ranks have read it.  Half the bytes of the two-copy path cross memory.
+ * Used when cma_init found that every rank can read every other one (same
+ * user, no Yama or seccomp refusal) and the gather moves at least cma_min
+ * bytes; the decision depends only on what every rank shares, so all ranks
+ * take the same path.
+ */
+#define KIND_ALL_GATHER 3u /* shm/engine.py KIND_ALL_GATHER (checked by a test) */
+#define CMA_PIECE (4u << 20) /* bytes per process_vm_readv: aborts are seen between */
+
+static uint64_t cma_tag(uint64_t pid, int rank)
+{
+    return (0x747063636d61ull << 16) ^ (pid * 0x9E3779B97F4A7C15ull) ^ (uint64_t)rank;
+}
+
+static inline int peer_pid(Engine *e, int r) { return (int)*(uint64_t *)ctrl_of(e, r); }
+
+/* n bytes at `remote` in rank r's memory to `local`: a status */
+static int cma_read(Engine *e, int r, char *local, uint64_t remote, size_t n)
+{
+    size_t done = 0;
+    while (done < n) {
+        if (take_abort(e))
+            return ST_ABORTED;
+        if (e->fault_check_delay_ns) { /* tests: a peer may die meanwhile */
+            struct timespec d = {(time_t)(e->fault_check_delay_ns / 1000000000ull),
+                                 (long)(e->fault_check_delay_ns % 1000000000ull)};
+            nanosleep(&d, NULL);
+        }
+        size_t k = n - done < CMA_PIECE ? n - done : CMA_PIECE;
+        struct iovec l = {local + done, k}, rm = {(void *)(uintptr_t)(remote + done), k};
+        ssize_t got = process_vm_readv(peer_pid(e, r), &l, 1, &rm, 1, 0);
+        if (got > 0) {
+            done += (size_t)got;
+            continue;
+        }
+        if (got < 0 && errno == EINTR)
+            continue;
+        int err = got < 0 ? errno : EFAULT;
+        if (take_abort(e))
+            return ST_ABORTED;
+        e->err_rank = r;
+        e->failed = 1;
+        if (!peer_alive(e, r)) {
+            set_abort(e, ST_PEER_DEAD, r);
+            return ST_PEER_DEAD;
+        }
+        e->err_errno = err;
+        set_abort(e, ST_CMA, e->rank);
+        return ST_CMA;
+    }
+    return ST_OK;
+}
+
+static int cma_gather(Engine *e, uint32_t kind, const char *mine, const size_t *cnt, char *out,
+                      char *const *dsts, uint32_t dtype, uint64_t numel, uint64_t arg,
+                      size_t total, int in_place)
+{
+    const int w = e->world, me = e->rank;
+    PyThreadState *ts = NULL;
+    int st = enter_data(e, total, &ts);
+    if (st != 0)
+        return st;
+    const int p = (int)((e->round + 1) & 1);
+    line_of(e, me, 0, p)->addr = e->fault_cma_addr ? 4096u : (uint64_t)(uintptr_t)mine;
+    st = round_sync(e, kind, dtype, 0, numel, arg, &ts);
+    size_t off[w];
+    for (int r = 0; r < w; r++)
+        off[r] = r ? off[r - 1] + cnt[r - 1] : 0;
+    if (st == ST_OK && (out || dsts)) {
+        if (cnt[me] && !in_place)
+            memcpy(dsts ? dsts[me] : out + off[me], mine, cnt[me]);
+        for (int i = 1; i < w && st == ST_OK; i++) {
+            int r = (me + i) % w;
+            if (cnt[r])
+                st = cma_read(e, r, dsts ? dsts[r] : out + off[r], line_of(e, r, 0, p)->addr,
+                              cnt[r]);
+        }
+    }
+    /* nobody reads this rank's input after this round */
+    if (st == ST_OK)
+        st = round_sync(e, kind, dtype, 0, numel, arg, &ts);
+    return leave_data(e, st, ts);
+}
+
 /* whether [a, a + na) and [b, b + nb) share a byte */
 static inline int overlap(const char *a, size_t na, const char *b, size_t nb)
 {
@@ -1854,6 +1952,11 @@ static int gather_rounds(Engine *e, uint32_t kind, const char *mine, const size_
         }
         memcpy(aside, mine, cnt[me]);
         mine = aside;
+    }
+    if (e->cma && kind == KIND_ALL_GATHER && outer == 1 && total >= e->cma_min) {
+        int st = cma_gather(e, kind, mine, cnt, out, dsts, dtype, numel, arg, total, in_place);
+        PyMem_RawFree(aside);
+        return st;
     }
     PyThreadState *ts = NULL;
     int st = enter_data(e, total, &ts);
@@ -3183,11 +3286,11 @@ static PyObject *eng_reduce_kernel(PyObject *self, PyObject *args)
 static PyObject *eng_error_info(Engine *e, PyObject *unused)
 {
     (void)unused;
-    return Py_BuildValue("{s:i,s:I,s:I,s:I,s:K,s:K,s:K,s:K}", "rank", e->err_rank, "kind",
+    return Py_BuildValue("{s:i,s:I,s:I,s:I,s:K,s:K,s:K,s:K,s:i}", "rank", e->err_rank, "kind",
                          e->err_kind, "dtype", e->err_dtype, "op", e->err_op, "count",
                          (unsigned long long)e->err_count, "arg", (unsigned long long)e->err_arg,
                          "my_arg", (unsigned long long)e->err_my_arg, "reason",
-                         (unsigned long long)e->err_reason);
+                         (unsigned long long)e->err_reason, "errno", e->err_errno);
 }
 
 static PyObject *eng_header(Engine *e, PyObject *unused)
@@ -3539,8 +3642,11 @@ static int eng_init(Engine *e, PyObject *args, PyObject *kw)
         atomic_thread_fence(memory_order_release);
         h->magic = MAGIC;
     }
-    /* who maps it, for `tpcomm doctor` to tell stale segments from live ones */
+    /* who maps it, for `tpcomm doctor` to tell stale segments from live ones,
+     * and where the word is that peers read to check single-copy reads work */
+    e->cma_word = cma_tag((uint64_t)getpid(), rank);
     *(uint64_t *)ctrl_of(e, rank) = (uint64_t)getpid();
+    ((uint64_t *)ctrl_of(e, rank))[1] = (uint64_t)(uintptr_t)&e->cma_word;
     return 0;
 }
 
@@ -3682,8 +3788,54 @@ static PyObject *eng_set_twoshot_min(Engine *e, PyObject *arg)
 }
 
 
+/*
+ * cma_init(kind, want, min_bytes) -> (status, enabled): collective.  Every rank
+ * tries to read every peer's check word (cma_tag) with process_vm_readv, then
+ * one round (kind: a barrier's) tells every rank what every other found;
+ * single-copy all_gathers are on only if every rank can read every peer and
+ * wants them (want: 0 from TPCOMM_CMA=0 turns them off everywhere).
+ */
+static PyObject *eng_cma_init(Engine *e, PyObject *args)
+{
+    unsigned int kind;
+    int want;
+    unsigned long long min_bytes;
+    if (!PyArg_ParseTuple(args, "IpK", &kind, &want, &min_bytes))
+        return NULL;
+    if (!e->base)
+        return eng_closed_error();
+    int en = enter(e);
+    if (en < 0)
+        return NULL;
+    if (en > 0)
+        return Py_BuildValue("(iO)", en, Py_False);
+    int ok = want;
+    for (int r = 0; ok && r < e->world; r++) {
+        if (r == e->rank)
+            continue;
+        uint64_t v = 0, where = ((uint64_t *)ctrl_of(e, r))[1];
+        struct iovec l = {&v, sizeof v}, rm = {(void *)(uintptr_t)where, sizeof v};
+        ok = process_vm_readv(peer_pid(e, r), &l, 1, &rm, 1, 0) == (ssize_t)sizeof v &&
+             v == cma_tag((uint64_t)peer_pid(e, r), r);
+    }
+    int p = (int)((e->round + 1) & 1);
+    line_of(e, e->rank, 0, p)->_r = (uint32_t)ok;
+    PyThreadState *ts = NULL;
+    int st = round_sync(e, kind, 0, 0, 0, 0, &ts);
+    if (ts)
+        PyEval_RestoreThread(ts);
+    e->busy = 0;
+    int all = st == ST_OK;
+    for (int r = 0; all && r < e->world; r++)
+        all = line_of(e, r, 0, p)->_r == 1;
+    e->cma = all;
+    e->cma_min = min_bytes;
+    return Py_BuildValue("(iO)", st, all ? Py_True : Py_False);
+}
+
 /* Fault injection for tests: every slow wait of p2p_batch sleeps this long
- * (microseconds) between its last pass and its verdicts (see batch_run). */
+ * (microseconds) between its last pass and its verdicts (see batch_run), and
+ * a single-copy all_gather before each read of a peer (cma_read). */
 static PyObject *eng_fault_check_delay(Engine *e, PyObject *arg)
 {
     double us = PyFloat_AsDouble(arg);
@@ -3693,8 +3845,21 @@ static PyObject *eng_fault_check_delay(Engine *e, PyObject *arg)
     Py_RETURN_NONE;
 }
 
+/* Fault injection for tests: single-copy all_gathers publish an address the
+ * peers cannot read (a read error with every rank alive: ST_CMA). */
+static PyObject *eng_fault_cma_addr(Engine *e, PyObject *arg)
+{
+    int v = PyObject_IsTrue(arg);
+    if (v < 0)
+        return NULL;
+    e->fault_cma_addr = v;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef eng_methods[] = {
     {"fault_check_delay", (PyCFunction)eng_fault_check_delay, METH_O, NULL},
+    {"cma_init", (PyCFunction)eng_cma_init, METH_VARARGS, NULL},
+    {"fault_cma_addr", (PyCFunction)eng_fault_cma_addr, METH_O, NULL},
     {"all_reduce", (PyCFunction)(void (*)(void))eng_all_reduce, METH_FASTCALL, NULL},
     {"fast_all_reduce", (PyCFunction)(void (*)(void))eng_fast_all_reduce,
      METH_FASTCALL | METH_KEYWORDS, NULL},
@@ -3930,6 +4095,8 @@ PyMODINIT_FUNC PyInit__native(void)
     PyModule_AddIntConstant(m, "ST_CROSSED", ST_CROSSED);
     PyModule_AddIntConstant(m, "ST_BUSY", ST_BUSY);
     PyModule_AddIntConstant(m, "ST_CLOSED", ST_CLOSED);
+    PyModule_AddIntConstant(m, "ST_CMA", ST_CMA);
+    PyModule_AddIntConstant(m, "KIND_ALL_GATHER", KIND_ALL_GATHER);
     PyModule_AddObject(m, "MAGIC", PyLong_FromUnsignedLongLong(MAGIC));
     PyModule_AddIntConstant(m, "VERSION", VERSION);
     PyModule_AddIntConstant(m, "PAGE", PAGE);

@@ -327,6 +327,7 @@ def _check_paths(rep: Report, world: int) -> None:
     rep.ok("reduce_scatter: shared memory (same dtypes and ops as all_reduce)")
     rep.ok("all_gather, gather, broadcast, all_to_all_single, send/recv, sendrecv, barrier:")
     rep.info("  shared memory, any dtype")
+    _check_cma(rep, world)
     rep.ok("all_reduce of a comm.empty() tensor: zero-copy")
     rep.info("dist backend 'tpcomm': the same, plus scatter; isend/irecv and batch_isend_irecv")
     rep.info("run together when waited on (never deadlocked); recv without a source is not")
@@ -342,6 +343,35 @@ def _check_paths(rep: Report, world: int) -> None:
     )
 
 
+def _yama_scope() -> Optional[int]:
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _check_cma(rep: Report, world: int) -> None:
+    """Whether all_gather can read the peers' inputs single-copy (process_vm_readv)."""
+    least = _human(_env.cma_min_bytes(world))
+    scope = _yama_scope()
+    if not _env.cma():
+        rep.info("all_gather: always two copies through shared memory (TPCOMM_CMA=0)")
+    elif scope is not None and scope >= 1:
+        rep.info(
+            f"all_gather: two copies through shared memory: Yama ptrace_scope={scope} "
+            f"forbids ranks to read each other's memory (process_vm_readv); from {least} "
+            f"a single copy is faster (sysctl kernel.yama.ptrace_scope=0 allows it; tpcomm "
+            f"does not change who may read its processes)"
+        )
+    else:
+        rep.ok(
+            f"all_gather of >= {least} in all: single copy, each rank reads its peers' "
+            f"inputs with process_vm_readv (checked between the ranks when a communicator "
+            f"is created; TPCOMM_CMA=0 turns it off)"
+        )
+
+
 def _selftest(rep: Report, world: int) -> None:
     rep.section(f"self-test: all_reduce on {world} local ranks")
     import torch
@@ -354,10 +384,13 @@ def _selftest(rep: Report, world: int) -> None:
         rep.fail(f"the self-test failed: {e}")
         return
     want = float(sum(range(1, world + 1)))
-    if all(r == [want] * 4 for r in res):
+    if all(r == [want] * 4 for r, _ in res):
         rep.ok(f"all_reduce over {world} ranks gave the right sums (torch {torch.__version__})")
     else:
-        rep.fail(f"all_reduce gave wrong sums: {res}")
+        rep.fail(f"all_reduce gave wrong sums: {[r for r, _ in res]}")
+    if world > 1:
+        cma = "on" if res[0][1] else "off (the ranks may not read each other's memory)"
+        rep.info(f"single-copy all_gather between these ranks: {cma}")
 
 
 def _selftest_rank(comm: Any) -> list:
@@ -365,7 +398,8 @@ def _selftest_rank(comm: Any) -> list:
 
     x = torch.full((4,), float(comm.rank + 1))
     comm.all_reduce(x)
-    return x.tolist()
+    eng = comm._engine
+    return x.tolist(), bool(eng is not None and eng.cma)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -49,6 +49,7 @@ ST_INTERRUPTED = _native.ST_INTERRUPTED
 ST_CROSSED = _native.ST_CROSSED
 ST_BUSY = _native.ST_BUSY
 ST_CLOSED = _native.ST_CLOSED
+ST_CMA = _native.ST_CMA
 
 # How long close() waits for another thread's aborted call to leave the engine.
 CLOSE_WAIT_S = 10.0
@@ -148,6 +149,15 @@ class ShmEngine:
         self.all_reduce = self._native.all_reduce
         # exchange nothing more through the store: drop the reference
         del store
+        # single-copy all_gather: on when every rank can read every other one
+        self.cma = False
+        if world > 1:
+            status, self.cma = self._native.cma_init(
+                KIND_BARRIER, _env.cma(), _env.cma_min_bytes(world)
+            )
+            if status:
+                self.close()
+                self.raise_status(status, "Communicator", KIND_BARRIER, 0, 0, 0)
 
     def _map(self, fd: int, world: int, slot_bytes: int, spin: float, timeout: float) -> None:
         size = segment.segment_size(world, slot_bytes)
@@ -230,6 +240,13 @@ class ShmEngine:
                 f"be used (every rank must call the collectives in the same order, and a "
                 f"recv needs a matching send)"
             )
+        if status == ST_CMA:
+            raise CommError(
+                f"{fn}: rank {self.rank} could not read rank {peer}'s input from its memory "
+                f"(process_vm_readv: {os.strerror(info['errno'])}), although it could when "
+                f"the communicator was created; this communicator can no longer be used "
+                f"(TPCOMM_CMA=0 makes all_gather copy through shared memory instead)"
+            )
         if status == ST_INTERRUPTED:
             self._native.reraise()  # KeyboardInterrupt or whatever the handler raised
         if status == ST_ABORTED:
@@ -256,6 +273,12 @@ class ShmEngine:
                     f"{fn}: rank {peer} closed its communicator while a call of it was "
                     f"running; this communicator can no longer be used",
                     rank=peer,
+                )
+            if reason == ST_CMA:
+                raise CommError(
+                    f"{fn}: rank {peer} could not read a peer's input from its memory "
+                    f"(process_vm_readv) during an all_gather; this communicator can no "
+                    f"longer be used (TPCOMM_CMA=0 avoids these reads)"
                 )
             if reason == ST_TIMEOUT:
                 raise CommTimeoutError(

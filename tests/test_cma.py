@@ -1,0 +1,215 @@
+"""Single-copy all_gather (process_vm_readv): same results as the copy path,
+one decision for every rank, and the failures a read can meet.
+
+Guards: the single-copy path against torch's concatenation and against the
+two-copy path, over the forms that take it (1-d, into a tensor, along dim 0,
+in place, the list form) and the ones that must not (along a later dim); an
+independent check (ctypes, no tpcomm code) that this machine allows the reads
+the engine says it can do; TPCOMM_CMA=0 on one rank turns them off for all; a
+peer killed while it is being read -> PeerFailedError; a read refused while
+every rank lives -> CommError on every rank, fast.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+import tpcomm
+from tpcomm import _env, _native
+from tpcomm.launch import LocalGroup
+from tpcomm.shm.engine import KIND_ALL_GATHER, KIND_BARRIER
+
+from ._ref import make
+
+# the forms of all_gather, each returning the gathered tensor
+FORMS = ("1-d", "into tensor", "dim 0", "dim 1", "in place", "list")
+
+
+def _gather(comm, form: str, x: torch.Tensor) -> torch.Tensor:
+    w, r = comm.world_size, comm.rank
+    if form == "1-d":
+        return comm.all_gather(x)
+    if form == "into tensor":
+        out = torch.empty(w * x.numel(), dtype=x.dtype)
+        return comm.all_gather_into_tensor(out, x)
+    if form == "dim 0":
+        return comm.all_gather(x.view(-1, 1), 0).view(-1)
+    if form == "dim 1":  # rows: the copy path whatever the size
+        return comm.all_gather(x.view(1, -1), 1).view(-1)
+    if form == "in place":
+        out = torch.empty(w * x.numel(), dtype=x.dtype)
+        own = out[r * x.numel() : (r + 1) * x.numel()]
+        own.copy_(x)
+        return comm.all_gather_into_tensor(out, own)
+    outs = [torch.empty_like(x) for _ in range(w)]  # the list form (dist.all_gather)
+    assert comm._gather_into_list("all_gather", KIND_ALL_GATHER, outs, x, None)
+    return torch.cat(outs)
+
+
+def _can_read_peers(comm) -> bool:
+    """Whether this rank can read every peer's memory, found without tpcomm's C
+    code: each rank publishes a word's address, peers read it through libc."""
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    class iovec(ctypes.Structure):
+        _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+    word = ctypes.c_uint64(0x5EED0000 + comm.rank)
+    me = torch.tensor([os.getpid(), ctypes.addressof(word)], dtype=torch.int64)
+    table = comm.all_gather(me).view(-1, 2).tolist()
+    ok = True
+    for r, (pid, addr) in enumerate(table):
+        if r == comm.rank:
+            continue
+        got = ctypes.c_uint64(0)
+        local = iovec(ctypes.addressof(got), 8)
+        remote = iovec(addr, 8)
+        n = libc.process_vm_readv(
+            pid, ctypes.byref(local), ctypes.c_ulong(1), ctypes.byref(remote), ctypes.c_ulong(1), 0
+        )
+        ok &= n == 8 and got.value == 0x5EED0000 + r
+    comm.barrier()  # every peer read `word` before it goes away
+    flag = torch.tensor([int(ok)], dtype=torch.int32)
+    comm.all_reduce(flag, tpcomm.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def both_paths(comm):
+    nat, w = comm._engine._native, comm.world_size
+    possible = _can_read_peers(comm)
+    bad = []
+    try:
+        for cma in (True, False):
+            st, on = nat.cma_init(KIND_BARRIER, cma, 0)  # min 0: every size single-copy
+            assert st == 0
+            if on != (cma and possible):
+                bad.append(("enabled", cma, on, possible))
+            for n in (1, 1000, 16387, 300_001):
+                for dt in (torch.float32, torch.bfloat16, torch.int8):
+                    x = make(comm.rank, n, dt, n)
+                    want = torch.cat([make(q, n, dt, n) for q in range(w)])
+                    for form in FORMS:
+                        got = _gather(comm, form, x)
+                        if not torch.equal(got, want):
+                            bad.append((cma, n, str(dt), form))
+    finally:
+        nat.cma_init(KIND_BARRIER, _env.cma(), _env.cma_min_bytes(w))
+    return possible, bad
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_single_copy_all_gather_matches_torch_and_the_copy_path(pools, world):
+    res = pools.run(world, both_paths)
+    assert [bad for _, bad in res] == [[]] * world
+    if not all(possible for possible, _ in res):
+        pytest.skip(NO_CMA)  # the copy path was checked; the single-copy one cannot run
+
+
+NO_CMA = (
+    "this machine refuses process_vm_readv between the ranks (Yama ptrace_scope >= 1 or a "
+    "seccomp profile): tpcomm uses the copy path, checked above"
+)
+
+
+def one_rank_refuses(comm):
+    nat = comm._engine._native
+    st, on = nat.cma_init(KIND_BARRIER, comm.rank != 1, 0)
+    x = make(comm.rank, 70_000, torch.float32, 5)
+    got = comm.all_gather(x)
+    nat.cma_init(KIND_BARRIER, _env.cma(), _env.cma_min_bytes(comm.world_size))
+    want = torch.cat([make(q, 70_000, torch.float32, 5) for q in (0, 1, 2)])
+    return st, on, torch.equal(got, want)
+
+
+def test_one_rank_without_single_copy_turns_it_off_for_every_rank(pools):
+    assert pools.run(3, one_rank_refuses) == [(0, False, True)] * 3
+
+
+def test_tpcomm_cma_is_read_and_checked(monkeypatch):
+    monkeypatch.setenv("TPCOMM_CMA", "0")
+    assert _env.cma() is False
+    monkeypatch.setenv("TPCOMM_CMA", "yes")
+    with pytest.raises(ValueError, match="TPCOMM_CMA='yes': expected 0 or 1"):
+        _env.cma()
+    monkeypatch.delenv("TPCOMM_CMA")
+    assert _env.cma() is True
+    assert _env.cma_min_bytes(2) == 64 << 10 and _env.cma_min_bytes(8) == 1 << 20
+    assert _native.KIND_ALL_GATHER == KIND_ALL_GATHER  # the C side's copy of the kind
+
+
+def _write(path: str, value) -> None:
+    with open(path, "w") as f:
+        json.dump(value, f)
+
+
+def killed_while_read(comm, outdir):
+    """Rank 1 dies while it waits for its peers to finish reading its input;
+    rank 0 reads it only afterwards (the fault knob delays its reads 400 ms)."""
+    r = comm.rank
+    if not comm._engine._native.cma_init(KIND_BARRIER, True, 0)[1]:
+        return "no cma"
+    x = torch.ones(1 << 20)
+    if r == 0:
+        comm._engine._native.fault_check_delay(400_000.0)
+    if r == 1:
+
+        def die():
+            _write(os.path.join(outdir, "killed"), time.time())
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        threading.Timer(0.15, die).start()
+    try:
+        comm.all_gather(x)
+        res = "no error"
+    except tpcomm.PeerFailedError as e:
+        res = [e.rank, time.time()]
+    _write(os.path.join(outdir, f"rank{r}"), res)
+    return res
+
+
+def test_a_peer_killed_while_it_is_read(tmp_path):
+    with LocalGroup(3, timeout=60) as g, pytest.raises(tpcomm.LaunchError) as info:
+        if g.run(killed_while_read, str(tmp_path), timeout=60) == ["no cma"] * 3:
+            pytest.skip(NO_CMA)
+    assert info.value.rank == 1
+    killed = json.loads((tmp_path / "killed").read_text())
+    for r in (0, 2):
+        rank, t = json.loads((tmp_path / f"rank{r}").read_text())
+        assert rank == 1
+        assert t - killed < 2.0
+
+
+def unreadable(comm):
+    nat = comm._engine._native
+    if not nat.cma_init(KIND_BARRIER, True, 0)[1]:
+        return None, 0.0
+    if comm.rank == 1:
+        nat.fault_cma_addr(True)  # publishes an address nobody can read
+    t0 = time.time()
+    try:
+        comm.all_gather(torch.ones(1000))
+        res = "no error"
+    except tpcomm.CommError as e:
+        res = [type(e).__name__, str(e)]
+    return res, time.time() - t0
+
+
+def test_a_refused_read_is_a_clear_error_on_every_rank():
+    res = tpcomm.launch(unreadable, 3, timeout=60)
+    if res[0][0] is None:
+        pytest.skip(NO_CMA)
+    for r, ((kind, msg), took) in enumerate(res):
+        assert kind == "CommError" and took < 5.0, (r, msg)
+        if r == 1:  # it read its peers fine, then saw who could not read it
+            assert "could not read a peer's input" in msg and "TPCOMM_CMA=0" in msg
+    # ranks 0 and 2 read rank 1 (or learn that the other one could not)
+    readers = [msg for (_, msg), _ in res[::2]]
+    assert any("process_vm_readv: Bad address" in m for m in readers), readers
