@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 
 import torch
 
@@ -89,3 +91,21 @@ def unexpected_errors(cases) -> list[str]:
         except Exception as e:
             problems.append(f"{text}: raised {type(e).__name__}: {e}")
     return problems
+
+
+def write_json(path: str, value) -> None:
+    """What a rank saw, for the test process to read after the rank is gone."""
+    with open(path, "w") as f:
+        json.dump(value, f)
+
+
+def assert_survivors_saw(outdir, dead: int, survivors) -> None:
+    """Every survivor wrote [PeerFailedError.rank, time] (write_json) naming the
+    dead rank, less than 2 s after the dead rank wrote its time to `killed`."""
+    with open(os.path.join(outdir, "killed")) as f:
+        killed = json.load(f)
+    for r in survivors:
+        with open(os.path.join(outdir, f"rank{r}")) as f:
+            rank, t = json.load(f)
+        assert rank == dead, (r, rank)
+        assert t - killed < 2.0, (r, t - killed)
