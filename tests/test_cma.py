@@ -3,7 +3,8 @@ one decision for every rank, and the failures a read can meet.
 
 Guards: the single-copy path against torch's concatenation and against the
 two-copy path, over the forms that take it (1-d, into a tensor, along dim 0,
-in place, the list form) and the ones that must not (along a later dim); an
+in place, the list form, along a later dim where a rank's part is many
+blocks of the result, down to one element each); an
 independent check (ctypes, no tpcomm code) that this machine allows the reads
 the engine says it can do; TPCOMM_CMA=0 on one rank turns them off for all; a
 peer killed while it is being read -> PeerFailedError; a read refused while
@@ -28,8 +29,22 @@ from tpcomm.shm.engine import KIND_ALL_GATHER, KIND_BARRIER
 
 from ._ref import assert_survivors_saw, make, write_json
 
-# the forms of all_gather, each returning the gathered tensor
-FORMS = ("1-d", "into tensor", "dim 0", "dim 1", "in place", "list")
+# the forms of all_gather, each returning the gathered tensor; "rows" gathers
+# along dim 1 of an (m, n / m) view: every rank's part is m blocks of the result
+FORMS = ("1-d", "into tensor", "dim 0", "rows", "one per row", "in place", "list")
+
+
+def _rows(n: int) -> int:
+    return next(m for m in (7, 4, 3, 2, 1) if n % m == 0)
+
+
+def _expected(form: str, xs: list) -> torch.Tensor:
+    n = xs[0].numel()
+    if form == "rows":
+        return torch.cat([x.view(_rows(n), -1) for x in xs], 1)
+    if form == "one per row":
+        return torch.cat([x.view(-1, 1) for x in xs], 1)
+    return torch.cat(xs)
 
 
 def _gather(comm, form: str, x: torch.Tensor) -> torch.Tensor:
@@ -41,8 +56,10 @@ def _gather(comm, form: str, x: torch.Tensor) -> torch.Tensor:
         return comm.all_gather_into_tensor(out, x)
     if form == "dim 0":
         return comm.all_gather(x.view(-1, 1), 0).view(-1)
-    if form == "dim 1":  # rows: the copy path whatever the size
-        return comm.all_gather(x.view(1, -1), 1).view(-1)
+    if form == "rows":
+        return comm.all_gather(x.view(_rows(x.numel()), -1), 1)
+    if form == "one per row":  # one element per block: the most pieces a read can have
+        return comm.all_gather(x.view(-1, 1), -1)
     if form == "in place":
         out = torch.empty(w * x.numel(), dtype=x.dtype)
         own = out[r * x.numel() : (r + 1) * x.numel()]
@@ -91,13 +108,13 @@ def both_paths(comm):
             assert st == 0
             if on != (cma and possible):
                 bad.append(("enabled", cma, on, possible))
-            for n in (1, 1000, 16387, 300_001):
+            for n in (1, 1000, 16387, 300_000):
                 for dt in (torch.float32, torch.bfloat16, torch.int8):
                     x = make(comm.rank, n, dt, n)
-                    want = torch.cat([make(q, n, dt, n) for q in range(w)])
+                    xs = [make(q, n, dt, n) for q in range(w)]
                     for form in FORMS:
                         got = _gather(comm, form, x)
-                        if not torch.equal(got, want):
+                        if not torch.equal(got, _expected(form, xs)):
                             bad.append((cma, n, str(dt), form))
     finally:
         nat.cma_init(KIND_BARRIER, _env.cma(), _env.cma_min_bytes(w))

@@ -1840,9 +1840,16 @@ static uint64_t cma_tag(uint64_t pid, int rank)
 
 static inline int peer_pid(Engine *e, int r) { return (int)*(uint64_t *)ctrl_of(e, r); }
 
-/* n bytes at `remote` in rank r's memory to `local`: a status */
-static int cma_read(Engine *e, int r, char *local, uint64_t remote, size_t n)
+#define CMA_IOV 256 /* blocks per process_vm_readv */
+#define CMA_MIN_BLOCK 4096u /* smaller blocks of a row layout: the copy path */
+
+/* n bytes at `remote` in rank r's memory (contiguous) to `local`, laid out as
+ * put_blocks lays a contribution out: blocks of blk bytes, `row` bytes apart
+ * (blk == n: one block).  A status. */
+static int cma_read(Engine *e, int r, char *local, size_t blk, size_t row, uint64_t remote,
+                    size_t n)
 {
+    struct iovec l[CMA_IOV];
     size_t done = 0;
     while (done < n) {
         if (take_abort(e))
@@ -1852,9 +1859,22 @@ static int cma_read(Engine *e, int r, char *local, uint64_t remote, size_t n)
                                  (long)(e->fault_check_delay_ns % 1000000000ull)};
             nanosleep(&d, NULL);
         }
-        size_t k = n - done < CMA_PIECE ? n - done : CMA_PIECE;
-        struct iovec l = {local + done, k}, rm = {(void *)(uintptr_t)(remote + done), k};
-        ssize_t got = process_vm_readv(peer_pid(e, r), &l, 1, &rm, 1, 0);
+        /* from byte `done` of the contribution: up to CMA_IOV blocks, CMA_PIECE bytes */
+        size_t k = 0;
+        int nl = 0;
+        while (nl < CMA_IOV && done + k < n && k < CMA_PIECE) {
+            size_t q = done + k, a = q / blk, in = q % blk, m = blk - in;
+            if (m > n - q)
+                m = n - q;
+            if (m > CMA_PIECE - k)
+                m = CMA_PIECE - k;
+            l[nl].iov_base = local + a * row + in;
+            l[nl].iov_len = m;
+            nl++;
+            k += m;
+        }
+        struct iovec rm = {(void *)(uintptr_t)(remote + done), k};
+        ssize_t got = process_vm_readv(peer_pid(e, r), l, (unsigned long)nl, &rm, 1, 0);
         if (got > 0) {
             done += (size_t)got;
             continue;
@@ -1879,7 +1899,7 @@ static int cma_read(Engine *e, int r, char *local, uint64_t remote, size_t n)
 
 static int cma_gather(Engine *e, uint32_t kind, const char *mine, const size_t *cnt, char *out,
                       char *const *dsts, uint32_t dtype, uint64_t numel, uint64_t arg,
-                      size_t total, int in_place)
+                      size_t total, int in_place, size_t outer)
 {
     const int w = e->world, me = e->rank;
     PyThreadState *ts = NULL;
@@ -1889,17 +1909,26 @@ static int cma_gather(Engine *e, uint32_t kind, const char *mine, const size_t *
     const int p = (int)((e->round + 1) & 1);
     line_of(e, me, 0, p)->addr = e->fault_cma_addr ? 4096u : (uint64_t)(uintptr_t)mine;
     st = round_sync(e, kind, dtype, 0, numel, arg, &ts);
+    /* rank r's contribution: `outer` blocks of cnt[r] / outer bytes, block a at
+     * out + a * row + off[r] (put_blocks); the list form: at dsts[r] */
+    const size_t row = total / outer;
     size_t off[w];
     for (int r = 0; r < w; r++)
-        off[r] = r ? off[r - 1] + cnt[r - 1] : 0;
+        off[r] = r ? off[r - 1] + cnt[r - 1] / outer : 0;
     if (st == ST_OK && (out || dsts)) {
-        if (cnt[me] && !in_place)
-            memcpy(dsts ? dsts[me] : out + off[me], mine, cnt[me]);
+        if (cnt[me] && !in_place) {
+            if (dsts)
+                memcpy(dsts[me], mine, cnt[me]);
+            else
+                put_blocks(out, mine, 0, cnt[me], cnt[me] / outer, row, off[me]);
+        }
         for (int i = 1; i < w && st == ST_OK; i++) {
             int r = (me + i) % w;
-            if (cnt[r])
-                st = cma_read(e, r, dsts ? dsts[r] : out + off[r], line_of(e, r, 0, p)->addr,
-                              cnt[r]);
+            if (!cnt[r])
+                continue;
+            uint64_t at = line_of(e, r, 0, p)->addr;
+            st = dsts ? cma_read(e, r, dsts[r], cnt[r], cnt[r], at, cnt[r])
+                      : cma_read(e, r, out + off[r], cnt[r] / outer, row, at, cnt[r]);
         }
     }
     /* nobody reads this rank's input after this round */
@@ -1953,8 +1982,17 @@ static int gather_rounds(Engine *e, uint32_t kind, const char *mine, const size_
         memcpy(aside, mine, cnt[me]);
         mine = aside;
     }
-    if (e->cma && kind == KIND_ALL_GATHER && outer == 1 && total >= e->cma_min) {
-        int st = cma_gather(e, kind, mine, cnt, out, dsts, dtype, numel, arg, total, in_place);
+    /* single copy: large enough in all, and (along a later dim) in blocks of at
+     * least CMA_MIN_BLOCK bytes: one iovec per block, and smaller ones lose
+     * (docs/COLLECTIVES.md); every rank knows every count, so all decide alike */
+    size_t least = SIZE_MAX;
+    for (int r = 0; r < w; r++)
+        if (cnt[r] && cnt[r] / outer < least)
+            least = cnt[r] / outer;
+    if (e->cma && kind == KIND_ALL_GATHER && total >= e->cma_min &&
+        (outer == 1 || least >= CMA_MIN_BLOCK)) {
+        int st =
+            cma_gather(e, kind, mine, cnt, out, dsts, dtype, numel, arg, total, in_place, outer);
         PyMem_RawFree(aside);
         return st;
     }
