@@ -36,6 +36,7 @@ bench: install build/handoff
 	$(VENV)/bin/tpcomm perf all_reduce $(BENCH_ARGS) -d bfloat16
 	for c in all_gather reduce_scatter broadcast gather sendrecv; do \
 		$(VENV)/bin/tpcomm perf $$c $(COLL_ARGS) || exit 1; done
+	$(VENV)/bin/tpcomm perf all_gather $(COLL_ARGS) --in-place
 	$(VENV)/bin/tpcomm perf all_reduce -b 1K -e 1M -f 4 --backend dist --compare gloo
 	$(PY) benchmarks/pg_floor.py
 	$(PY) benchmarks/gather_dims.py
