@@ -25,6 +25,47 @@ class MyTensor(torch.Tensor):
     pass
 
 
+def _quantized():
+    import warnings
+
+    with warnings.catch_warnings():  # torch deprecates making them, not having them
+        warnings.simplefilter("ignore")
+        return torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.qint8)
+
+
+def quantized_everywhere(comm):
+    """Every collective refuses a quantized tensor before touching anything: its
+    bytes without its scale and zero point mean nothing on another rank."""
+    q = _quantized()
+    w, r = comm.world_size, comm.rank
+    calls = {
+        "all_gather": lambda: comm.all_gather(q),
+        "all_gather_into_tensor": lambda: comm.all_gather_into_tensor(torch.empty(4 * w), q),
+        "gather": lambda: comm.gather(q),
+        "broadcast": lambda: comm.broadcast(q, 0),
+        "reduce_scatter": lambda: comm.reduce_scatter(q),
+        "sendrecv": lambda: comm.sendrecv([q], (r + 1) % w, (r - 1) % w),
+    }
+    out = []
+    for fn, call in calls.items():
+        r0 = comm._engine._native.round
+        try:
+            call()
+            out.append(f"{fn}: no error")
+        except ValueError as e:
+            if not str(e).startswith(fn) or "quantized" not in str(e):
+                out.append(f"{fn}: {e}")
+        if comm._engine._native.round != r0:
+            out.append(f"{fn}: touched shared memory")
+    x = torch.ones(3)
+    comm.all_reduce(x)
+    return out, x.tolist()
+
+
+def test_quantized_tensors_are_refused_by_every_collective(pools):
+    assert pools.run(2, quantized_everywhere) == [([], [2.0] * 3)] * 2
+
+
 def bad_arguments(comm):
     cases = [
         ((NotATensor(),), TypeError, "tensor must be a torch.Tensor"),
@@ -39,6 +80,7 @@ def bad_arguments(comm):
         ((torch.ones(3, device="meta"),), ValueError, "must be a CPU tensor"),
         ((torch.ones(3).to_sparse(),), ValueError, "dense"),
         ((torch.ones(1).expand(4),), ValueError, "has elements that share memory"),
+        ((_quantized(),), ValueError, "is quantized (torch.qint8)"),
     ]
     out = []
     eng = comm._engine._native if comm._engine else None

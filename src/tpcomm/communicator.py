@@ -538,6 +538,11 @@ class Communicator:
             raise ValueError(f"{fn}: {name} must be a CPU tensor, got one on {tensor.device}")
         if tensor.layout is not _STRIDED:
             raise ValueError(f"{fn}: {name} must be dense (strided), got layout {tensor.layout}")
+        if tensor.is_quantized:  # its data without its scale and zero point means nothing
+            raise ValueError(
+                f"{fn}: {name} is quantized ({tensor.dtype}); collectives move plain tensors: "
+                f"pass t.int_repr() (and the scale and zero point), or t.dequantize()"
+            )
 
     def _check_written(self, fn: str, tensor: _Tensor, name: str = "tensor") -> None:
         """A tensor a call writes into must own its elements: an expand()ed view
