@@ -70,6 +70,12 @@ def _gather(comm, form: str, x: torch.Tensor) -> torch.Tensor:
     return torch.cat(outs)
 
 
+def _restore(comm) -> None:
+    """Back to the default decision (the pools' communicators serve other tests)."""
+    least = _env.cma_min_bytes(comm.world_size)
+    comm._engine._native.cma_init(KIND_BARRIER, _env.cma() and least >= 0, max(least, 0))
+
+
 def _can_read_peers(comm) -> bool:
     """Whether this rank can read every peer's memory, found without tpcomm's C
     code: each rank publishes a word's address, peers read it through libc."""
@@ -117,7 +123,7 @@ def both_paths(comm):
                         if not torch.equal(got, _expected(form, xs)):
                             bad.append((cma, n, str(dt), form))
     finally:
-        nat.cma_init(KIND_BARRIER, _env.cma(), _env.cma_min_bytes(w))
+        _restore(comm)
     return possible, bad
 
 
@@ -140,7 +146,7 @@ def one_rank_refuses(comm):
     st, on = nat.cma_init(KIND_BARRIER, comm.rank != 1, 0)
     x = make(comm.rank, 70_000, torch.float32, 5)
     got = comm.all_gather(x)
-    nat.cma_init(KIND_BARRIER, _env.cma(), _env.cma_min_bytes(comm.world_size))
+    _restore(comm)
     want = torch.cat([make(q, 70_000, torch.float32, 5) for q in (0, 1, 2)])
     return st, on, torch.equal(got, want)
 
@@ -157,7 +163,9 @@ def test_tpcomm_cma_is_read_and_checked(monkeypatch):
         _env.cma()
     monkeypatch.delenv("TPCOMM_CMA")
     assert _env.cma() is True
-    assert _env.cma_min_bytes(2) == 64 << 10 and _env.cma_min_bytes(8) == 1 << 20
+    assert _env.cma_min_bytes(2) == 4 << 20 and _env.cma_min_bytes(8) == -1
+    monkeypatch.setenv("TPCOMM_CMA_MIN_BYTES", "0")
+    assert _env.cma_min_bytes(8) == 0
     assert _native.KIND_ALL_GATHER == KIND_ALL_GATHER  # the C side's copy of the kind
 
 

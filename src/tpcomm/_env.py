@@ -109,10 +109,11 @@ def nt_min_bytes() -> int:
 # all_gathers that move at least this many bytes in all read the peers' inputs
 # straight from their memory (process_vm_readv) when every rank can: see
 # docs/COLLECTIVES.md "Single-copy all_gather".  Switch points measured on the
-# development machine, by world size as TWOSHOT_MIN_BYTES (world 2 gains from
-# 32-64 KiB; worlds 3 and 4, oversubscribed there, lose at 64 KiB and gain
-# from 1 MiB).
-CMA_MIN_BYTES = {2: 64 << 10, 3: 1 << 20}
+# development machine with freshly written inputs, by world size as
+# TWOSHOT_MIN_BYTES: world 2 gains from 3-4 MiB and loses below; worlds 3 and
+# 4 (oversubscribed there) never gained, so -1: never, unless
+# TPCOMM_CMA_MIN_BYTES says otherwise.
+CMA_MIN_BYTES = {2: 4 << 20, 3: -1}
 
 
 def cma() -> bool:
@@ -126,9 +127,9 @@ def cma() -> bool:
 
 def cma_min_bytes(world: int) -> int:
     """TPCOMM_CMA_MIN_BYTES: the smallest all_gather (total bytes) read single-copy
-    (default: CMA_MIN_BYTES for this world size)."""
+    (default: CMA_MIN_BYTES for this world size; -1: never)."""
     key = max(k for k in CMA_MIN_BYTES if k <= max(world, 2))
-    return _int("TPCOMM_CMA_MIN_BYTES", CMA_MIN_BYTES[key], 0)
+    return _int("TPCOMM_CMA_MIN_BYTES", CMA_MIN_BYTES[key], -1, " (-1: never)")
 
 
 def allreduce_algo() -> str:

@@ -353,10 +353,16 @@ def _yama_scope() -> Optional[int]:
 
 def _check_cma(rep: Report, world: int) -> None:
     """Whether all_gather can read the peers' inputs single-copy (process_vm_readv)."""
-    least = _human(_env.cma_min_bytes(world))
+    nbytes = _env.cma_min_bytes(world)
+    least = _human(max(nbytes, 0))
     scope = _yama_scope()
     if not _env.cma():
         rep.info("all_gather: always two copies through shared memory (TPCOMM_CMA=0)")
+    elif nbytes < 0:
+        rep.info(
+            f"all_gather: two copies through shared memory (at {world} ranks a single copy "
+            f"was not faster where measured; TPCOMM_CMA_MIN_BYTES=N turns it on from N bytes)"
+        )
     elif scope is not None and scope >= 1:
         rep.info(
             f"all_gather: two copies through shared memory: Yama ptrace_scope={scope} "
@@ -388,7 +394,7 @@ def _selftest(rep: Report, world: int) -> None:
         rep.ok(f"all_reduce over {world} ranks gave the right sums (torch {torch.__version__})")
     else:
         rep.fail(f"all_reduce gave wrong sums: {[r for r, _ in res]}")
-    if world > 1:
+    if world > 1 and _env.cma() and _env.cma_min_bytes(world) >= 0:
         cma = "on" if res[0][1] else "off (the ranks may not read each other's memory)"
         rep.info(f"single-copy all_gather between these ranks: {cma}")
 

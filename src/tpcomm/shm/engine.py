@@ -152,8 +152,9 @@ class ShmEngine:
         # single-copy all_gather: on when every rank can read every other one
         self.cma = False
         if world > 1:
+            least = _env.cma_min_bytes(world)
             status, self.cma = self._native.cma_init(
-                KIND_BARRIER, _env.cma(), _env.cma_min_bytes(world)
+                KIND_BARRIER, _env.cma() and least >= 0, max(least, 0)
             )
             if status:
                 self.close()
