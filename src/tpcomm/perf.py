@@ -558,7 +558,12 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
         f"# host {socket.gethostname()}: {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} cpus, torch {torch.__version__}, tpcomm kernels {_native.isa()}\n"
     )
-    w("# time: per op, in place, the slowest rank's average; memcpy: one thread, same bytes\n")
+    placed = (
+        "in place"
+        if args.in_place or args.collective in ("all_reduce", "broadcast")
+        else "out of place"
+    )
+    w(f"# time: per op, {placed}, the slowest rank's average; memcpy: one thread, same bytes\n")
     if args.fresh:
         w("# fresh: every cache line of the input is rewritten (same values) before every\n")
         w("#        call of every library; the rewrite's own time, measured alone, is subtracted\n")
