@@ -832,6 +832,7 @@ typedef struct {
     /* point-to-point fast path: every dtype a message may carry, by code */
     PyObject *any_dtypes[MAX_ANY];
     size_t any_size[MAX_ANY];
+    char any_complex[MAX_ANY]; /* only complex tensors can carry the conj bit */
     int n_any;
     uint32_t kind_all_reduce;
     PyObject *mapping; /* the Mapping that owns base */
@@ -2537,7 +2538,7 @@ static int plain_code(Engine *e, PyObject *t)
     Py_DECREF(dt);
     if (code < 0 || !attr_is(t, e->d_is_cpu, 0, Py_True) ||
         !attr_is(t, e->d_is_contiguous, 1, Py_True) || !attr_is(t, e->d_is_neg, 1, Py_False) ||
-        !attr_is(t, e->d_is_conj, 1, Py_False))
+        (e->any_complex[code] && !attr_is(t, e->d_is_conj, 1, Py_False)))
         return -1;
     return code;
 }
@@ -2712,9 +2713,17 @@ static PyObject *eng_set_p2p_dtypes(Engine *e, PyObject *args)
         size_t sz = PyLong_AsSize_t(PyTuple_GET_ITEM(sizes, i));
         if (sz == (size_t)-1 && PyErr_Occurred())
             return NULL;
+        PyObject *cx = PyObject_GetAttrString(PyTuple_GET_ITEM(dts, i), "is_complex");
+        if (!cx)
+            return NULL;
+        int is_cx = PyObject_IsTrue(cx);
+        Py_DECREF(cx);
+        if (is_cx < 0)
+            return NULL;
         Py_INCREF(PyTuple_GET_ITEM(dts, i));
         e->any_dtypes[i] = PyTuple_GET_ITEM(dts, i);
         e->any_size[i] = sz;
+        e->any_complex[i] = (char)is_cx;
         e->n_any = (int)i + 1;
     }
     Py_RETURN_NONE;
