@@ -2896,8 +2896,9 @@ static PyObject *eng_p2p_recv_into(Engine *e, PyObject *const *args, Py_ssize_t 
     PyObject **items = p2p_args(e, args, nargs, &src, &n);
     if (!items)
         Py_RETURN_NONE;
+    int codes[P2P_MAX_TENSORS];
     for (Py_ssize_t i = 0; i < n; i++)
-        if (plain_code(e, items[i]) < 0)
+        if ((codes[i] = plain_code(e, items[i])) < 0)
             Py_RETURN_NONE; /* the general path checks these before receiving */
     if (take_abort(e))
         Py_RETURN_NONE;
@@ -2920,7 +2921,7 @@ static PyObject *eng_p2p_recv_into(Engine *e, PyObject *const *args, Py_ssize_t 
             return hdr;
         int code = h[at], nd = h[at + 1];
         if (code >= e->n_any || nd > P2P_MAX_DIMS || at + 2 + 8 * (size_t)nd > hl ||
-            plain_code(e, t) != code)
+            codes[i] != code)
             return hdr;
         PyObject *shape = descr_get(e->d_shape, t);
         if (!shape) {
