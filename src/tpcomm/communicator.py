@@ -1106,10 +1106,14 @@ class Communicator:
         """
         fn = "recv"
         eng = self._engine
-        if eng is not None and out is not None:  # see send
-            got = protocols.recv_into(eng, fn, src, out)
-            if got is not None:
-                return got[0]
+        if eng is not None and out is not None:  # see send; protocols.recv_into, inlined
+            got = eng._native.p2p_recv_into(src, out)
+            if type(got) is int:
+                if got:
+                    eng.raise_status(got, fn, 0, 0, 0, 0)
+                return list(out)
+            if got is not None:  # the header, when it did not describe `out`
+                return protocols.recv_rest(eng, fn, src, out, got)[0]
         self._check_open(fn)
         src = self._check_rank(fn, "src", src, allow_self=False)
         if out is not None:
