@@ -127,6 +127,49 @@ def both_paths(comm):
     return possible, bad
 
 
+def all_to_all_both_paths(comm):
+    """all_to_all_single, even and uneven splits (zeros included), single copy
+    (every size) and two copies, against the blocks each rank must receive."""
+    nat, w, r = comm._engine._native, comm.world_size, comm.rank
+    bad = []
+    try:
+        for cma in (True, False):
+            nat.cma_init(KIND_BARRIER, cma, 0)
+            for rows in (1, 5000, 70_001):
+                # rank q sends rank j `split(q, j)` rows of 3 (all zero for one pair)
+                def split(q, j, rows=rows):
+                    return 0 if (q, j) == (0, w - 1) else rows * (q + 1) + j
+
+                def data(q, rows=rows):
+                    n = sum(split(q, j) for j in range(w))
+                    return make(q, (n, 3), torch.int32, rows)
+
+                x = data(r)
+                ins = [split(r, j) for j in range(w)]
+                outs = [split(q, r) for q in range(w)]
+                out = torch.empty(sum(outs), 3, dtype=torch.int32)
+                comm.all_to_all_single(out, x, outs, ins)
+                want = torch.cat(
+                    [data(q).split([split(q, j) for j in range(w)])[r] for q in range(w)]
+                )
+                even = make(r, (w * rows, 2), torch.float32, 3)
+                got_even = torch.empty_like(even)
+                comm.all_to_all_single(got_even, even)
+                want_even = torch.cat(
+                    [make(q, (w * rows, 2), torch.float32, 3).chunk(w)[r] for q in range(w)]
+                )
+                if not (torch.equal(out, want) and torch.equal(got_even, want_even)):
+                    bad.append((cma, rows))
+    finally:
+        _restore(comm)
+    return bad
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_single_copy_all_to_all_matches_the_blocks(pools, world):
+    assert pools.run(world, all_to_all_both_paths) == [[]] * world
+
+
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_single_copy_all_gather_matches_torch_and_the_copy_path(pools, world):
     res = pools.run(world, both_paths)

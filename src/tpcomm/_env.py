@@ -108,7 +108,7 @@ def nt_min_bytes() -> int:
 
 # all_gathers that move at least this many bytes in all read the peers' inputs
 # straight from their memory (process_vm_readv) when every rank can: see
-# docs/COLLECTIVES.md "Single-copy all_gather".  Switch points measured on the
+# docs/COLLECTIVES.md "Single-copy all_gather and all_to_all".  Switch points measured on the
 # development machine with freshly written inputs, by world size as
 # TWOSHOT_MIN_BYTES: world 2 gains from 3-4 MiB and loses below; worlds 3 and
 # 4 (oversubscribed there) never gained, so -1: never, unless
