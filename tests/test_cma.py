@@ -198,6 +198,20 @@ def test_one_rank_without_single_copy_turns_it_off_for_every_rank(pools):
     assert pools.run(3, one_rank_refuses) == [(0, False, True)] * 3
 
 
+def _noop(comm):
+    return comm.rank
+
+
+def test_a_bad_tpcomm_cma_fails_creation_cleanly(monkeypatch):
+    """Read before the segment exists: every rank raises, nothing is left
+    (the leak check after every test), nobody waits for the others."""
+    monkeypatch.setenv("TPCOMM_CMA", "yes")
+    t0 = time.time()
+    with pytest.raises(tpcomm.LaunchError, match="TPCOMM_CMA='yes': expected 0 or 1"):
+        tpcomm.launch(_noop, 2, timeout=60)
+    assert time.time() - t0 < 30
+
+
 def test_tpcomm_cma_is_read_and_checked(monkeypatch):
     monkeypatch.setenv("TPCOMM_CMA", "0")
     assert _env.cma() is False

@@ -93,6 +93,9 @@ class ShmEngine:
         self.world = world
         self.timeout = timeout
         slot_bytes = _env.slot_bytes()
+        # read (and checked) before anything exists: a bad value raises on every rank
+        cma_least = _env.cma_min_bytes(world)
+        cma_want = _env.cma() and cma_least >= 0
         # Ranks that outnumber the cores gain nothing by spinning: the peer they
         # wait for needs the core.  (Pinned ranks see one CPU; count the host's.)
         oversubscribed = world > max(local_cpu_count(), os.cpu_count() or 1)
@@ -152,10 +155,7 @@ class ShmEngine:
         # single-copy all_gather: on when every rank can read every other one
         self.cma = False
         if world > 1:
-            least = _env.cma_min_bytes(world)
-            status, self.cma = self._native.cma_init(
-                KIND_BARRIER, _env.cma() and least >= 0, max(least, 0)
-            )
+            status, self.cma = self._native.cma_init(KIND_BARRIER, cma_want, max(cma_least, 0))
             if status:
                 self.close()
                 self.raise_status(status, "Communicator", KIND_BARRIER, 0, 0, 0)
