@@ -9,12 +9,17 @@ written.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 import tpcomm
 
 from ._ref import unexpected_errors
+from .test_dist import free_port
 
 
 class NotATensor:
@@ -310,3 +315,45 @@ def test_launch_explains_a_function_the_ranks_cannot_load():
         assert "module level" in str(info.value)
     finally:
         del sys.modules[mod.__name__]
+
+
+BAD_SETTING = r"""
+import os, sys, time, tpcomm
+t0 = time.time()
+try:
+    tpcomm.Communicator.from_env(timeout=60)
+    print("no error", flush=True)
+except Exception as e:
+    print(type(e).__name__, str(e).splitlines()[0], round(time.time() - t0, 1), flush=True)
+if os.environ["RANK"] == "0":
+    time.sleep(8)  # rank 0 hosts the store: it stays up, so nobody fails by its exit
+"""
+
+
+@pytest.mark.parametrize("name, value", [("TPCOMM_ALLREDUCE_ALGO", "bogus"), ("TPCOMM_CMA", "yes")])
+def test_a_bad_setting_fails_every_rank_at_once(name, value):
+    """A bad TPCOMM_* value is read before the segment exists: every rank raises
+    the same ValueError at once; none waits for a rank that will never come
+    (rank 1 used to wait for rank 0's segment until the rendezvous timeout)."""
+    name, value = "TPCOMM_ALLREDUCE_ALGO", "bogus"
+    port = free_port()
+    procs = []
+    for r in range(2):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
+        env.update(MASTER_PORT=str(port), **{name: value})
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", BAD_SETTING], env=env, stdout=subprocess.PIPE, text=True
+            )
+        )
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=60)[0].strip())
+    finally:
+        for p in procs:
+            p.kill()
+    for line in outs:
+        kind, _, rest = line.partition(" ")
+        assert kind == "ValueError" and f"{name}={value!r}" in rest, line
+        assert float(rest.rsplit(" ", 1)[1]) < 5.0, line

@@ -92,10 +92,13 @@ class ShmEngine:
         self.rank = rank
         self.world = world
         self.timeout = timeout
+        # Every setting is read (and checked) before anything exists: a bad value
+        # raises the same error on every rank at once, none waits for another.
         slot_bytes = _env.slot_bytes()
-        # read (and checked) before anything exists: a bad value raises on every rank
         cma_least = _env.cma_min_bytes(world)
         cma_want = _env.cma() and cma_least >= 0
+        self.twoshot_min = _env.twoshot_min_bytes(world)
+        self._tuning = (_env.nt_min_bytes(), _env.yield_us(), _env.threads(world))
         # Ranks that outnumber the cores gain nothing by spinning: the peer they
         # wait for needs the core.  (Pinned ranks see one CPU; count the host's.)
         oversubscribed = world > max(local_cpu_count(), os.cpu_count() or 1)
@@ -162,17 +165,17 @@ class ShmEngine:
 
     def _map(self, fd: int, world: int, slot_bytes: int, spin: float, timeout: float) -> None:
         size = segment.segment_size(world, slot_bytes)
-        _native.set_tuning(_env.nt_min_bytes())
+        nt_min, yield_us, threads = self._tuning
+        _native.set_tuning(nt_min)
         self._native = _native.Engine(
-            fd, size, self.rank, world, slot_bytes, self.rank == 0, timeout, spin, _env.yield_us()
+            fd, size, self.rank, world, slot_bytes, self.rank == 0, timeout, spin, yield_us
         )
         # error details stay readable after close (a call another thread was
         # running when close() aborted it reports from here)
         self._errors = self._native
         self._validate(slot_bytes, size)
-        self.twoshot_min = _env.twoshot_min_bytes(world)
         self._native.set_twoshot_min(self.twoshot_min)
-        self._native.set_threads(_env.threads(world))
+        self._native.set_threads(threads)
 
     def _validate(self, slot_bytes: int, size: int) -> None:
         h = self._native.header()
