@@ -8,7 +8,7 @@ up and turns the core's status codes into tpcomm's exceptions.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Optional
 
 from .. import _env, _native
 from ..bootstrap import broadcast_from_rank0, local_cpu_count
@@ -83,6 +83,17 @@ def _describe_call(kind: int, dtype: int, op: int, count: int, arg: int | None =
     return f"{text}, layout #{arg:016x})"
 
 
+def _tuning(world: int) -> tuple:
+    """The engine's settings from the environment (each checked): non-temporal
+    copy threshold, yield time, threads per rank, two-shot threshold."""
+    return (
+        _env.nt_min_bytes(),
+        _env.yield_us(),
+        _env.threads(world),
+        _env.twoshot_min_bytes(world),
+    )
+
+
 class ShmEngine:
     """One communicator's segment and the native engine that drives it."""
 
@@ -97,8 +108,7 @@ class ShmEngine:
         slot_bytes = _env.slot_bytes()
         cma_least = _env.cma_min_bytes(world)
         cma_want = _env.cma() and cma_least >= 0
-        self.twoshot_min = _env.twoshot_min_bytes(world)
-        self._tuning = (_env.nt_min_bytes(), _env.yield_us(), _env.threads(world))
+        tuning = _tuning(world)
         # Ranks that outnumber the cores gain nothing by spinning: the peer they
         # wait for needs the core.  (Pinned ranks see one CPU; count the host's.)
         oversubscribed = world > max(local_cpu_count(), os.cpu_count() or 1)
@@ -112,7 +122,7 @@ class ShmEngine:
             if rank == 0:
                 try:
                     self.path, fd = segment.create(world, slot_bytes, group_tag)
-                    self._map(fd, world, slot_bytes, spin, timeout)
+                    self._map(fd, world, slot_bytes, spin, timeout, tuning)
                 except CommError as e:
                     broadcast_from_rank0(store, prefix, 0, "segment", "!" + str(e), timeout)
                     raise
@@ -124,7 +134,7 @@ class ShmEngine:
                 slot_text, self.path = value.split(":", 1)
                 slot_bytes = int(slot_text)
                 fd = segment.open_existing(self.path, world, slot_bytes)
-                self._map(fd, world, slot_bytes, spin, timeout)
+                self._map(fd, world, slot_bytes, spin, timeout, tuning)
             os.close(fd)
             fd = -1
             self._native.attach()
@@ -163,9 +173,17 @@ class ShmEngine:
                 self.close()
                 self.raise_status(status, "Communicator", KIND_BARRIER, 0, 0, 0)
 
-    def _map(self, fd: int, world: int, slot_bytes: int, spin: float, timeout: float) -> None:
+    def _map(
+        self,
+        fd: int,
+        world: int,
+        slot_bytes: int,
+        spin: float,
+        timeout: float,
+        tuning: Optional[tuple] = None,
+    ) -> None:
         size = segment.segment_size(world, slot_bytes)
-        nt_min, yield_us, threads = self._tuning
+        nt_min, yield_us, threads, self.twoshot_min = tuning or _tuning(world)
         _native.set_tuning(nt_min)
         self._native = _native.Engine(
             fd, size, self.rank, world, slot_bytes, self.rank == 0, timeout, spin, yield_us
