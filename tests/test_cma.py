@@ -72,8 +72,7 @@ def _gather(comm, form: str, x: torch.Tensor) -> torch.Tensor:
 
 def _restore(comm) -> None:
     """Back to the default decision (the pools' communicators serve other tests)."""
-    least = _env.cma_min_bytes(comm.world_size)
-    comm._engine._native.cma_init(KIND_BARRIER, _env.cma() and least >= 0, max(least, 0))
+    comm._engine._native.cma_init(KIND_BARRIER, *_env.cma_plan(comm.world_size))
 
 
 def _can_read_peers(comm) -> bool:

@@ -20,6 +20,7 @@ __all__ = [
     "nt_min_bytes",
     "cma",
     "cma_min_bytes",
+    "cma_plan",
     "host_id_override",
     "cuda_algo",
     "cache_dir",
@@ -130,6 +131,13 @@ def cma_min_bytes(world: int) -> int:
     (default: CMA_MIN_BYTES for this world size; -1: never)."""
     key = max(k for k in CMA_MIN_BYTES if k <= max(world, 2))
     return _int("TPCOMM_CMA_MIN_BYTES", CMA_MIN_BYTES[key], -1, " (-1: never)")
+
+
+def cma_plan(world: int) -> tuple[bool, int]:
+    """What a communicator of this size asks for: (single copy wanted, from how
+    many bytes), the arguments of the engine's cma_init."""
+    least = cma_min_bytes(world)
+    return cma() and least >= 0, max(least, 0)
 
 
 def allreduce_algo() -> str:

@@ -1841,6 +1841,16 @@ static uint64_t cma_tag(uint64_t pid, int rank)
 
 static inline int peer_pid(Engine *e, int r) { return (int)*(uint64_t *)ctrl_of(e, r); }
 
+/* Fault injection (tests only, fault_check_delay): sleep where a race can be widened */
+static void fault_pause(Engine *e)
+{
+    if (e->fault_check_delay_ns) {
+        struct timespec d = {(time_t)(e->fault_check_delay_ns / 1000000000ull),
+                             (long)(e->fault_check_delay_ns % 1000000000ull)};
+        nanosleep(&d, NULL);
+    }
+}
+
 #define CMA_IOV 256 /* blocks per process_vm_readv */
 #define CMA_MIN_BLOCK 4096u /* smaller blocks of a row layout: the copy path */
 
@@ -1855,11 +1865,7 @@ static int cma_read(Engine *e, int r, char *local, size_t blk, size_t row, uint6
     while (done < n) {
         if (take_abort(e))
             return ST_ABORTED;
-        if (e->fault_check_delay_ns) { /* tests: a peer may die meanwhile */
-            struct timespec d = {(time_t)(e->fault_check_delay_ns / 1000000000ull),
-                                 (long)(e->fault_check_delay_ns % 1000000000ull)};
-            nanosleep(&d, NULL);
-        }
+        fault_pause(e); /* tests: a peer may die meanwhile */
         /* from byte `done` of the contribution: up to CMA_IOV blocks, CMA_PIECE bytes */
         size_t k = 0;
         int nl = 0;
@@ -1986,12 +1992,10 @@ static int gather_rounds(Engine *e, uint32_t kind, const char *mine, const size_
     /* single copy: large enough in all, and (along a later dim) in blocks of at
      * least CMA_MIN_BLOCK bytes: one iovec per block, and smaller ones lose
      * (docs/COLLECTIVES.md); every rank knows every count, so all decide alike */
-    size_t least = SIZE_MAX;
-    for (int r = 0; r < w; r++)
-        if (cnt[r] && cnt[r] / outer < least)
-            least = cnt[r] / outer;
-    if (e->cma && kind == KIND_ALL_GATHER && total >= e->cma_min &&
-        (outer == 1 || least >= CMA_MIN_BLOCK)) {
+    int single = e->cma && kind == KIND_ALL_GATHER && total >= e->cma_min;
+    for (int r = 0; single && outer > 1 && r < w; r++)
+        single = !cnt[r] || cnt[r] / outer >= CMA_MIN_BLOCK;
+    if (single) {
         int st =
             cma_gather(e, kind, mine, cnt, out, dsts, dtype, numel, arg, total, in_place, outer);
         PyMem_RawFree(aside);
@@ -3175,12 +3179,7 @@ static int batch_run(Engine *e, bop_t *ops, Py_ssize_t n, PyThreadState **ts)
             next_check = t + 2000000ull;
             if (take_abort(e))
                 return ST_ABORTED;
-            if (e->fault_check_delay_ns) /* widen the race the recheck closes */
-            {
-                struct timespec d = {(time_t)(e->fault_check_delay_ns / 1000000000ull),
-                                     (long)(e->fault_check_delay_ns % 1000000000ull)};
-                nanosleep(&d, NULL);
-            }
+            fault_pause(e); /* tests: widen the race the recheck closes */
             int verdict = ST_OK, who = -1;
             for (Py_ssize_t i = 0; i < n && verdict == ST_OK; i++) {
                 bop_t *o = &ops[i];
@@ -3897,9 +3896,7 @@ static PyObject *eng_cma_init(Engine *e, PyObject *args)
     line_of(e, e->rank, 0, p)->_r = (uint32_t)ok;
     PyThreadState *ts = NULL;
     int st = round_sync(e, kind, 0, 0, 0, 0, &ts);
-    if (ts)
-        PyEval_RestoreThread(ts);
-    e->busy = 0;
+    st = leave_data(e, st, ts); /* ts is set by round_sync: two statements */
     int all = st == ST_OK;
     for (int r = 0; all && r < e->world; r++)
         all = line_of(e, r, 0, p)->_r == 1;

@@ -89,28 +89,19 @@ def _offsets(sizes: Sequence[int]) -> list[int]:
     return out
 
 
-def _overlap(a: _Tensor, b: _Tensor) -> bool:
-    """Whether two tensors' memory overlaps."""
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+def _span(t: _Tensor) -> tuple[int, int]:
+    """The bytes [lo, hi) a tensor's elements lie in (for a strided view, the
+    whole stretch they spread over: conservative)."""
+    lo = t.data_ptr()
+    return lo, lo + t.element_size() * (
+        1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+    )
 
 
 def _any_overlap(xs: Sequence[_Tensor], ys: Sequence[_Tensor]) -> bool:
-    """Whether any tensor of ``xs`` shares memory with any of ``ys`` (by the
-    span each one's storage covers: conservative for strided views)."""
-
-    def spans(ts: Sequence[_Tensor]) -> list:
-        out = []
-        for t in ts:
-            if t.numel():
-                lo = t.data_ptr()
-                hi = lo + t.element_size() * (
-                    1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
-                )
-                out.append((lo, hi))
-        return sorted(out)
-
-    a, b = spans(xs), spans(ys)
+    """Whether any tensor of ``xs`` shares memory with any of ``ys`` (_span)."""
+    a = sorted(_span(t) for t in xs if t.numel())
+    b = sorted(_span(t) for t in ys if t.numel())
     i = j = 0
     while i < len(a) and j < len(b):  # two sorted lists of intervals: a merge
         if a[i][0] < b[j][1] and b[j][0] < a[i][1]:
@@ -1106,14 +1097,10 @@ class Communicator:
         """
         fn = "recv"
         eng = self._engine
-        if eng is not None and out is not None:  # see send; protocols.recv_into, inlined
-            got = eng._native.p2p_recv_into(src, out)
-            if type(got) is int:
-                if got:
-                    eng.raise_status(got, fn, 0, 0, 0, 0)
-                return list(out)
-            if got is not None:  # the header, when it did not describe `out`
-                return protocols.recv_rest(eng, fn, src, out, got)[0]
+        if eng is not None and out is not None:  # see send
+            got = protocols.recv_into(eng, fn, src, out)
+            if got is not None:
+                return got[0]
         self._check_open(fn)
         src = self._check_rank(fn, "src", src, allow_self=False)
         if out is not None:
@@ -1249,7 +1236,7 @@ class Communicator:
             most = max(max(s) for s in sends) * row
         x = dense(input)
         res = output if is_dense(output) else torch.empty(output.shape, dtype=output.dtype)
-        if most and _overlap(x, res):
+        if most and _any_overlap([x], [res]):
             x = x.clone()
         protocols.alltoallv(
             self._engine, x.data_ptr(), sb, _offsets(sb), res.data_ptr(), rb, _offsets(rb),

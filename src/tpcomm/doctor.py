@@ -394,7 +394,7 @@ def _selftest(rep: Report, world: int) -> None:
         rep.ok(f"all_reduce over {world} ranks gave the right sums (torch {torch.__version__})")
     else:
         rep.fail(f"all_reduce gave wrong sums: {[r for r, _ in res]}")
-    if world > 1 and _env.cma() and _env.cma_min_bytes(world) >= 0:
+    if world > 1 and _env.cma_plan(world)[0]:
         cma = "on" if res[0][1] else "off (the ranks may not read each other's memory)"
         rep.info(f"single-copy all_gather between these ranks: {cma}")
 

@@ -106,8 +106,7 @@ class ShmEngine:
         # Every setting is read (and checked) before anything exists: a bad value
         # raises the same error on every rank at once, none waits for another.
         slot_bytes = _env.slot_bytes()
-        cma_least = _env.cma_min_bytes(world)
-        cma_want = _env.cma() and cma_least >= 0
+        cma_want, cma_least = _env.cma_plan(world)
         tuning = _tuning(world)
         # Ranks that outnumber the cores gain nothing by spinning: the peer they
         # wait for needs the core.  (Pinned ranks see one CPU; count the host's.)
@@ -168,7 +167,7 @@ class ShmEngine:
         # single-copy all_gather: on when every rank can read every other one
         self.cma = False
         if world > 1:
-            status, self.cma = self._native.cma_init(KIND_BARRIER, cma_want, max(cma_least, 0))
+            status, self.cma = self._native.cma_init(KIND_BARRIER, cma_want, cma_least)
             if status:
                 self.close()
                 self.raise_status(status, "Communicator", KIND_BARRIER, 0, 0, 0)
@@ -267,7 +266,7 @@ class ShmEngine:
                 f"{fn}: rank {self.rank} could not read rank {peer}'s input from its memory "
                 f"(process_vm_readv: {os.strerror(info['errno'])}), although it could when "
                 f"the communicator was created; this communicator can no longer be used "
-                f"(TPCOMM_CMA=0 makes all_gather copy through shared memory instead)"
+                f"(TPCOMM_CMA=0 makes all_gather and all_to_all copy through shared memory)"
             )
         if status == ST_INTERRUPTED:
             self._native.reraise()  # KeyboardInterrupt or whatever the handler raised
@@ -299,8 +298,8 @@ class ShmEngine:
             if reason == ST_CMA:
                 raise CommError(
                     f"{fn}: rank {peer} could not read a peer's input from its memory "
-                    f"(process_vm_readv) during an all_gather; this communicator can no "
-                    f"longer be used (TPCOMM_CMA=0 avoids these reads)"
+                    f"(process_vm_readv) during an all_gather or all_to_all; this "
+                    f"communicator can no longer be used (TPCOMM_CMA=0 avoids these reads)"
                 )
             if reason == ST_TIMEOUT:
                 raise CommTimeoutError(
