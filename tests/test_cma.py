@@ -225,13 +225,20 @@ def test_tpcomm_cma_is_read_and_checked(monkeypatch):
     assert _native.KIND_ALL_GATHER == KIND_ALL_GATHER  # the C side's copy of the kind
 
 
-def killed_while_read(comm, outdir):
+def _single_copy(comm, which, x):
+    """The collective under test, on the single-copy path (cma_init min 0)."""
+    if which == "all_gather":
+        return comm.all_gather(x)
+    return comm.all_to_all_single(torch.empty_like(x), x)
+
+
+def killed_while_read(comm, outdir, which):
     """Rank 1 dies while it waits for its peers to finish reading its input;
     rank 0 reads it only afterwards (the fault knob delays its reads 400 ms)."""
     r = comm.rank
     if not comm._engine._native.cma_init(KIND_BARRIER, True, 0)[1]:
         return "no cma"
-    x = torch.ones(1 << 20)
+    x = torch.ones(3 << 18)
     if r == 0:
         comm._engine._native.fault_check_delay(400_000.0)
     if r == 1:
@@ -242,7 +249,7 @@ def killed_while_read(comm, outdir):
 
         threading.Timer(0.15, die).start()
     try:
-        comm.all_gather(x)
+        _single_copy(comm, which, x)
         res = "no error"
     except tpcomm.PeerFailedError as e:
         res = [e.rank, time.time()]
@@ -250,15 +257,16 @@ def killed_while_read(comm, outdir):
     return res
 
 
-def test_a_peer_killed_while_it_is_read(tmp_path):
+@pytest.mark.parametrize("which", ["all_gather", "all_to_all_single"])
+def test_a_peer_killed_while_it_is_read(tmp_path, which):
     with LocalGroup(3, timeout=60) as g, pytest.raises(tpcomm.LaunchError) as info:
-        if g.run(killed_while_read, str(tmp_path), timeout=60) == ["no cma"] * 3:
+        if g.run(killed_while_read, str(tmp_path), which, timeout=60) == ["no cma"] * 3:
             pytest.skip(NO_CMA)
     assert info.value.rank == 1
     assert_survivors_saw(tmp_path, 1, (0, 2))
 
 
-def unreadable(comm):
+def unreadable(comm, which):
     nat = comm._engine._native
     if not nat.cma_init(KIND_BARRIER, True, 0)[1]:
         return None, 0.0
@@ -266,15 +274,16 @@ def unreadable(comm):
         nat.fault_cma_addr(True)  # publishes an address nobody can read
     t0 = time.time()
     try:
-        comm.all_gather(torch.ones(1000))
+        _single_copy(comm, which, torch.ones(999))
         res = "no error"
     except tpcomm.CommError as e:
         res = [type(e).__name__, str(e)]
     return res, time.time() - t0
 
 
-def test_a_refused_read_is_a_clear_error_on_every_rank():
-    res = tpcomm.launch(unreadable, 3, timeout=60)
+@pytest.mark.parametrize("which", ["all_gather", "all_to_all_single"])
+def test_a_refused_read_is_a_clear_error_on_every_rank(which):
+    res = tpcomm.launch(unreadable, 3, args=(which,), timeout=60)
     if res[0][0] is None:
         pytest.skip(NO_CMA)
     for r, ((kind, msg), took) in enumerate(res):

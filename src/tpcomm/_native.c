@@ -2299,7 +2299,7 @@ static PyObject *eng_alltoallv(Engine *e, PyObject *const *args, Py_ssize_t narg
             uint64_t *at = (uint64_t *)slot_of(e, me, p);
             for (int j = 0; j < w; j++)
                 at[j] = so[j];
-            line_of(e, me, 0, p)->addr = (uint64_t)(uintptr_t)x;
+            line_of(e, me, 0, p)->addr = e->fault_cma_addr ? 4096u : (uint64_t)(uintptr_t)x;
             st = round_sync(e, (uint32_t)v[0], (uint32_t)v[8], 0, v[9], v[10], &ts);
             if (st == ST_OK && rc[me])
                 memcpy(out + ro[me], x + so[me], rc[me]);
@@ -3907,7 +3907,7 @@ static PyObject *eng_cma_init(Engine *e, PyObject *args)
 
 /* Fault injection for tests: every slow wait of p2p_batch sleeps this long
  * (microseconds) between its last pass and its verdicts (see batch_run), and
- * a single-copy all_gather before each read of a peer (cma_read). */
+ * a single-copy all_gather or all_to_all before each read of a peer (cma_read). */
 static PyObject *eng_fault_check_delay(Engine *e, PyObject *arg)
 {
     double us = PyFloat_AsDouble(arg);
@@ -3917,8 +3917,8 @@ static PyObject *eng_fault_check_delay(Engine *e, PyObject *arg)
     Py_RETURN_NONE;
 }
 
-/* Fault injection for tests: single-copy all_gathers publish an address the
- * peers cannot read (a read error with every rank alive: ST_CMA). */
+/* Fault injection for tests: single-copy all_gathers and all_to_alls publish
+ * an address the peers cannot read (a read error with every rank alive: ST_CMA). */
 static PyObject *eng_fault_cma_addr(Engine *e, PyObject *arg)
 {
     int v = PyObject_IsTrue(arg);
