@@ -43,6 +43,7 @@ bench: install build/handoff
 	$(PY) benchmarks/p2p_batch.py
 	@echo "# handoff bound (benchmarks/handoff.c): producer copies N bytes on CPU 0, consumer reads them on CPU 1"
 	@echo "#    bytes   round(us)  copy(us)  read(us)  read GB/s"
+	@build/handoff 0 200000
 	@for n in 4096 65536 262144 1048576 4194304 16777216; do build/handoff $$n; done
 	$(PY) examples/tp_decode.py --ranks 2 --layers 4 --steps 16
 
