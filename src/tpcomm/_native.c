@@ -1904,9 +1904,16 @@ static int cma_read(Engine *e, int r, char *local, size_t blk, size_t row, uint6
     return ST_OK;
 }
 
-static int cma_gather(Engine *e, uint32_t kind, const char *mine, const size_t *cnt, char *out,
-                      char *const *dsts, uint32_t dtype, uint64_t numel, uint64_t arg,
-                      size_t total, int in_place, size_t outer)
+/* The rounds of a single-copy exchange (all_gather, all_to_all): this rank
+ * publishes its input's address (and, with `offs`, where in it each rank's
+ * part starts, in its slot), syncs, places its own part (from `own`; NULL:
+ * already in place), reads every peer's part straight into the result, and
+ * syncs again so that nobody's input is read after it returns.  Rank r's part
+ * is n[r] bytes that land at dst[r] in blocks of blk[r] bytes, row[r] apart
+ * (put_blocks' layout; blk == n: one block).  A status, or -1. */
+static int cma_rounds(Engine *e, uint32_t kind, uint32_t dtype, uint64_t numel, uint64_t arg,
+                      size_t total, const char *mine, const uint64_t *offs, const char *own,
+                      char *const *dst, const size_t *blk, const size_t *row, const size_t *n)
 {
     const int w = e->world, me = e->rank;
     PyThreadState *ts = NULL;
@@ -1914,34 +1921,44 @@ static int cma_gather(Engine *e, uint32_t kind, const char *mine, const size_t *
     if (st != 0)
         return st;
     const int p = (int)((e->round + 1) & 1);
+    if (offs)
+        memcpy(slot_of(e, me, p), offs, (size_t)w * sizeof(uint64_t));
     line_of(e, me, 0, p)->addr = e->fault_cma_addr ? 4096u : (uint64_t)(uintptr_t)mine;
     st = round_sync(e, kind, dtype, 0, numel, arg, &ts);
-    /* rank r's contribution: `outer` blocks of cnt[r] / outer bytes, block a at
-     * out + a * row + off[r] (put_blocks); the list form: at dsts[r] */
-    const size_t row = total / outer;
-    size_t off[w];
-    for (int r = 0; r < w; r++)
-        off[r] = r ? off[r - 1] + cnt[r - 1] / outer : 0;
-    if (st == ST_OK && (out || dsts)) {
-        if (cnt[me] && !in_place) {
-            if (dsts)
-                memcpy(dsts[me], mine, cnt[me]);
-            else
-                put_blocks(out, mine, 0, cnt[me], cnt[me] / outer, row, off[me]);
-        }
-        for (int i = 1; i < w && st == ST_OK; i++) {
-            int r = (me + i) % w;
-            if (!cnt[r])
-                continue;
-            uint64_t at = line_of(e, r, 0, p)->addr;
-            st = dsts ? cma_read(e, r, dsts[r], cnt[r], cnt[r], at, cnt[r])
-                      : cma_read(e, r, out + off[r], cnt[r] / outer, row, at, cnt[r]);
-        }
+    if (st == ST_OK && own && n[me])
+        put_blocks(dst[me], own, 0, n[me], blk[me], row[me], 0);
+    for (int i = 1; i < w && st == ST_OK; i++) {
+        int r = (me + i) % w;
+        uint64_t at = line_of(e, r, 0, p)->addr;
+        if (offs)
+            at += ((const uint64_t *)slot_of(e, r, p))[me];
+        if (n[r])
+            st = cma_read(e, r, dst[r], blk[r], row[r], at, n[r]);
     }
-    /* nobody reads this rank's input after this round */
-    if (st == ST_OK)
+    if (st == ST_OK) /* nobody reads this rank's input after this round */
         st = round_sync(e, kind, dtype, 0, numel, arg, &ts);
     return leave_data(e, st, ts);
+}
+
+/* all_gather by cma_rounds: rank r's contribution goes to `outer` blocks of
+ * cnt[r] / outer bytes, block a at out + a * (total / outer) + off[r]
+ * (put_blocks); the list form: to dsts[r] */
+static int cma_gather(Engine *e, uint32_t kind, const char *mine, const size_t *cnt, char *out,
+                      char *const *dsts, uint32_t dtype, uint64_t numel, uint64_t arg,
+                      size_t total, int in_place, size_t outer)
+{
+    const int w = e->world;
+    char *dst[w];
+    size_t blk[w], row[w], n[w], off = 0;
+    for (int r = 0; r < w; r++) {
+        dst[r] = dsts ? dsts[r] : out ? out + off : NULL;
+        blk[r] = dsts ? cnt[r] : cnt[r] / outer;
+        row[r] = dsts ? cnt[r] : total / outer;
+        n[r] = out || dsts ? cnt[r] : 0; /* no result: the rounds alone */
+        off += cnt[r] / outer;
+    }
+    return cma_rounds(e, kind, dtype, numel, arg, total, mine, NULL, in_place ? NULL : mine, dst,
+                      blk, row, n);
 }
 
 /* whether [a, a + na) and [b, b + nb) share a byte */
@@ -2292,27 +2309,14 @@ static PyObject *eng_alltoallv(Engine *e, PyObject *const *args, Py_ssize_t narg
      * every rank shares. */
     if (st == 0 && e->cma && v[7] * (uint64_t)w >= e->cma_min &&
         (size_t)w * sizeof(uint64_t) <= e->slot_bytes) {
-        int en = enter_data(e, total, &ts);
-        st = en;
-        if (en == 0) {
-            const int p = (int)((e->round + 1) & 1);
-            uint64_t *at = (uint64_t *)slot_of(e, me, p);
-            for (int j = 0; j < w; j++)
-                at[j] = so[j];
-            line_of(e, me, 0, p)->addr = e->fault_cma_addr ? 4096u : (uint64_t)(uintptr_t)x;
-            st = round_sync(e, (uint32_t)v[0], (uint32_t)v[8], 0, v[9], v[10], &ts);
-            if (st == ST_OK && rc[me])
-                memcpy(out + ro[me], x + so[me], rc[me]);
-            for (int i = 1; i < w && st == ST_OK; i++) {
-                int r = (me + i) % w;
-                uint64_t from = line_of(e, r, 0, p)->addr + ((uint64_t *)slot_of(e, r, p))[me];
-                if (rc[r])
-                    st = cma_read(e, r, out + ro[r], rc[r], rc[r], from, rc[r]);
-            }
-            if (st == ST_OK) /* nobody reads this rank's input after this round */
-                st = round_sync(e, (uint32_t)v[0], (uint32_t)v[8], 0, v[9], v[10], &ts);
-            leave_data(e, st, ts);
+        char *dst[w];
+        uint64_t offs[w];
+        for (int r = 0; r < w; r++) {
+            dst[r] = out + ro[r];
+            offs[r] = so[r];
         }
+        st = cma_rounds(e, (uint32_t)v[0], (uint32_t)v[8], v[9], v[10], total, x, offs,
+                        x + so[me], dst, rc, rc, rc);
     } else if (st == 0) {
         int en = enter_data(e, total, &ts);
         st = en;
