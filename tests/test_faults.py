@@ -191,8 +191,10 @@ def interrupted_while_waiting(comm, where):
     def call():
         if where == "all_reduce":
             comm.all_reduce(torch.ones(4))
-        else:  # the batch wait of sendrecv (p2p_batch)
+        elif where == "sendrecv":  # the batch wait of sendrecv (p2p_batch)
             comm.sendrecv([torch.ones(4)], 1 - comm.rank, 1 - comm.rank)
+        else:  # the same wait, from sendrecv's one C call (out=)
+            comm.sendrecv([torch.ones(4)], 1 - comm.rank, 1 - comm.rank, out=[torch.empty(4)])
 
     if comm.rank == 1:
         time.sleep(2.0)  # late: rank 0 is waiting when Ctrl-C arrives
@@ -210,7 +212,7 @@ def interrupted_while_waiting(comm, where):
     return "no error"
 
 
-@pytest.mark.parametrize("where", ["all_reduce", "sendrecv"])
+@pytest.mark.parametrize("where", ["all_reduce", "sendrecv", "sendrecv_out"])
 def test_ctrl_c_does_not_wait_for_the_timeout(where):
     """A signal handler that raises (Ctrl-C) ends a wait within ~50 ms of running,
     not after TPCOMM_TIMEOUT; the peers are told the rank left."""

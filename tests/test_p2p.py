@@ -412,6 +412,17 @@ def shifts_and_exchanges(comm):
     res["mixed"] = all(
         g.dtype == x.dtype and g.shape == x.shape and torch.equal(g, x) for g, x in zip(got, want)
     )
+    # the same into out= (one C call), with an empty tensor, and a transposed
+    # (not contiguous) tensor sent: the C call declines it, the general path runs
+    outs = [torch.empty_like(x) for x in want] + [torch.empty(0, 3)]
+    got = comm.sendrecv(mixed + [torch.empty(0, 3)], right, left, out=outs)
+    res["mixed into out"] = all(g is o for g, o in zip(got, outs)) and all(
+        torch.equal(o, x) for o, x in zip(outs, want)
+    )
+    grid = torch.arange(12, dtype=torch.float32).view(3, 4) + r
+    into = torch.empty(4, 3)
+    got = comm.sendrecv([grid.t()], right, left, out=[into])
+    res["transposed"] = got[0] is into and torch.equal(into, (grid - r + left).t())
     try:
         comm.sendrecv([torch.ones(3)], right, left, out=[torch.empty(4)])
         res["wrong out"] = "no error"

@@ -1285,6 +1285,15 @@ class Communicator:
             The received tensors (``out``'s when given).
         """
         fn = "sendrecv"
+        eng = self._engine
+        if eng is not None and out is not None:  # plain tensors: one C call (see send)
+            got = eng._native.p2p_sendrecv(dst, tensors, src, out)
+            if type(got) is int:
+                if got:
+                    eng.raise_status(got, fn, 0, 0, 0, 0)
+                return list(out)
+            if got is not None:  # the message did not match out: received aside
+                return self._sendrecv_rest(fn, src, out, *got)
         self._check_open(fn)
         tensors = self._check_list(fn, tensors)
         dst = self._check_rank(fn, "dst", dst, allow_self=False)
@@ -1315,7 +1324,13 @@ class Communicator:
         del datas
         if not odd:
             return list(out)  # type: ignore[arg-type]
-        _, got_header, data = odd[0]
+        return self._sendrecv_rest(fn, src, out, odd[0][1], odd[0][2])
+
+    def _sendrecv_rest(
+        self, fn: str, src: int, out: Optional[Sequence[_Tensor]], got_header: bytes, data: Any
+    ) -> list[_Tensor]:
+        """The end of a sendrecv whose message did not match ``out`` (or had
+        none): it was received whole into ``data``."""
         specs, extra = protocols.decode_header(got_header)
         if extra is not None:
             raise CommError(f"{fn}: rank {src} sent a dict or a scatter part, not a tensor list")
