@@ -293,3 +293,129 @@ def test_a_refused_read_is_a_clear_error_on_every_rank(which):
     # ranks 0 and 2 read rank 1 (or learn that the other one could not)
     readers = [msg for (_, msg), _ in res[::2]]
     assert any("process_vm_readv: Bad address" in m for m in readers), readers
+
+
+# -- messages by reference: sendrecv and batches that also receive -----------
+
+BIG = 600_000  # float32 elements: 2.4 MiB, more than a world-2 channel's ring (1 MiB)
+
+
+def exchanges_by_reference(comm):
+    """Every way a large message sent by a batch that also receives can be
+    received, with the reads by reference on (threshold 0) and off, against the
+    values each rank must get; then a wrong out= and the channel still in step."""
+    nat, r = comm._engine._native, comm.rank
+    peer = 1 - r
+    res = {}
+    try:
+        for cma in (True, False):
+            on = nat.cma_init(KIND_BARRIER, cma, 0)[1]
+            xs = [make(r, BIG, torch.float32, 1), make(r, (7, 3), torch.int64, 2)]
+            xs.append(make(r, 70_001, torch.bfloat16, 3))
+            want = [make(peer, BIG, torch.float32, 1), make(peer, (7, 3), torch.int64, 2)]
+            want.append(make(peer, 70_001, torch.bfloat16, 3))
+            outs = [torch.empty_like(t) for t in want]
+            got = comm.sendrecv(xs, peer, peer, out=outs)  # one C call
+            ok = all(g is o for g, o in zip(got, outs))
+            ok &= all(torch.equal(o, w) for o, w in zip(outs, want))
+            got = comm.sendrecv(xs, peer, peer)  # the general path (p2p_batch)
+            ok &= all(torch.equal(g, w) for g, w in zip(got, want))
+            # rank 0 exchanges, rank 1 receives with recv() (the blocking path)
+            # and then sends by value
+            if r == 0:
+                (back,) = comm.sendrecv([xs[0]], 1, 1)
+            else:
+                ok &= torch.equal(comm.recv(0)[0], want[0])
+                comm.send([xs[0] * 2], 0)
+            if r == 0:
+                ok &= torch.equal(back, want[0] * 2)
+            try:
+                comm.sendrecv([xs[0]], peer, peer, out=[torch.empty(BIG + 1)])
+                res[f"wrong out {cma}"] = "no error"
+            except ValueError as e:
+                res[f"wrong out {cma}"] = str(e)
+            (tail,) = comm.sendrecv([torch.full((3,), float(r))], peer, peer)
+            ok &= tail.tolist() == [float(peer)] * 3
+            res[cma] = (on, ok)
+    finally:
+        _restore(comm)
+    return res
+
+
+def test_large_exchanges_by_reference_match(pools):
+    for res in pools.run(2, exchanges_by_reference):
+        for cma in (True, False):
+            err = res[f"wrong out {cma}"]
+            assert "(600001,)" in err and "(600000,)" in err, err
+        assert res[False] == (False, True)
+        if not res[True][0]:
+            pytest.skip(NO_CMA)
+        assert res[True] == (True, True)
+
+
+def refused_by_reference(comm, lone):
+    """Rank 1 publishes an address nobody can read: an exchange (by reference)
+    fails on both ranks; a lone send (by value) is not affected."""
+    nat = comm._engine._native
+    if not nat.cma_init(KIND_BARRIER, True, 0)[1]:
+        return None
+    if comm.rank == 1:
+        nat.fault_cma_addr(True)
+    x = torch.ones(BIG)
+    try:
+        if lone:
+            if comm.rank == 1:
+                comm.send([x], 0)
+            else:
+                comm.recv(1, out=[torch.empty(BIG)])
+        else:
+            comm.sendrecv([x], 1 - comm.rank, 1 - comm.rank, out=[torch.empty(BIG)])
+        return "no error"
+    except tpcomm.CommError as e:
+        return [type(e).__name__, str(e)]
+
+
+@pytest.mark.parametrize("lone", [False, True])
+def test_a_refused_read_by_reference_fails_both_ranks(lone):
+    res = tpcomm.launch(refused_by_reference, 2, args=(lone,), timeout=60)
+    if res[0] is None:
+        pytest.skip(NO_CMA)
+    if lone:
+        assert res == ["no error"] * 2
+        return
+    (k0, m0), (k1, m1) = res
+    assert k0 == k1 == "CommError", res
+    assert "process_vm_readv: Bad address" in m0 and "sendrecv" in m0, m0
+    assert "could not read" in m1, m1
+
+
+def killed_while_read_by_reference(comm, outdir):
+    """Rank 1 dies while rank 0 reads its message (the fault knob delays each
+    read 400 ms); rank 0 must raise PeerFailedError, not hang."""
+    r = comm.rank
+    if not comm._engine._native.cma_init(KIND_BARRIER, True, 0)[1]:
+        return "no cma"
+    if r == 0:
+        comm._engine._native.fault_check_delay(400_000.0)
+    else:
+
+        def die():
+            write_json(os.path.join(outdir, "killed"), time.time())
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        threading.Timer(0.15, die).start()
+    try:
+        comm.sendrecv([torch.ones(BIG)], 1 - r, 1 - r, out=[torch.empty(BIG)])
+        res = "no error"
+    except tpcomm.PeerFailedError as e:
+        res = [e.rank, time.time()]
+    write_json(os.path.join(outdir, f"rank{r}"), res)
+    return res
+
+
+def test_a_peer_killed_while_its_message_is_read(tmp_path):
+    with LocalGroup(2, timeout=60) as g, pytest.raises(tpcomm.LaunchError) as info:
+        if g.run(killed_while_read_by_reference, str(tmp_path), timeout=60) == ["no cma"] * 2:
+            pytest.skip(NO_CMA)
+    assert info.value.rank == 1
+    assert_survivors_saw(tmp_path, 1, (0,))

@@ -72,15 +72,11 @@ def _calls(MPI, comm, name: str, mpi_op, inplace: bool = False):
             comm.Gather(st["np"]["x"], st["np"]["y"] if rank == 0 else None, root=0)
 
     elif name == "sendrecv":
-        # the same ordered ring as tpcomm's side (perf._sendrecv): rank 0 sends
-        # first, the others receive first
+        # as tpcomm's side (perf._sendrecv): to the next rank, from the previous
         def run(st):
-            if rank == 0:
-                comm.Send(st["np"]["x"], 1 % world)
-                comm.Recv(st["np"]["y"], world - 1)
-            else:
-                comm.Recv(st["np"]["y"], rank - 1)
-                comm.Send(st["np"]["x"], (rank + 1) % world)
+            comm.Sendrecv(
+                st["np"]["x"], (rank + 1) % world, recvbuf=st["np"]["y"], source=(rank - 1) % world
+            )
 
     else:  # pragma: no cover - the perf command only passes known names
         raise ValueError(f"no MPI call for {name!r}")

@@ -111,18 +111,11 @@ def _gloo_reduce_scatter(out, x, op):
 
 
 def _sendrecv(comm, st):
-    # a ring: every rank sends to the next and receives from the previous one.
-    # Rank 0 sends first and the others receive first: messages larger than a
-    # channel's ring wait for their receiver, so all sending first would wait
-    # for each other (docs/COLLECTIVES.md).
+    # as nccl-tests' sendrecv: every rank sends to the next and receives from
+    # the previous one at once (MPI_Sendrecv; gloo: isend, then recv), into a
+    # buffer it reuses
     n, r = comm.world_size, comm.rank
-    # Both sides receive into a buffer they reuse, as gloo's recv does.
-    if r == 0:
-        comm.send([st["x"]], 1 % n)
-        comm.recv(n - 1, out=[st["y"]])
-    else:
-        comm.recv(r - 1, out=[st["y"]])
-        comm.send([st["x"]], (r + 1) % n)
+    comm.sendrecv([st["x"]], (r + 1) % n, (r - 1) % n, out=[st["y"]])
 
 
 def _sendrecv_dist(st):

@@ -266,7 +266,8 @@ class ShmEngine:
                 f"{fn}: rank {self.rank} could not read rank {peer}'s input from its memory "
                 f"(process_vm_readv: {os.strerror(info['errno'])}), although it could when "
                 f"the communicator was created; this communicator can no longer be used "
-                f"(TPCOMM_CMA=0 makes all_gather and all_to_all copy through shared memory)"
+                f"(TPCOMM_CMA=0 makes all_gather, all_to_all and large sendrecv messages "
+                f"copy through shared memory)"
             )
         if status == ST_INTERRUPTED:
             self._native.reraise()  # KeyboardInterrupt or whatever the handler raised
@@ -298,8 +299,9 @@ class ShmEngine:
             if reason == ST_CMA:
                 raise CommError(
                     f"{fn}: rank {peer} could not read a peer's input from its memory "
-                    f"(process_vm_readv) during an all_gather or all_to_all; this "
-                    f"communicator can no longer be used (TPCOMM_CMA=0 avoids these reads)"
+                    f"(process_vm_readv) during an all_gather, all_to_all or sendrecv; "
+                    f"this communicator can no longer be used (TPCOMM_CMA=0 avoids these "
+                    f"reads)"
                 )
             if reason == ST_TIMEOUT:
                 raise CommTimeoutError(
