@@ -320,15 +320,16 @@ def exchanges_by_reference(comm):
             ok &= all(torch.equal(o, w) for o, w in zip(outs, want))
             got = comm.sendrecv(xs, peer, peer)  # the general path (p2p_batch)
             ok &= all(torch.equal(g, w) for g, w in zip(got, want))
-            # rank 0 exchanges, rank 1 receives with recv() (the blocking path)
-            # and then sends by value
-            if r == 0:
-                (back,) = comm.sendrecv([xs[0]], 1, 1)
-            else:
-                ok &= torch.equal(comm.recv(0)[0], want[0])
-                comm.send([xs[0] * 2], 0)
-            if r == 0:
-                ok &= torch.equal(back, want[0] * 2)
+            # rank 0 exchanges, rank 1 receives with recv() (the blocking path:
+            # into new tensors, then into out= in one C call) and sends by value
+            for into in (None, torch.empty(BIG)):
+                if r == 0:
+                    (back,) = comm.sendrecv([xs[0]], 1, 1)
+                    ok &= torch.equal(back, want[0] * 2)
+                else:
+                    (got1,) = comm.recv(0, out=None if into is None else [into])
+                    ok &= torch.equal(got1, want[0]) and (into is None or got1 is into)
+                    comm.send([xs[0] * 2], 0)
             try:
                 comm.sendrecv([xs[0]], peer, peer, out=[torch.empty(BIG + 1)])
                 res[f"wrong out {cma}"] = "no error"
