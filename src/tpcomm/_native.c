@@ -2445,8 +2445,8 @@ static int parse_pieces(PyObject *list, pieces_t *pc)
 /*
  * Messages sent by reference (2026-12-03).  With single-copy reads agreed at
  * creation (cma_init), a message sent by a batch that also receives (sendrecv,
- * batch_isend_irecv) whose data does not fit the channel's ring and has at
- * least cma_min bytes does not stream its data through the ring:
+ * batch_isend_irecv) whose data is at least P2P_BYREF_MIN (more than the
+ * channel's ring) does not stream its data through the ring:
  * the stream carries the header and where the data lies in the sender (an
  * [address, length] pair per piece, after the header), the receiver reads the
  * data straight from the sender's memory (process_vm_readv, one copy instead
@@ -2462,6 +2462,10 @@ static int parse_pieces(PyObject *list, pieces_t *pc)
  * read either kind.
  */
 #define P2P_BYREF (1ull << 63)
+/* from 1.5 rings (1.5 MiB at world 2): an exchange at world 2, fresh data,
+ * by reference / by value: 1.125 MiB 484-644 / 411-489 us, 1.5 MiB 473-518 /
+ * 565-1573 us, 2.5 MiB 709-892 / 1091-1304 us (docs/COLLECTIVES.md) */
+#define P2P_BYREF_MIN(e) (3 * (e)->p2p_bytes)
 #define P2P_HL(w) ((w) & P2P_BYREF ? (w) & 0xffffffffull : (w))
 #define P2P_NP(w) ((w) & P2P_BYREF ? (Py_ssize_t)(((w) >> 32) & 0x7fffffffull) : 0)
 
@@ -2477,7 +2481,7 @@ static int cma_message(Engine *e, const pieces_t *pc, char **buf, char **addr, s
     uint64_t lens[2];
     memcpy(lens, pc->addr[0], sizeof lens);
     Py_ssize_t np = pc->n - 1;
-    if (lens[1] < e->cma_min || lens[1] <= 2 * e->p2p_bytes || lens[0] > 0xffffffffull ||
+    if (lens[1] < P2P_BYREF_MIN(e) || lens[0] > 0xffffffffull ||
         pc->len[0] != 16 + lens[0] || np > 0x7fffffff)
         return 0;
     size_t size = 16 + (size_t)lens[0] + 16 * (size_t)np;

@@ -373,9 +373,9 @@ def _check_cma(rep: Report, world: int) -> None:
     else:
         rep.ok(
             f"all_gather and all_to_all_single of >= {least} in all, and sendrecv "
-            f"messages of >= {least}: single copy, each rank reads its peers' data with "
-            f"process_vm_readv (checked between the ranks when a communicator is "
-            f"created; TPCOMM_CMA=0 turns it off)"
+            f"messages of more than a channel's ring: single copy, each rank reads its "
+            f"peers' data with process_vm_readv (checked between the ranks when a "
+            f"communicator is created; TPCOMM_CMA=0 turns it off)"
         )
 
 
