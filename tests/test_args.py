@@ -282,6 +282,21 @@ def test_launch_arguments():
         tpcomm.launch(closed_use, 2.0)
 
 
+def torch_threads(comm):
+    return torch.get_num_threads()
+
+
+def test_launch_shares_the_cpus_between_the_ranks(monkeypatch):
+    """Each rank gets its share of the CPUs as torch threads (ranks with a thread
+    per core each oversubscribe the machine), or OMP_NUM_THREADS when set."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cpus = len(os.sched_getaffinity(0))
+    assert tpcomm.launch(torch_threads, 2, timeout=60) == [max(1, cpus // 2)] * 2
+    assert tpcomm.launch(torch_threads, 1, timeout=60) == [cpus]
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert tpcomm.launch(torch_threads, 2, timeout=60) == [3, 3]
+
+
 def test_timeout_argument_checked():
     with pytest.raises(ValueError, match="timeout must be positive"):
         tpcomm.Communicator(timeout=-1)

@@ -1286,13 +1286,13 @@ class Communicator:
         """
         fn = "sendrecv"
         eng = self._engine
-        if eng is not None and out is not None:  # plain tensors: one C call (see send)
+        if eng is not None:  # plain tensors: one C call (see send)
             got = eng._native.p2p_sendrecv(dst, tensors, src, out)
             if type(got) is int:
                 if got:
                     eng.raise_status(got, fn, 0, 0, 0, 0)
-                return list(out)
-            if got is not None:  # the message did not match out: received aside
+                return list(out)  # type: ignore[arg-type]
+            if got is not None:  # no out, or it did not match: received aside
                 return self._sendrecv_rest(fn, src, out, *got)
         self._check_open(fn)
         tensors = self._check_list(fn, tensors)
