@@ -39,10 +39,27 @@ def many_shapes(comm, big):
         comm.send([torch.arange(512.0).reshape((2,) * 9)], dst=1)  # 9-d: pickled header
         return None
     if comm.rank == 1:
-        a = comm.recv(src=0)
-        b = comm.recv(src=0)
-        c = comm.recv(src=0)
-        (d,) = comm.recv(src=0)
+        # plain messages take recv's one C call (p2p_recv_new); pickled headers
+        # (more than 255 tensors, more than 8 dims) the Python path: count those
+        from tpcomm.shm import protocols
+
+        real, python = protocols.recv_rest, []
+
+        def spy(*args):
+            python.append(1)
+            return real(*args)
+
+        protocols.recv_rest = spy
+        try:
+            a = comm.recv(src=0)
+            b = comm.recv(src=0)
+            plain = len(python)
+            c = comm.recv(src=0)
+            (d,) = comm.recv(src=0)
+        finally:
+            protocols.recv_rest = real
+        if (plain, len(python)) != (0, 2):
+            return f"Python receives: {plain} of the plain messages, {len(python)} in all"
         want = _payload(1, big)
         ok = len(a) == len(want) and all(
             x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, want)
@@ -58,6 +75,7 @@ def test_any_tensors_arrive_intact(pools, world):
 
     big = 3 * _env.DEFAULT_SLOT_BYTES // 4 + 11
     res = pools.run(world, many_shapes, big)
+    assert not isinstance(res[1], str), res[1]
     ok, empty, n, values = res[1]
     assert ok and empty == [] and n == 300 and values
 

@@ -299,7 +299,7 @@ class Communicator:
         # all_reduce in the common case (see _native.c fast_all_reduce).
         self.all_reduce = native.fast_all_reduce
         # send/recv's common case in C too (p2p_send_tensors, p2p_recv_into)
-        native.set_p2p_dtypes(tuple(ALL_DTYPES), _ANY_SIZE)
+        native.set_p2p_dtypes(tuple(ALL_DTYPES), _ANY_SIZE, torch.empty)
 
     # -- properties -----------------------------------------------------------
 
@@ -1101,6 +1101,14 @@ class Communicator:
             got = protocols.recv_into(eng, fn, src, out)
             if got is not None:
                 return got[0]
+        elif eng is not None:  # into new tensors, one C call
+            new = eng._native.p2p_recv_new(src)
+            if type(new) is list:
+                return new
+            if type(new) is int:
+                eng.raise_status(new, fn, 0, 0, 0, 0)
+            if new is not None:  # a header C leaves to Python (pickled)
+                return protocols.recv_rest(eng, fn, src, None, new)[0]
         self._check_open(fn)
         src = self._check_rank(fn, "src", src, allow_self=False)
         if out is not None:
