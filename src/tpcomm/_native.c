@@ -3106,6 +3106,24 @@ static PyObject *eng_p2p_recv_body(Engine *e, PyObject *list)
     return status_result(st);
 }
 
+/* The next message's header from src, for the one-call receives: the header
+ * bytes (*h, *hl: their bytes and length); or NULL, *res being what the call
+ * returns (the status, or NULL with an exception). */
+static PyObject *fast_head(Engine *e, int src, PyObject **res, const unsigned char **h,
+                           size_t *hl)
+{
+    int st;
+    PyObject *hdr = recv_head(e, src, &st);
+    if (hdr && st == ST_OK) {
+        *h = (const unsigned char *)PyBytes_AS_STRING(hdr);
+        *hl = (size_t)PyBytes_GET_SIZE(hdr);
+        return hdr;
+    }
+    *res = hdr ? PyLong_FromLong(st) : NULL;
+    Py_XDECREF(hdr);
+    return NULL;
+}
+
 /*
  * p2p_recv_into(src, out) -> status | header bytes | None: Communicator.recv
  * with out= in one C call.  None: nothing was received (an argument the
@@ -3128,14 +3146,12 @@ static PyObject *eng_p2p_recv_into(Engine *e, PyObject *const *args, Py_ssize_t 
             Py_RETURN_NONE; /* the general path checks these before receiving */
     if (take_abort(e))
         Py_RETURN_NONE;
+    const unsigned char *h;
+    size_t hl, at = 2;
+    PyObject *res, *hdr = fast_head(e, src, &res, &h, &hl);
+    if (!hdr)
+        return res;
     int st;
-    PyObject *hdr = recv_head(e, src, &st);
-    if (!hdr || st != ST_OK) {
-        Py_XDECREF(hdr);
-        return hdr ? PyLong_FromLong(st) : NULL;
-    }
-    const unsigned char *h = (const unsigned char *)PyBytes_AS_STRING(hdr);
-    size_t hl = (size_t)PyBytes_GET_SIZE(hdr), at = 2;
     if (hl < 2 || h[0] != P2P_BINARY || h[1] != n)
         return hdr;
     char *addr[P2P_MAX_TENSORS];
@@ -3202,14 +3218,12 @@ static PyObject *eng_p2p_recv_new(Engine *e, PyObject *arg)
     if (src < 0 || !e->base || other_thread(e) || e->failed || !e->n_any || !e->empty_fn ||
         e->rx_src >= 0 || take_abort(e))
         Py_RETURN_NONE;
+    const unsigned char *h;
+    size_t hl, at = 2;
+    PyObject *res, *hdr = fast_head(e, src, &res, &h, &hl);
+    if (!hdr)
+        return res;
     int st;
-    PyObject *hdr = recv_head(e, src, &st);
-    if (!hdr || st != ST_OK) {
-        Py_XDECREF(hdr);
-        return hdr ? PyLong_FromLong(st) : NULL;
-    }
-    const unsigned char *h = (const unsigned char *)PyBytes_AS_STRING(hdr);
-    size_t hl = (size_t)PyBytes_GET_SIZE(hdr), at = 2;
     if (hl < 2 || h[0] != P2P_BINARY)
         return hdr;
     int n = h[1];
