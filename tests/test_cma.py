@@ -318,8 +318,11 @@ def exchanges_by_reference(comm):
             got = comm.sendrecv(xs, peer, peer, out=outs)  # one C call
             ok = all(g is o for g, o in zip(got, outs))
             ok &= all(torch.equal(o, w) for o, w in zip(outs, want))
-            got = comm.sendrecv(xs, peer, peer)  # the general path (p2p_batch)
+            got = comm.sendrecv(xs, peer, peer)  # one C call, into new tensors
             ok &= all(torch.equal(g, w) for g, w in zip(got, want))
+            # a transposed tensor: the C call declines, the general path (p2p_batch)
+            (got,) = comm.sendrecv([xs[0].view(-1, 2).t()], peer, peer)
+            ok &= torch.equal(got, want[0].view(-1, 2).t())
             # rank 0 exchanges, rank 1 receives with recv() (the blocking path:
             # into new tensors, then into out= in one C call) and sends by value
             for into in (None, torch.empty(BIG)):
@@ -369,6 +372,8 @@ def refused_by_reference(comm, lone):
                 comm.send([x], 0)
             else:
                 comm.recv(1, out=[torch.empty(BIG)])
+        elif lone is None:  # a transposed tensor: the general path (p2p_batch)
+            comm.sendrecv([x.view(-1, 2).t()], 1 - comm.rank, 1 - comm.rank)
         else:
             comm.sendrecv([x], 1 - comm.rank, 1 - comm.rank, out=[torch.empty(BIG)])
         return "no error"
@@ -376,7 +381,7 @@ def refused_by_reference(comm, lone):
         return [type(e).__name__, str(e)]
 
 
-@pytest.mark.parametrize("lone", [False, True])
+@pytest.mark.parametrize("lone", [False, None, True])
 def test_a_refused_read_by_reference_fails_both_ranks(lone):
     res = tpcomm.launch(refused_by_reference, 2, args=(lone,), timeout=60)
     if res[0] is None:
