@@ -1855,6 +1855,7 @@ static void fault_pause(Engine *e)
 }
 
 #define CMA_IOV 256 /* blocks per process_vm_readv */
+#define CMA_MIN_BLOCK 4096u /* smaller blocks of a row layout: the copy path */
 
 /* A process_vm_readv from rank r failed with err: the peer died
  * (ST_PEER_DEAD), or it is alive and its memory could not be read (ST_CMA). */
@@ -1872,7 +1873,6 @@ static int cma_failed(Engine *e, int r, int err)
     set_abort(e, ST_CMA, e->rank);
     return ST_CMA;
 }
-#define CMA_MIN_BLOCK 4096u /* smaller blocks of a row layout: the copy path */
 
 /* n bytes at `remote` in rank r's memory (contiguous) to `local`, laid out as
  * put_blocks lays a contribution out: blocks of blk bytes, `row` bytes apart
@@ -2657,8 +2657,8 @@ static int send_pieces(Engine *e, int dst, const pieces_t *pc)
     o.send = 1;
     o.peer = dst;
     o.pc = *pc;
-    for (Py_ssize_t i = 0; i < o.pc.n; i++)
-        o.total += o.pc.len[i];
+    for (Py_ssize_t i = 0; i < pc->n; i++)
+        o.total += pc->len[i];
     _Atomic uint64_t *done = &ctrl_line(e, dst, P2P_DONE_LINE(e->world, e->rank))->seq;
     e->busy = 1;
     PyThreadState *ts = o.total >= GIL_RELEASE_BYTES ? PyEval_SaveThread() : NULL;
@@ -3537,6 +3537,33 @@ static int batch_run(Engine *e, bop_t *ops, Py_ssize_t n, PyThreadState **ts)
     }
 }
 
+/* Run a batch with the GIL released: the one entry of p2p_batch and
+ * p2p_sendrecv.  Where the batch also receives, its large sends go by
+ * reference (see cma_message): the rule lives here, not in the callers.
+ * The status of batch_run. */
+static int run_batch(Engine *e, bop_t *ops, Py_ssize_t n)
+{
+    int receives = 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        receives |= !ops[i].send;
+    for (Py_ssize_t i = 0; receives && i < n; i++) {
+        bop_t *o = &ops[i];
+        Py_ssize_t pieces = o->pc.n;
+        if (o->send && cma_message(e, &o->pc, &o->rbuf, o->by_addr, o->by_len, &o->pc)) {
+            o->np = pieces - 1;
+            o->total = o->pc.len[0];
+        }
+    }
+    e->busy = 1;
+    e->in_p2p = 1;
+    PyThreadState *ts = PyEval_SaveThread();
+    int st = batch_run(e, ops, n, &ts);
+    PyEval_RestoreThread(ts);
+    e->in_p2p = 0;
+    e->busy = 0;
+    return st;
+}
+
 static void bops_free(bop_t *ops, Py_ssize_t n)
 {
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -3601,22 +3628,7 @@ static PyObject *eng_p2p_batch(Engine *e, PyObject *list)
             o->want_len = (size_t)PyBytes_GET_SIZE(want);
         }
     }
-    int receives = 0;
-    for (Py_ssize_t i = 0; i < n; i++)
-        receives |= !ops[i].send;
-    for (Py_ssize_t i = 0; receives && i < n; i++) /* see cma_message */
-        if (ops[i].send &&
-            cma_message(e, &ops[i].own, &ops[i].rbuf, ops[i].by_addr, ops[i].by_len, &ops[i].pc)) {
-            ops[i].np = ops[i].own.n - 1;
-            ops[i].total = ops[i].pc.len[0];
-        }
-    e->busy = 1;
-    e->in_p2p = 1;
-    PyThreadState *ts = PyEval_SaveThread();
-    int st = batch_run(e, ops, n, &ts);
-    PyEval_RestoreThread(ts);
-    e->in_p2p = 0;
-    e->busy = 0;
+    int st = run_batch(e, ops, n);
     PyObject *bad = st < 0 ? NULL : PyList_New(0);
     for (Py_ssize_t i = 0; bad && st == ST_OK && i < n; i++) {
         if (ops[i].send || !ops[i].drop)
@@ -3680,21 +3692,13 @@ static PyObject *eng_p2p_sendrecv(Engine *e, PyObject *const *args, Py_ssize_t n
     ops[0].send = 1;
     ops[0].peer = dst;
     ops[0].pc = (pieces_t){saddr, slen, nps};
-    if (cma_message(e, &ops[0].pc, &ops[0].rbuf, ops[0].by_addr, ops[0].by_len, &ops[0].pc))
-        ops[0].np = nps - 1;
-    for (Py_ssize_t i = 0; i < ops[0].pc.n; i++)
-        ops[0].total += ops[0].pc.len[i];
+    for (Py_ssize_t i = 0; i < nps; i++)
+        ops[0].total += slen[i];
     ops[1].peer = src;
     ops[1].pc = (pieces_t){raddr + 1, rlen + 1, npr - 1};
     ops[1].want = rhead + 16;
     ops[1].want_len = rlen[0] - 16;
-    e->busy = 1;
-    e->in_p2p = 1;
-    PyThreadState *ts = PyEval_SaveThread();
-    int st = batch_run(e, ops, 2, &ts);
-    PyEval_RestoreThread(ts);
-    e->in_p2p = 0;
-    e->busy = 0;
+    int st = run_batch(e, ops, 2);
     PyObject *res;
     if (st < 0)
         res = PyErr_NoMemory();
