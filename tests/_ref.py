@@ -93,6 +93,15 @@ def unexpected_errors(cases) -> list[str]:
     return problems
 
 
+def comm_error_of(call) -> object:
+    """What call() ended in: "no error", or [the CommError's type name, its message]."""
+    try:
+        call()
+    except tpcomm.CommError as e:
+        return [type(e).__name__, str(e)]
+    return "no error"
+
+
 def write_json(path: str, value) -> None:
     """What a rank saw, for the test process to read after the rank is gone."""
     with open(path, "w") as f:

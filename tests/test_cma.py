@@ -27,7 +27,7 @@ from tpcomm import _env, _native
 from tpcomm.launch import LocalGroup
 from tpcomm.shm.engine import KIND_ALL_GATHER, KIND_BARRIER
 
-from ._ref import assert_survivors_saw, make, write_json
+from ._ref import assert_survivors_saw, comm_error_of, make, write_json
 
 # the forms of all_gather, each returning the gathered tensor; "rows" gathers
 # along dim 1 of an (m, n / m) view: every rank's part is m blocks of the result
@@ -273,11 +273,7 @@ def unreadable(comm, which):
     if comm.rank == 1:
         nat.fault_cma_addr(True)  # publishes an address nobody can read
     t0 = time.time()
-    try:
-        _single_copy(comm, which, torch.ones(999))
-        res = "no error"
-    except tpcomm.CommError as e:
-        res = [type(e).__name__, str(e)]
+    res = comm_error_of(lambda: _single_copy(comm, which, torch.ones(999)))
     return res, time.time() - t0
 
 
@@ -366,7 +362,8 @@ def refused_by_reference(comm, lone):
     if comm.rank == 1:
         nat.fault_cma_addr(True)
     x = torch.ones(BIG)
-    try:
+
+    def call():
         if lone:
             if comm.rank == 1:
                 comm.send([x], 0)
@@ -376,9 +373,8 @@ def refused_by_reference(comm, lone):
             comm.sendrecv([x.view(-1, 2).t()], 1 - comm.rank, 1 - comm.rank)
         else:
             comm.sendrecv([x], 1 - comm.rank, 1 - comm.rank, out=[torch.empty(BIG)])
-        return "no error"
-    except tpcomm.CommError as e:
-        return [type(e).__name__, str(e)]
+
+    return comm_error_of(call)
 
 
 @pytest.mark.parametrize("lone", [False, None, True])

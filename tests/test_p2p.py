@@ -19,7 +19,7 @@ import torch
 import tpcomm
 from tpcomm.launch import LocalGroup
 
-from ._ref import MOVE_DTYPES, assert_survivors_saw, make, unexpected_errors
+from ._ref import MOVE_DTYPES, assert_survivors_saw, comm_error_of, make, unexpected_errors
 
 
 def _payload(seed: int, big: int):
@@ -259,8 +259,8 @@ def crossed_calls(comm, which):
     """Rank 0 enters a collective while rank 1 waits for it in a point-to-point
     call: both must fail fast (not at the timeout), each saying what crossed."""
     r = comm.rank
-    t0 = time.time()
-    try:
+
+    def call():
         if r == 0:
             comm.all_reduce(torch.ones(4)) if which == "all_reduce" else comm.barrier()
         elif which == "all_reduce":
@@ -268,9 +268,9 @@ def crossed_calls(comm, which):
         else:  # the sender waits: the ring to rank 0 is full, rank 0 never receives
             for _ in range(comm._engine.p2p_ring + 1):
                 comm.send([torch.ones(4)], dst=0)
-        res = "no error"
-    except tpcomm.CommError as e:
-        res = [type(e).__name__, str(e)]
+
+    t0 = time.time()
+    res = comm_error_of(call)
     return res, time.time() - t0
 
 
