@@ -352,20 +352,26 @@ def _yama_scope() -> Optional[int]:
 
 
 def _check_cma(rep: Report, world: int) -> None:
-    """Whether all_gather can read the peers' inputs single-copy (process_vm_readv)."""
+    """Whether all_gather, all_to_all and sendrecv can read the peers' data
+    single-copy (process_vm_readv)."""
     nbytes = _env.cma_min_bytes(world)
     least = _human(max(nbytes, 0))
     scope = _yama_scope()
     if not _env.cma():
-        rep.info("all_gather: always two copies through shared memory (TPCOMM_CMA=0)")
+        rep.info(
+            "all_gather, all_to_all and large sendrecv messages: always two copies "
+            "through shared memory (TPCOMM_CMA=0)"
+        )
     elif nbytes < 0:
         rep.info(
-            f"all_gather: two copies through shared memory (at {world} ranks a single copy "
+            f"all_gather, all_to_all and large sendrecv messages: two copies through "
+            f"shared memory (at {world} ranks a single copy "
             f"was not faster where measured; TPCOMM_CMA_MIN_BYTES=N turns it on from N bytes)"
         )
     elif scope is not None and scope >= 1:
         rep.info(
-            f"all_gather: two copies through shared memory: Yama ptrace_scope={scope} "
+            f"all_gather, all_to_all and large sendrecv messages: two copies through "
+            f"shared memory: Yama ptrace_scope={scope} "
             f"forbids ranks to read each other's memory (process_vm_readv); from {least} "
             f"a single copy is faster (sysctl kernel.yama.ptrace_scope=0 allows it; tpcomm "
             f"does not change who may read its processes)"
@@ -373,7 +379,7 @@ def _check_cma(rep: Report, world: int) -> None:
     else:
         rep.ok(
             f"all_gather and all_to_all_single of >= {least} in all, and sendrecv "
-            f"messages of more than a channel's ring: single copy, each rank reads its "
+            f"messages of 1.5 channel rings or more: single copy, each rank reads its "
             f"peers' data with process_vm_readv (checked between the ranks when a "
             f"communicator is created; TPCOMM_CMA=0 turns it off)"
         )
