@@ -1874,43 +1874,83 @@ static int cma_failed(Engine *e, int r, int err)
     return ST_CMA;
 }
 
+/* CMA_IOV iovecs at most, CMA_PIECE bytes at most, from byte `off` of piece
+ * i of the (address, length) pairs p[0..2n) on; how many */
+static int iov_fill(const uint64_t *p, Py_ssize_t n, Py_ssize_t i, uint64_t off, struct iovec *v)
+{
+    int k = 0;
+    size_t bytes = 0;
+    for (; i < n && k < CMA_IOV && bytes < CMA_PIECE; i++, off = 0) {
+        uint64_t m = p[2 * i + 1] - off;
+        if (!m)
+            continue;
+        if (m > CMA_PIECE - bytes)
+            m = CMA_PIECE - bytes;
+        v[k].iov_base = (void *)(uintptr_t)(p[2 * i] + off);
+        v[k++].iov_len = (size_t)m;
+        bytes += (size_t)m;
+    }
+    return k;
+}
+
+static void iov_skip(const uint64_t *p, Py_ssize_t n, Py_ssize_t *i, uint64_t *off, size_t by)
+{
+    while (by && *i < n) {
+        uint64_t left = p[2 * *i + 1] - *off;
+        if (by < left) {
+            *off += by;
+            return;
+        }
+        by -= (size_t)left;
+        (*i)++;
+        *off = 0;
+    }
+}
+
+/* n bytes from rank r's memory, at the (address, length) pairs rem[0..2 nrem),
+ * to this process's pairs loc[0..2 nloc), as many as one process_vm_readv
+ * takes at a time (CMA_IOV iovecs a side, CMA_PIECE bytes).  A status. */
+static int cma_copy(Engine *e, int r, const uint64_t *loc, Py_ssize_t nloc, const uint64_t *rem,
+                    Py_ssize_t nrem, size_t n)
+{
+    Py_ssize_t li = 0, ri = 0;
+    uint64_t lo = 0, ro = 0;
+    struct iovec lv[CMA_IOV], rv[CMA_IOV];
+    for (size_t done = 0; done < n;) {
+        if (take_abort(e))
+            return ST_ABORTED;
+        fault_pause(e); /* tests: a peer may die meanwhile */
+        int nl = iov_fill(loc, nloc, li, lo, lv), nr = iov_fill(rem, nrem, ri, ro, rv);
+        ssize_t got = process_vm_readv(peer_pid(e, r), lv, (unsigned long)nl, rv,
+                                       (unsigned long)nr, 0);
+        if (got > 0) {
+            done += (size_t)got;
+            iov_skip(loc, nloc, &li, &lo, (size_t)got);
+            iov_skip(rem, nrem, &ri, &ro, (size_t)got);
+        } else if (!(got < 0 && errno == EINTR)) {
+            return cma_failed(e, r, got < 0 ? errno : EFAULT);
+        }
+    }
+    return ST_OK;
+}
+
 /* n bytes at `remote` in rank r's memory (contiguous) to `local`, laid out as
  * put_blocks lays a contribution out: blocks of blk bytes, `row` bytes apart
  * (blk == n: one block).  A status. */
 static int cma_read(Engine *e, int r, char *local, size_t blk, size_t row, uint64_t remote,
                     size_t n)
 {
-    struct iovec l[CMA_IOV];
-    size_t done = 0;
-    while (done < n) {
-        if (take_abort(e))
-            return ST_ABORTED;
-        fault_pause(e); /* tests: a peer may die meanwhile */
-        /* from byte `done` of the contribution: up to CMA_IOV blocks, CMA_PIECE bytes */
-        size_t k = 0;
-        int nl = 0;
-        while (nl < CMA_IOV && done + k < n && k < CMA_PIECE) {
-            size_t q = done + k, a = q / blk, in = q % blk, m = blk - in;
-            if (m > n - q)
-                m = n - q;
-            if (m > CMA_PIECE - k)
-                m = CMA_PIECE - k;
-            l[nl].iov_base = local + a * row + in;
-            l[nl].iov_len = m;
-            nl++;
-            k += m;
-        }
-        struct iovec rm = {(void *)(uintptr_t)(remote + done), k};
-        ssize_t got = process_vm_readv(peer_pid(e, r), l, (unsigned long)nl, &rm, 1, 0);
-        if (got > 0) {
-            done += (size_t)got;
-            continue;
-        }
-        if (got < 0 && errno == EINTR)
-            continue;
-        return cma_failed(e, r, got < 0 ? errno : EFAULT);
+    size_t blocks = (n + blk - 1) / blk;
+    uint64_t *loc = PyMem_RawMalloc(16 * blocks), rem[2] = {remote, n};
+    if (!loc)
+        return cma_failed(e, r, ENOMEM);
+    for (size_t a = 0; a < blocks; a++) {
+        loc[2 * a] = (uint64_t)(uintptr_t)(local + a * row);
+        loc[2 * a + 1] = a + 1 < blocks ? blk : n - a * blk;
     }
-    return ST_OK;
+    int st = cma_copy(e, r, loc, (Py_ssize_t)blocks, rem, 1, n);
+    PyMem_RawFree(loc);
+    return st;
 }
 
 /* The rounds of a single-copy exchange (all_gather, all_to_all): this rank
@@ -2504,39 +2544,6 @@ static int cma_message(Engine *e, const pieces_t *pc, char **buf, char **addr, s
     return 1;
 }
 
-/* CMA_IOV iovecs at most, CMA_PIECE bytes at most, from byte `off` of piece
- * i of the (address, length) pairs p[0..2n) on; how many */
-static int iov_fill(const uint64_t *p, Py_ssize_t n, Py_ssize_t i, uint64_t off, struct iovec *v)
-{
-    int k = 0;
-    size_t bytes = 0;
-    for (; i < n && k < CMA_IOV && bytes < CMA_PIECE; i++, off = 0) {
-        uint64_t m = p[2 * i + 1] - off;
-        if (!m)
-            continue;
-        if (m > CMA_PIECE - bytes)
-            m = CMA_PIECE - bytes;
-        v[k].iov_base = (void *)(uintptr_t)(p[2 * i] + off);
-        v[k++].iov_len = (size_t)m;
-        bytes += (size_t)m;
-    }
-    return k;
-}
-
-static void iov_skip(const uint64_t *p, Py_ssize_t n, Py_ssize_t *i, uint64_t *off, size_t by)
-{
-    while (by && *i < n) {
-        uint64_t left = p[2 * *i + 1] - *off;
-        if (by < left) {
-            *off += by;
-            return;
-        }
-        by -= (size_t)left;
-        (*i)++;
-        *off = 0;
-    }
-}
-
 /* Read a message sent by reference from rank r: `desc` holds the np
  * (address, length) pairs of its data in r's memory (dl bytes in all), the
  * data goes to the local pieces dst.  A status (no GIL needed). */
@@ -2554,29 +2561,9 @@ static int cma_recv(Engine *e, int r, const char *desc, Py_ssize_t np, size_t dl
         loc[2 * i] = (uint64_t)(uintptr_t)dst->addr[i];
         have += loc[2 * i + 1] = dst->len[i];
     }
-    int st = ST_OK;
-    if (sum != dl || have != dl) /* a torn or foreign stream: nothing is read */
-        st = cma_failed(e, r, EPROTO);
-    Py_ssize_t li = 0, ri = 0;
-    uint64_t lo = 0, ro = 0;
-    struct iovec lv[CMA_IOV], rv[CMA_IOV];
-    for (size_t done = 0; st == ST_OK && done < dl;) {
-        if (take_abort(e)) {
-            st = ST_ABORTED;
-            break;
-        }
-        fault_pause(e); /* tests: a peer may die meanwhile */
-        int nl = iov_fill(loc, dst->n, li, lo, lv), nr = iov_fill(rem, np, ri, ro, rv);
-        ssize_t got = process_vm_readv(peer_pid(e, r), lv, (unsigned long)nl, rv,
-                                       (unsigned long)nr, 0);
-        if (got > 0) {
-            done += (size_t)got;
-            iov_skip(loc, dst->n, &li, &lo, (size_t)got);
-            iov_skip(rem, np, &ri, &ro, (size_t)got);
-        } else if (!(got < 0 && errno == EINTR)) {
-            st = cma_failed(e, r, got < 0 ? errno : EFAULT);
-        }
-    }
+    int st = sum != dl || have != dl /* a torn or foreign stream: nothing is read */
+                 ? cma_failed(e, r, EPROTO)
+                 : cma_copy(e, r, loc, dst->n, rem, np, dl);
     PyMem_RawFree(rem);
     return st;
 }
