@@ -13,7 +13,7 @@ COLL_ARGS ?= -b 1K -e 16M -f 4 --compare gloo,mpi --fresh
 
 .PHONY: test bench lint install clean
 
-$(VENV)/.installed: pyproject.toml setup.py src/tpcomm/_native.c
+$(VENV)/.installed: pyproject.toml setup.py $(wildcard src/tpcomm/_native/*.[ch])
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build
 	$(PY) -m pip install -q --disable-pip-version-check torch==$(TORCH_VERSION)

@@ -1,12 +1,16 @@
 """Builds the private C core, tpcomm._native (no PyTorch C++ extension)."""
 
+from glob import glob
+
 from setuptools import Extension, setup
 
 setup(
     ext_modules=[
         Extension(
             "tpcomm._native",
-            ["src/tpcomm/_native.c"],
+            # one file per concern; src/tpcomm/_native/tpcomm.h is the map
+            sorted(glob("src/tpcomm/_native/*.c")),
+            depends=sorted(glob("src/tpcomm/_native/*.h")),
             extra_compile_args=[
                 "-std=gnu11",
                 "-O3",

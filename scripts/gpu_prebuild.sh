@@ -14,5 +14,5 @@ SUF=$("$PY" -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))"
 mkdir -p .gpu
 # the flags of setup.py
 gcc -shared -fPIC -std=gnu11 -O3 -ffp-contract=off -fno-fast-math -Wall -Wextra \
-    -Wno-missing-field-initializers -I"$INC" src/tpcomm/_native.c -o ".gpu/_native$SUF" -lpthread
+    -Wno-missing-field-initializers -I"$INC" src/tpcomm/_native/*.c -o ".gpu/_native$SUF" -lpthread
 echo "built .gpu/_native$SUF with $PY"

@@ -462,8 +462,7 @@ class Communicator:
     def _all_reduce_fallback(self, tensor: Any, op: Any, status: int) -> _Tensor:
         """Called by the native fast path for everything it does not handle."""
         if status:
-            codes = (DTYPE_CODES[tensor.dtype], as_reduce_op("all_reduce", op).value)
-            self._raise(status, "all_reduce", KIND_ALL_REDUCE, codes, tensor.numel())
+            self._raise(status, "all_reduce")
         return self._all_reduce_checked(tensor, op)
 
     def _all_reduce_checked(self, tensor: Any, op: Any) -> _Tensor:
@@ -479,13 +478,12 @@ class Communicator:
             return self._hier.all_reduce(tensor, op)
         if self._engine is None:  # world size 1
             return tensor
-        codes = (DTYPE_CODES[tensor.dtype], op.value)
         work = dense(tensor)
         status = self._engine.all_reduce(
-            work.data_ptr(), work.numel(), codes[0], codes[1], KIND_ALL_REDUCE
+            work.data_ptr(), work.numel(), DTYPE_CODES[tensor.dtype], op.value, KIND_ALL_REDUCE
         )
         if status:
-            self._raise(status, fn, KIND_ALL_REDUCE, codes, work.numel())
+            self._raise(status, fn)
         if work is not tensor:
             tensor.copy_(work)
         return tensor
@@ -601,7 +599,7 @@ class Communicator:
                 if status == 0:
                     return out
                 if status is not None:
-                    self._raise_flat_gather(status, "all_gather", tensor)
+                    eng.raise_status(status, "all_gather")
             res = self._plain_gather(eng, "all_gather", KIND_ALL_GATHER, tensor, dim, None, None)
             if res is not _NOT_PLAIN:
                 return res
@@ -654,10 +652,7 @@ class Communicator:
                 if status == 0:
                     return res
                 if status is not None:
-                    n, w = tensor.numel(), self._world
-                    key = protocols.layout_key(KIND_GATHER, (), 0, (n,) * w, dst)
-                    code = protocols.dtype_code_any(tensor.dtype)
-                    eng.raise_status(status, "gather", KIND_GATHER, code, 0, n * w, key)
+                    eng.raise_status(status, "gather")
             res = self._plain_gather(eng, "gather", KIND_GATHER, tensor, dim, dst, out)
             if res is not _NOT_PLAIN:
                 return res
@@ -704,7 +699,7 @@ class Communicator:
             status = eng._native.fast_all_gather(output, input, KIND_ALL_GATHER)
             if status is not None:
                 if status:
-                    self._raise_flat_gather(status, "all_gather_into_tensor", input)
+                    eng.raise_status(status, "all_gather_into_tensor")
                 return output
         fn = "all_gather_into_tensor"
         self._check_open(fn)
@@ -729,13 +724,6 @@ class Communicator:
         if res is not output:
             output.copy_(res.view(output.shape))
         return output
-
-    def _raise_flat_gather(self, status: int, fn: str, input: _Tensor) -> None:
-        """The error of a failed fast_all_gather (its metadata: protocols.flat_key)."""
-        n, w = input.numel(), self._world
-        code = protocols.dtype_code_any(input.dtype)
-        key = protocols.flat_key(KIND_ALL_GATHER, n, w)
-        self._engine.raise_status(status, fn, KIND_ALL_GATHER, code, 0, n * w, key)
 
     def _plain_gather(
         self,
@@ -927,13 +915,7 @@ class Communicator:
             status = eng._native.fast_reduce_scatter(output, input, op, KIND_REDUCE_SCATTER)
             if status is not None:
                 if status:
-                    n, w = output.numel(), self._world
-                    code = _ANY_TO_REDUCE[protocols.dtype_code_any(input.dtype)]
-                    key = protocols.flat_key(protocols.RS_FLAT, n, w)
-                    eng.raise_status(
-                        status, "reduce_scatter_tensor", KIND_REDUCE_SCATTER, code, op.value,
-                        n * w, key,
-                    )  # fmt: skip
+                    eng.raise_status(status, "reduce_scatter_tensor")
                 return output
         fn = "reduce_scatter_tensor"
         self._check_open(fn)
@@ -995,10 +977,7 @@ class Communicator:
             status = eng._native.fast_broadcast(tensor, src, KIND_BROADCAST)
             if status is not None:
                 if status:
-                    code = protocols.dtype_code_any(tensor.dtype)
-                    eng.raise_status(
-                        status, "broadcast", KIND_BROADCAST, code, 0, tensor.numel(), src
-                    )
+                    eng.raise_status(status, "broadcast")
                 return tensor
         fn = "broadcast"
         self._check_open(fn)
@@ -1077,7 +1056,7 @@ class Communicator:
             status = eng._native.p2p_send_tensors(dst, tensors)
             if status is not None:
                 if status:
-                    eng.raise_status(status, "send", 0, 0, 0, 0)
+                    eng.raise_status(status, "send")
                 return
         fn = "send"
         self._check_open(fn)
@@ -1106,7 +1085,7 @@ class Communicator:
             if type(new) is list:
                 return new
             if type(new) is int:
-                eng.raise_status(new, fn, 0, 0, 0, 0)
+                eng.raise_status(new, fn)
             if new is not None:  # a header C leaves to Python (pickled)
                 return protocols.recv_rest(eng, fn, src, None, new)[0]
         self._check_open(fn)
@@ -1298,7 +1277,7 @@ class Communicator:
             got = eng._native.p2p_sendrecv(dst, tensors, src, out)
             if type(got) is int:
                 if got:
-                    eng.raise_status(got, fn, 0, 0, 0, 0)
+                    eng.raise_status(got, fn)
                 return list(out)  # type: ignore[arg-type]
             if got is not None:  # no out, or it did not match: received aside
                 return self._sendrecv_rest(fn, src, out, *got)
@@ -1411,17 +1390,16 @@ class Communicator:
             return
         status = self._engine._native.sync(KIND_BARRIER, 0, 0, 0, 0)
         if status:
-            self._raise(status, "barrier", KIND_BARRIER, (0, 0), 0)
+            self._raise(status, "barrier")
 
-    def _raise(self, status: int, fn: str, kind: int, codes: tuple, count: int) -> None:
+    def _raise(self, status: int, fn: str) -> None:
         if self._engine is None:
             self._check_open(fn)
-        self._engine.raise_status(status, fn, kind, codes[0], codes[1], count)
+        self._engine.raise_status(status, fn)
 
 
 # what the C checks (plain) return, by dtype code of a message (ops.ALL_DTYPES)
 _ANY_SIZE = tuple(dt.itemsize for dt in ALL_DTYPES)
-_ANY_TO_REDUCE = {ANY_DTYPE_CODES[dt]: code for dt, code in DTYPE_CODES.items()}
 
 
 def _prod(shape: Any) -> int:

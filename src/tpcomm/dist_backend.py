@@ -522,7 +522,7 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
             status = eng._native.p2p_send(dst, pieces, True)
             if status is not None:
                 if status:
-                    eng.raise_status(status, "send", 0, 0, 0, 0)
+                    eng.raise_status(status, "send")
                 return _Done(tensors)
         # else it waits for its Work (or the next call): see _Pending
         work = _Pending(self, tensors)

@@ -1,7 +1,7 @@
 """The shared-memory engine: a segment mapped by every rank, and its collectives.
 
 The protocol itself (rounds, parity slots, publish/wait, liveness locks,
-abort word) is documented at the top of ``_native.c``; this module sets it
+abort word) is documented at the top of ``_native/tpcomm.h``; this module sets it
 up and turns the core's status codes into tpcomm's exceptions.
 """
 
@@ -19,15 +19,16 @@ from . import segment
 __all__ = ["ShmEngine", "KIND_NAMES", "KIND_ALL_REDUCE", "KIND_BARRIER"]
 
 # op kinds, published with every round so that ranks calling different
-# collectives are told so instead of corrupting each other
-KIND_ALL_REDUCE = 1
-KIND_BARRIER = 2
-KIND_ALL_GATHER = 3
-KIND_REDUCE_SCATTER = 4
-KIND_BROADCAST = 5
-KIND_GATHER = 6
-KIND_EMPTY = 7
-KIND_ALL_TO_ALL = 8
+# collectives are told so instead of corrupting each other (owned by the core:
+# _native/tpcomm.h)
+KIND_ALL_REDUCE = _native.KIND_ALL_REDUCE
+KIND_BARRIER = _native.KIND_BARRIER
+KIND_ALL_GATHER = _native.KIND_ALL_GATHER
+KIND_REDUCE_SCATTER = _native.KIND_REDUCE_SCATTER
+KIND_BROADCAST = _native.KIND_BROADCAST
+KIND_GATHER = _native.KIND_GATHER
+KIND_EMPTY = _native.KIND_EMPTY
+KIND_ALL_TO_ALL = _native.KIND_ALL_TO_ALL
 KIND_NAMES = {
     KIND_EMPTY: "empty",
     KIND_ALL_REDUCE: "all_reduce",
@@ -75,7 +76,7 @@ def _describe_call(kind: int, dtype: int, op: int, count: int, arg: int | None =
     if arg is None:
         return text + ")"
     if kind == KIND_ALL_REDUCE:
-        if arg & 0xFF == 3:
+        if arg & 0xFF == _native.ARG_ZERO_COPY:
             return f"{text}, algorithm=zero-copy in buffer {(arg >> 8) & 0xFF} at {arg >> 16})"
         return f"{text}, algorithm={_ALGOS.get(arg, arg)})"
     if kind == KIND_BROADCAST:
@@ -170,7 +171,7 @@ class ShmEngine:
             status, self.cma = self._native.cma_init(KIND_BARRIER, cma_want, cma_least)
             if status:
                 self.close()
-                self.raise_status(status, "Communicator", KIND_BARRIER, 0, 0, 0)
+                self.raise_status(status, "Communicator")
 
     def _map(
         self,
@@ -214,10 +215,10 @@ class ShmEngine:
 
     # -- errors ---------------------------------------------------------------
 
-    def raise_status(
-        self, status: int, fn: str, kind: int, dtype: int, op: int, count: int, arg: int = 0
-    ) -> None:
-        """Raise the exception for a non-zero status of the native core."""
+    def raise_status(self, status: int, fn: str) -> None:
+        """Raise the exception for a non-zero status of the native core.  What
+        went wrong (the peer, both sides' calls on a mismatch, the errno of a
+        failed read) is what the core recorded when it failed (error_info)."""
         info = self._errors.error_info()
         peer = info.get("rank", -1)
         if status == ST_BUSY:
@@ -228,13 +229,12 @@ class ShmEngine:
                 f"the Communicator is still usable"
             )
         if status == ST_MISMATCH:
-            mine = _describe_call(kind, dtype, op, count)
-            theirs = _describe_call(info["kind"], info["dtype"], info["op"], info["count"])
+            me = (info["my_kind"], info["my_dtype"], info["my_op"], info["my_count"])
+            them = (info["kind"], info["dtype"], info["op"], info["count"])
+            mine, theirs = _describe_call(*me), _describe_call(*them)
             if mine == theirs:  # they differ in the algorithm, root or layout: say so
-                mine = _describe_call(kind, dtype, op, count, info["my_arg"])
-                theirs = _describe_call(
-                    info["kind"], info["dtype"], info["op"], info["count"], info["arg"]
-                )
+                mine = _describe_call(*me, info["my_arg"])
+                theirs = _describe_call(*them, info["arg"])
             raise ValueError(
                 f"{fn}: mismatched collective: rank {self.rank} called {mine} but rank {peer} "
                 f"called {theirs}; every rank must call the same collective with the same "
@@ -333,7 +333,7 @@ class ShmEngine:
             raise CommError(f"{fn}: the Communicator is closed")
         status = self._native.hold()
         if status:
-            self.raise_status(status, fn, 0, 0, 0, 0)
+            self.raise_status(status, fn)
 
     def release(self) -> None:
         if self._native is not None:

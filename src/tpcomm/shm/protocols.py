@@ -1,17 +1,17 @@
 """The data-moving collectives and point-to-point messages, over the segment.
 
 Each collective is a sequence of rounds of the collective channel (see
-``_native.c``): before a round a rank writes its slot of parity
+``_native/tpcomm.h``): before a round a rank writes its slot of parity
 ``(round + 1) & 1``; ``sync`` publishes the round's metadata and waits for
 every peer; after it a rank reads the peers' slots of that parity.  A slot is
 rewritten two rounds later, by which time every peer has finished reading it,
 so one wait per round suffices.  Data larger than a slot takes several
 rounds.  The rounds' loops run in C (``gatherv``, ``reduce_scatterv``,
-``broadcast`` in ``_native.c``: in Python they cost 5-8 us per call); this
+``broadcast`` in ``_native/rounds.c``: in Python they cost 5-8 us per call); this
 module passes addresses and sizes and turns a status into an exception.
 
 Point-to-point messages use a channel per ordered pair (sender -> receiver):
-a ring of 64 small chunks (``_native.c`` P2P_RING), a "sent" counter in the
+a ring of 64 small chunks (``_native/tpcomm.h`` P2P_RING), a "sent" counter in the
 sender's control block and a "consumed" counter in the receiver's.  Chunk k
 of the byte stream goes to ring entry k % 64 once the receiver has consumed
 chunk k - 64, so ``send`` returns without waiting for the receiver whenever
@@ -52,17 +52,10 @@ __all__ = [
 _PREFIX = struct.Struct("<QQ")  # header bytes, data bytes
 
 
-_M64 = (1 << 64) - 1
-RS_FLAT = 0x5253  # flat_key's kind for reduce_scatter layouts (_native.c RS_FLAT)
-
-
-def flat_key(kind: int, n: int, world: int) -> int:
-    """The key of a flat, even layout (every rank n rows of nothing else, dim 0,
-    no root): what ``_native.c`` fast_all_gather computes, bit for bit."""
-    x = (kind * 0x100000001B3) & _M64
-    x ^= (n * 0x9E3779B97F4A7C15) & _M64
-    x ^= (world << 48) & _M64
-    return x & 0x7FFFFFFFFFFFFFFF
+# the key of a flat, even layout (every rank n rows of nothing else, dim 0, no
+# root): the core's flat_key, which its one-call fast paths compute too
+flat_key = _native.flat_key
+RS_FLAT = _native.RS_FLAT  # flat_key's kind for reduce_scatter layouts
 
 
 @functools.lru_cache(maxsize=4096)
@@ -102,10 +95,10 @@ def gatherv(
     receives rank r's bytes at ``out[r]``.  With ``rows`` > 1 (a gather along a dim
     other than 0), every contribution is ``rows`` equal blocks and row ``a`` of
     ``out`` is every rank's block ``a`` in rank order.  The rounds run in C
-    (_native.c gatherv)."""
+    (_native/rounds.c gatherv)."""
     status = eng._native.gatherv(kind, mine, counts, out, dtype_code, numel, arg, rows)
     if status:
-        eng.raise_status(status, fn, kind, dtype_code, 0, numel, arg)
+        eng.raise_status(status, fn)
 
 
 def reduce_scatterv(
@@ -123,10 +116,10 @@ def reduce_scatterv(
     ``code``) is ``rows`` rows, each the concatenation of W blocks of
     ``sizes[j]`` elements; rank r gets the reduction of its blocks (block r of
     every row, in row order) into the buffer at ``oa``.  The rounds run in C
-    (_native.c reduce_scatterv)."""
+    (_native/rounds.c reduce_scatterv)."""
     status = eng._native.reduce_scatterv(KIND_REDUCE_SCATTER, xa, code, sizes, oa, op, arg, rows)
     if status:
-        eng.raise_status(status, fn, KIND_REDUCE_SCATTER, code, op, rows * sum(sizes), arg)
+        eng.raise_status(status, fn)
 
 
 def alltoallv(
@@ -143,7 +136,7 @@ def alltoallv(
     """All to all of bytes: ``send[j]`` bytes at ``x + send_at[j]`` go to rank j,
     which receives them at its ``out + recv_at[this rank]``.  ``most`` (the
     largest block of any rank, the same on every rank) sets the rounds.  The
-    rounds run in C (_native.c alltoallv); the metadata is the rounds' count, so
+    rounds run in C (_native/rounds.c alltoallv); the metadata is the rounds' count, so
     ranks must have checked their splits against each other first."""
     arg = flat_key(KIND_ALL_TO_ALL, most, eng.world)
     status = eng._native.alltoallv(
@@ -151,7 +144,7 @@ def alltoallv(
         most, dtype_code, most, arg,
     )  # fmt: skip
     if status:
-        eng.raise_status(status, "all_to_all", KIND_ALL_TO_ALL, dtype_code, 0, most, arg)
+        eng.raise_status(status, "all_to_all")
 
 
 def broadcast(
@@ -160,23 +153,25 @@ def broadcast(
     """Overwrite ``total`` bytes at ``data`` everywhere with ``src``'s bytes (in C)."""
     status = eng._native.broadcast(KIND_BROADCAST, data, total, src, dtype_code, numel)
     if status:
-        eng.raise_status(status, fn, KIND_BROADCAST, dtype_code, 0, numel, src)
+        eng.raise_status(status, fn)
 
 
 # -- point to point ----------------------------------------------------------
 
 
 # A message's header says what tensors follow.  Plain tensor lists (no extra)
-# get a binary header: 0xB1, count, then per tensor dtype code, ndim and the
-# dims as int64; anything else is pickled (a pickle starts with 0x80).
-_BINARY = 0xB1
+# get a binary header: P2P_BINARY, count, then per tensor dtype code, ndim and
+# the dims as int64; anything else is pickled (a pickle starts with 0x80).  The
+# core owns the format (its one-call send, recv and sendrecv read and write it:
+# _native/torch.c plain_message); these are its constants.
+_BINARY = _native.P2P_BINARY
 _ANY_CODES = ANY_DTYPE_CODES
 _CODE_TO_DTYPE = {code: dt for dt, code in ANY_DTYPE_CODES.items()}
-_DIMS = [struct.Struct(f"<BB{n}q") for n in range(9)]
+_DIMS = [struct.Struct(f"<BB{n}q") for n in range(_native.P2P_MAX_DIMS + 1)]
 
 
 def _binary_header(datas: Sequence[torch.Tensor]) -> bytes | None:
-    if len(datas) > 255:
+    if len(datas) > _native.P2P_MAX_TENSORS:
         return None
     parts = [bytes((_BINARY, len(datas)))]
     for t in datas:
@@ -220,7 +215,7 @@ def send(eng: ShmEngine, fn: str, dst: int, tensors: Sequence[torch.Tensor], ext
     status = eng._native.p2p_send(dst, message_pieces(datas, extra))
     del datas
     if status:
-        eng.raise_status(status, fn, 0, 0, 0, 0)
+        eng.raise_status(status, fn)
 
 
 def expected_header(tensors: Sequence[torch.Tensor]) -> bytes | None:
@@ -260,14 +255,14 @@ def tensors_from_bytes(specs: Sequence[tuple[torch.dtype, tuple]], data: Any) ->
 
 
 def batch(eng: ShmEngine, fn: str, ops: list) -> list:
-    """Point-to-point operations progressed together (_native.c p2p_batch):
+    """Point-to-point operations progressed together (_native/p2p_batch.c):
     ``(1, dst, message_pieces)`` sends, ``(0, src, expected_header, [(address,
     nbytes), ...])`` receives.  Returns ``(index, header, data)`` of each
     receive whose message did not match its header or size: received whole
     into ``data`` (a bytearray) instead, nothing written."""
     status, odd = eng._native.p2p_batch(ops)
     if status:
-        eng.raise_status(status, fn, 0, 0, 0, 0)
+        eng.raise_status(status, fn)
     return odd
 
 
@@ -287,21 +282,21 @@ def recv(
             return got
     status, header = eng._native.p2p_recv_head(src)
     if status:
-        eng.raise_status(status, fn, 0, 0, 0, 0)
+        eng.raise_status(status, fn)
     return recv_rest(eng, fn, src, out, header)
 
 
 def recv_into(
     eng: ShmEngine, fn: str, src: int, out: Sequence[torch.Tensor]
 ) -> tuple[list[torch.Tensor], Any] | None:
-    """``recv`` with ``out`` in one C call (_native.c p2p_recv_into); None when
+    """``recv`` with ``out`` in one C call (_native/torch.c p2p_recv_into); None when
     that call declined before receiving anything (the general path then runs)."""
     got = eng._native.p2p_recv_into(src, out)
     if got is None:
         return None
     if type(got) is int:
         if got:
-            eng.raise_status(got, fn, 0, 0, 0, 0)
+            eng.raise_status(got, fn)
         return list(out), None
     return recv_rest(eng, fn, src, out, got)  # the header, when it did not describe `out`
 
@@ -310,7 +305,7 @@ def recv_rest(
     eng: ShmEngine, fn: str, src: int, out: Sequence[torch.Tensor] | None, header: bytes
 ) -> tuple[list[torch.Tensor], Any]:
     """The rest of ``recv`` once the message's header is read (the header holds
-    the engine for this thread until the body is read: _native.c recv_head)."""
+    the engine for this thread until the body is read: _native/p2p.c recv_head)."""
     try:
         return _recv_body(eng, fn, src, out, header)
     finally:
@@ -338,7 +333,7 @@ def _recv_body(
     dests = [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors if t.numel()]
     status = eng._native.p2p_recv_body(dests)
     if status:
-        eng.raise_status(status, fn, 0, 0, 0, 0)
+        eng.raise_status(status, fn)
     if problem:
         raise ValueError(problem)
     return tensors, extra

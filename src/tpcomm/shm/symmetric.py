@@ -89,7 +89,7 @@ def _allocate(
         ctypes.memmove(eng.slot_addr(me, p), _LEN.pack(len(word)) + word, _LEN.size + len(word))
         status = eng._native.sync(KIND_EMPTY, dtype_code, 0, numel, key)
         if status:
-            eng.raise_status(status, fn, KIND_EMPTY, dtype_code, 0, numel, key)
+            eng.raise_status(status, fn)
         words = []
         for r in range(eng.world):
             at = eng.slot_addr(r, p)
@@ -119,7 +119,7 @@ def _allocate(
             addrs.append(addr)
         status = eng._native.sync(KIND_EMPTY, dtype_code, 0, numel, key)
         if status:
-            eng.raise_status(status, fn, KIND_EMPTY, dtype_code, 0, numel, key)
+            eng.raise_status(status, fn)
     except _NotCreated as e:
         raise CommError(str(e)) from None  # every rank raises it; nothing to abort
     except BaseException:

@@ -1,0 +1,269 @@
+/*
+ * Single-copy reads of a peer's memory (process_vm_readv): the check at
+ * creation (cma_init), the all_gather / all_to_all rounds that read the
+ * peers' inputs in place, and messages sent by reference.
+ */
+#include "tpcomm.h"
+
+/*
+ * Single-copy all_gather (cross-memory attach, as Open MPI's shared-memory
+ * transport does for large messages): instead of copying its input into its
+ * slot for the peers to copy out, every rank publishes where its input is and
+ * reads each peer's input straight into its own result with
+ * process_vm_readv(2); a second round keeps every input in place until all
+ * ranks have read it.  Half the bytes of the two-copy path cross memory.
+ * Used when cma_init found that every rank can read every other one (same
+ * user, no Yama or seccomp refusal) and the gather moves at least cma_min
+ * bytes; the decision depends only on what every rank shares, so all ranks
+ * take the same path.
+ */
+
+#define CMA_PIECE (4u << 20) /* bytes per process_vm_readv: aborts are seen between */
+
+uint64_t cma_tag(uint64_t pid, int rank)
+{
+    return (0x747063636d61ull << 16) ^ (pid * 0x9E3779B97F4A7C15ull) ^ (uint64_t)rank;
+}
+
+/* Fault injection (tests only, fault_check_delay): sleep where a race can be widened */
+void fault_pause(Engine *e)
+{
+    if (e->fault_check_delay_ns) {
+        struct timespec d = {(time_t)(e->fault_check_delay_ns / 1000000000ull),
+                             (long)(e->fault_check_delay_ns % 1000000000ull)};
+        nanosleep(&d, NULL);
+    }
+}
+
+#define CMA_IOV 256 /* blocks per process_vm_readv */
+
+/* A process_vm_readv from rank r failed with err: the peer died
+ * (ST_PEER_DEAD), or it is alive and its memory could not be read (ST_CMA). */
+int cma_failed(Engine *e, int r, int err)
+{
+    if (take_abort(e))
+        return ST_ABORTED;
+    e->err_rank = r;
+    e->failed = 1;
+    if (!peer_alive(e, r)) {
+        set_abort(e, ST_PEER_DEAD, r);
+        return ST_PEER_DEAD;
+    }
+    e->err_errno = err;
+    set_abort(e, ST_CMA, e->rank);
+    return ST_CMA;
+}
+
+/* CMA_IOV iovecs at most, CMA_PIECE bytes at most, from byte `off` of piece
+ * i of the (address, length) pairs p[0..2n) on; how many */
+static int iov_fill(const uint64_t *p, Py_ssize_t n, Py_ssize_t i, uint64_t off, struct iovec *v)
+{
+    int k = 0;
+    size_t bytes = 0;
+    for (; i < n && k < CMA_IOV && bytes < CMA_PIECE; i++, off = 0) {
+        uint64_t m = p[2 * i + 1] - off;
+        if (!m)
+            continue;
+        if (m > CMA_PIECE - bytes)
+            m = CMA_PIECE - bytes;
+        v[k].iov_base = (void *)(uintptr_t)(p[2 * i] + off);
+        v[k++].iov_len = (size_t)m;
+        bytes += (size_t)m;
+    }
+    return k;
+}
+
+static void iov_skip(const uint64_t *p, Py_ssize_t n, Py_ssize_t *i, uint64_t *off, size_t by)
+{
+    while (by && *i < n) {
+        uint64_t left = p[2 * *i + 1] - *off;
+        if (by < left) {
+            *off += by;
+            return;
+        }
+        by -= (size_t)left;
+        (*i)++;
+        *off = 0;
+    }
+}
+
+/* n bytes from rank r's memory, at the (address, length) pairs rem[0..2 nrem),
+ * to this process's pairs loc[0..2 nloc), as many as one process_vm_readv
+ * takes at a time (CMA_IOV iovecs a side, CMA_PIECE bytes).  A status. */
+static int cma_copy(Engine *e, int r, const uint64_t *loc, Py_ssize_t nloc, const uint64_t *rem,
+                    Py_ssize_t nrem, size_t n)
+{
+    Py_ssize_t li = 0, ri = 0;
+    uint64_t lo = 0, ro = 0;
+    struct iovec lv[CMA_IOV], rv[CMA_IOV];
+    for (size_t done = 0; done < n;) {
+        if (take_abort(e))
+            return ST_ABORTED;
+        fault_pause(e); /* tests: a peer may die meanwhile */
+        int nl = iov_fill(loc, nloc, li, lo, lv), nr = iov_fill(rem, nrem, ri, ro, rv);
+        ssize_t got = process_vm_readv(peer_pid(e, r), lv, (unsigned long)nl, rv,
+                                       (unsigned long)nr, 0);
+        if (got > 0) {
+            done += (size_t)got;
+            iov_skip(loc, nloc, &li, &lo, (size_t)got);
+            iov_skip(rem, nrem, &ri, &ro, (size_t)got);
+        } else if (!(got < 0 && errno == EINTR)) {
+            return cma_failed(e, r, got < 0 ? errno : EFAULT);
+        }
+    }
+    return ST_OK;
+}
+
+/* n bytes at `remote` in rank r's memory (contiguous) to `local`, laid out as
+ * put_blocks lays a contribution out: blocks of blk bytes, `row` bytes apart
+ * (blk == n: one block).  A status. */
+static int cma_read(Engine *e, int r, char *local, size_t blk, size_t row, uint64_t remote,
+                    size_t n)
+{
+    size_t blocks = (n + blk - 1) / blk;
+    uint64_t *loc = PyMem_RawMalloc(16 * blocks), rem[2] = {remote, n};
+    if (!loc)
+        return cma_failed(e, r, ENOMEM);
+    for (size_t a = 0; a < blocks; a++) {
+        loc[2 * a] = (uint64_t)(uintptr_t)(local + a * row);
+        loc[2 * a + 1] = a + 1 < blocks ? blk : n - a * blk;
+    }
+    int st = cma_copy(e, r, loc, (Py_ssize_t)blocks, rem, 1, n);
+    PyMem_RawFree(loc);
+    return st;
+}
+
+/* The rounds of a single-copy exchange (all_gather, all_to_all): this rank
+ * publishes its input's address (and, with `offs`, where in it each rank's
+ * part starts, in its slot), syncs, places its own part (from `own`; NULL:
+ * already in place), reads every peer's part straight into the result, and
+ * syncs again so that nobody's input is read after it returns.  Rank r's part
+ * is n[r] bytes that land at dst[r] in blocks of blk[r] bytes, row[r] apart
+ * (put_blocks' layout; blk == n: one block).  A status, or -1. */
+int cma_rounds(Engine *e, uint32_t kind, uint32_t dtype, uint64_t numel, uint64_t arg,
+                      size_t total, const char *mine, const uint64_t *offs, const char *own,
+                      char *const *dst, const size_t *blk, const size_t *row, const size_t *n)
+{
+    const int w = e->world, me = e->rank;
+    PyThreadState *ts = NULL;
+    int st = enter_data(e, total, &ts);
+    if (st != 0)
+        return st;
+    const int p = (int)((e->round + 1) & 1);
+    if (offs)
+        memcpy(slot_of(e, me, p), offs, (size_t)w * sizeof(uint64_t));
+    line_of(e, me, 0, p)->addr = e->fault_cma_addr ? 4096u : (uint64_t)(uintptr_t)mine;
+    st = round_sync(e, kind, dtype, 0, numel, arg, &ts);
+    if (st == ST_OK && own && n[me])
+        put_blocks(dst[me], own, 0, n[me], blk[me], row[me], 0);
+    for (int i = 1; i < w && st == ST_OK; i++) {
+        int r = (me + i) % w;
+        uint64_t at = line_of(e, r, 0, p)->addr;
+        if (offs)
+            at += ((const uint64_t *)slot_of(e, r, p))[me];
+        if (n[r])
+            st = cma_read(e, r, dst[r], blk[r], row[r], at, n[r]);
+    }
+    if (st == ST_OK) /* nobody reads this rank's input after this round */
+        st = round_sync(e, kind, dtype, 0, numel, arg, &ts);
+    return leave_data(e, st, ts);
+}
+
+/* all_gather by cma_rounds: rank r's contribution goes to `outer` blocks of
+ * cnt[r] / outer bytes, block a at out + a * (total / outer) + off[r]
+ * (put_blocks); the list form: to dsts[r] */
+int cma_gather(Engine *e, uint32_t kind, const char *mine, const size_t *cnt, char *out,
+                      char *const *dsts, uint32_t dtype, uint64_t numel, uint64_t arg,
+                      size_t total, int in_place, size_t outer)
+{
+    const int w = e->world;
+    char *dst[w];
+    size_t blk[w], row[w], n[w], off = 0;
+    for (int r = 0; r < w; r++) {
+        dst[r] = dsts ? dsts[r] : out ? out + off : NULL;
+        blk[r] = dsts ? cnt[r] : cnt[r] / outer;
+        row[r] = dsts ? cnt[r] : total / outer;
+        n[r] = out || dsts ? cnt[r] : 0; /* no result: the rounds alone */
+        off += cnt[r] / outer;
+    }
+    return cma_rounds(e, kind, dtype, numel, arg, total, mine, NULL, in_place ? NULL : mine, dst,
+                      blk, row, n);
+}
+
+/*
+ * Messages sent by reference (2026-12-03).  With single-copy reads agreed at
+ * creation (cma_init), a message sent by a batch that also receives (sendrecv,
+ * batch_isend_irecv) whose data is at least P2P_BYREF_MIN (more than the
+ * channel's ring) does not stream its data through the ring:
+ * the stream carries the header and where the data lies in the sender (an
+ * [address, length] pair per piece, after the header), the receiver reads the
+ * data straight from the sender's memory (process_vm_readv, one copy instead
+ * of two) and only then consumes the stream's last chunk, which the sender
+ * waits for before it returns.  Such a message waited for its receiver chunk
+ * by chunk already (it did not fit the ring), so no program that completed
+ * before can now wait for ever.  The header-length word carries P2P_BYREF and
+ * the number of pieces.  Only where this rank also receives: then both cores
+ * are busy either way and the receiver's one copy replaces two (a 4 MiB
+ * exchange at world 2: 1.3 ms -> 0.7 ms); a lone send by value keeps the
+ * sender copying in while the receiver copies out, which a read by reference
+ * would serialise (a 4 MiB ping-pong: 1.3 ms -> 1.9 ms).  Both receive paths
+ * read either kind.
+ */
+
+/* The stream of message pc ([lengths + header, data pieces...]) sent by
+ * reference, when it qualifies: 1 with *out streaming *buf (the caller frees
+ * it), else 0. */
+int cma_message(Engine *e, const pieces_t *pc, char **buf, char **addr, size_t *len,
+                       pieces_t *out)
+{
+    *buf = NULL;
+    if (!e->cma || pc->n < 2 || pc->len[0] < 16)
+        return 0;
+    uint64_t lens[2];
+    memcpy(lens, pc->addr[0], sizeof lens);
+    Py_ssize_t np = pc->n - 1;
+    if (lens[1] < P2P_BYREF_MIN(e) || lens[0] > 0xffffffffull ||
+        pc->len[0] != 16 + lens[0] || np > 0x7fffffff)
+        return 0;
+    size_t size = 16 + (size_t)lens[0] + 16 * (size_t)np;
+    if (!(*buf = PyMem_RawMalloc(size)))
+        return 0; /* by value, then */
+    uint64_t w0 = lens[0] | P2P_BYREF | ((uint64_t)np << 32);
+    memcpy(*buf, &w0, 8);
+    memcpy(*buf + 8, &lens[1], 8);
+    memcpy(*buf + 16, pc->addr[0] + 16, (size_t)lens[0]);
+    char *d = *buf + 16 + lens[0];
+    for (Py_ssize_t i = 0; i < np; i++) {
+        uint64_t where[2] = {e->fault_cma_addr ? 4096u : (uint64_t)(uintptr_t)pc->addr[i + 1],
+                             (uint64_t)pc->len[i + 1]};
+        memcpy(d + 16 * i, where, 16);
+    }
+    addr[0] = *buf;
+    len[0] = size;
+    *out = (pieces_t){addr, len, 1};
+    return 1;
+}
+
+/* Read a message sent by reference from rank r: `desc` holds the np
+ * (address, length) pairs of its data in r's memory (dl bytes in all), the
+ * data goes to the local pieces dst.  A status (no GIL needed). */
+int cma_recv(Engine *e, int r, const char *desc, Py_ssize_t np, size_t dl,
+                    const pieces_t *dst)
+{
+    uint64_t *rem = PyMem_RawMalloc(16 * (size_t)(np + dst->n) + 16);
+    if (!rem)
+        return cma_failed(e, r, ENOMEM);
+    uint64_t *loc = rem + 2 * np, sum = 0, have = 0;
+    memcpy(rem, desc, 16 * (size_t)np);
+    for (Py_ssize_t i = 0; i < np; i++)
+        sum += rem[2 * i + 1];
+    for (Py_ssize_t i = 0; i < dst->n; i++) {
+        loc[2 * i] = (uint64_t)(uintptr_t)dst->addr[i];
+        have += loc[2 * i + 1] = dst->len[i];
+    }
+    int st = sum != dl || have != dl /* a torn or foreign stream: nothing is read */
+                 ? cma_failed(e, r, EPROTO)
+                 : cma_copy(e, r, loc, dst->n, rem, np, dl);
+    PyMem_RawFree(rem);
+    return st;
+}

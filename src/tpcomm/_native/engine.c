@@ -1,0 +1,737 @@
+/*
+ * The Engine object: mapping and the liveness lock, entering and leaving a
+ * call, close, fork, the small methods, and the method table.
+ */
+#include "tpcomm.h"
+
+/*
+ * Mapping owns the mmap of a segment: it unmaps in its destructor.  The
+ * engine holds one reference, and torch.frombuffer(mapping) tensors hold
+ * others, so memory a tensor views stays mapped as long as the tensor lives,
+ * even after close() (which drops the engine's reference and the liveness
+ * lock).
+ */
+typedef struct {
+    PyObject_HEAD
+    char *base;
+    size_t size;
+} Mapping;
+
+static int map_getbuffer(Mapping *m, Py_buffer *view, int flags)
+{
+    return PyBuffer_FillInfo(view, (PyObject *)m, m->base, (Py_ssize_t)m->size, 0, flags);
+}
+
+static PyBufferProcs map_as_buffer = {(getbufferproc)map_getbuffer, NULL};
+
+static void map_dealloc(Mapping *m)
+{
+    if (m->base)
+        munmap(m->base, m->size);
+    Py_TYPE(m)->tp_free((PyObject *)m);
+}
+
+static PyTypeObject MappingType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tpcomm._native.Mapping",
+    .tp_basicsize = sizeof(Mapping),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_dealloc = (destructor)map_dealloc,
+    .tp_as_buffer = &map_as_buffer,
+};
+
+/* Set in a child made by fork() (see after_fork_child). */
+static int forked_child;
+
+PyObject *eng_closed_error(void)
+{
+    PyErr_SetString(PyExc_RuntimeError,
+                    forked_child ? "tpcomm engine is closed, or was inherited through fork(): a "
+                                   "child process cannot use its parent's Communicator"
+                                 : "tpcomm engine is closed");
+    return NULL;
+}
+
+/* Start a call: 0 go (busy is set), -1 error, or a status: ST_BUSY (another
+ * thread is in; nothing touched, the communicator stays usable) or
+ * ST_ABORTED. */
+int enter(Engine *e)
+{
+    if (!e->base) {
+        eng_closed_error();
+        return -1;
+    }
+    if (other_thread(e))
+        return ST_BUSY;
+    if (e->failed || take_abort(e))
+        return ST_ABORTED;
+    e->busy = 1;
+    return 0;
+}
+
+/* enter() for the collectives below: 0 go, 1 aborted (status), -1 error */
+int enter_data(Engine *e, size_t bytes, PyThreadState **ts)
+{
+    int en = enter(e);
+    if (en == 0 && bytes >= GIL_RELEASE_BYTES)
+        *ts = PyEval_SaveThread();
+    return en;
+}
+
+/* the end of what enter_data began; returns st */
+int leave_data(Engine *e, int st, PyThreadState *ts)
+{
+    if (ts)
+        PyEval_RestoreThread(ts);
+    e->busy = 0;
+    return st;
+}
+
+/* A status as the Python methods return it: NULL (-1, exception) or
+ * the status */
+PyObject *status_result(int st)
+{
+    return st < 0 ? NULL : PyLong_FromLong(st);
+}
+
+static PyObject *eng_error_info(Engine *e, PyObject *unused)
+{
+    (void)unused;
+    return Py_BuildValue(
+        "{s:i,s:I,s:I,s:I,s:K,s:K,s:I,s:I,s:I,s:K,s:K,s:K,s:i}", "rank", e->err_rank, "kind",
+        e->err_kind, "dtype", e->err_dtype, "op", e->err_op, "count",
+        (unsigned long long)e->err_count, "arg", (unsigned long long)e->err_arg, "my_kind",
+        e->err_my_kind, "my_dtype", e->err_my_dtype, "my_op", e->err_my_op, "my_count",
+        (unsigned long long)e->err_my_count, "my_arg", (unsigned long long)e->err_my_arg,
+        "reason", (unsigned long long)e->err_reason, "errno", e->err_errno);
+}
+
+static PyObject *eng_header(Engine *e, PyObject *unused)
+{
+    (void)unused;
+    if (!e->base)
+        return eng_closed_error();
+    hdr_t *h = HDR(e);
+    return Py_BuildValue("{s:K,s:K,s:I,s:I,s:K,s:K,s:K,s:K,s:K,s:I}", "p2p_bytes",
+                         (unsigned long long)h->p2p_bytes, "magic",
+                         (unsigned long long)h->magic, "version", h->version, "world", h->world,
+                         "slot_bytes", (unsigned long long)h->slot_bytes, "total_bytes",
+                         (unsigned long long)h->total_bytes, "ctrl_off",
+                         (unsigned long long)h->ctrl_off, "slot_off",
+                         (unsigned long long)h->slot_off, "nchan", (unsigned long long)h->nchan,
+                         "attached", (unsigned)atomic_load(&h->attached));
+}
+
+/* attach() -> number of ranks attached so far, this one included */
+static PyObject *eng_attach(Engine *e, PyObject *unused)
+{
+    (void)unused;
+    if (!e->base)
+        return eng_closed_error();
+    uint32_t n = atomic_fetch_add(&HDR(e)->attached, 1) + 1;
+    return PyLong_FromUnsignedLong(n);
+}
+
+/* wait_attached(timeout_s) -> True when every rank attached, False on timeout */
+static PyObject *eng_wait_attached(Engine *e, PyObject *arg)
+{
+    double timeout = PyFloat_AsDouble(arg);
+    if (timeout == -1.0 && PyErr_Occurred())
+        return NULL;
+    if (!e->base)
+        return eng_closed_error();
+    uint64_t deadline = now_ns() + (uint64_t)(timeout * 1e9);
+    int ok = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (;;) {
+        if (atomic_load(&HDR(e)->attached) >= (uint32_t)e->world) {
+            ok = 1;
+            break;
+        }
+        if (now_ns() >= deadline)
+            break;
+        struct timespec s = {0, 200000};
+        nanosleep(&s, NULL);
+    }
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(ok);
+}
+
+static PyObject *eng_peer_pids(Engine *e, PyObject *unused)
+{
+    (void)unused;
+    if (!e->base)
+        return eng_closed_error();
+    PyObject *l = PyList_New(e->world);
+    if (!l)
+        return NULL;
+    for (int r = 0; r < e->world; r++)
+        PyList_SET_ITEM(l, r, PyLong_FromUnsignedLongLong(*(uint64_t *)ctrl_of(e, r)));
+    return l;
+}
+
+static PyObject *eng_abort(Engine *e, PyObject *arg)
+{
+    long reason = PyLong_AsLong(arg);
+    if (reason == -1 && PyErr_Occurred())
+        return NULL;
+    if (e->base)
+        set_abort(e, (uint64_t)reason, e->rank);
+    e->failed = 1;
+    Py_RETURN_NONE;
+}
+
+/*
+ * Engines whose liveness lock this process holds.  A child made by fork()
+ * (without exec: the descriptor is close-on-exec) inherits the descriptor,
+ * which refers to the parent's open file description: while the child lives
+ * the parent's lock stays held after the parent dies, and the peers would
+ * wait out the timeout instead of raising PeerFailedError (a DataLoader
+ * worker, a tokenizer process).  after_fork_child closes the child's copies
+ * (the parent keeps its lock: it holds its own reference) and leaves the
+ * engines unusable there.  It runs in the child before anything else, with
+ * only the forking thread: plain stores and close(), no Python, no locks.
+ */
+static Engine *live_engines;
+
+static void live_add(Engine *e)
+{
+    e->next_live = live_engines;
+    live_engines = e;
+    e->live = 1;
+}
+
+static void live_remove(Engine *e)
+{
+    if (!e->live)
+        return;
+    for (Engine **p = &live_engines; *p; p = (Engine **)&(*p)->next_live)
+        if (*p == e) {
+            *p = (Engine *)e->next_live;
+            break;
+        }
+    e->live = 0;
+}
+
+void after_fork_child(void)
+{
+    for (Engine *e = live_engines; e; e = (Engine *)e->next_live) {
+        if (e->fd >= 0)
+            close(e->fd);
+        e->fd = -1;
+        e->base = NULL;  /* every call now fails; the mapping stays (tensors of empty()) */
+        e->pool = NULL;  /* its threads are the parent's: never join them here */
+        e->busy = e->held = e->rx_held = 0; /* close() must not abort the parent's */
+        e->live = 0;
+    }
+    live_engines = NULL;
+    forked_child = 1;
+}
+
+static void eng_unmap(Engine *e)
+{
+    live_remove(e);
+    pool_free(e->pool);
+    e->pool = NULL;
+    e->base = NULL;
+    Py_CLEAR(e->mapping); /* unmaps once no tensor views it */
+    if (e->fd >= 0) {
+        close(e->fd); /* drops the liveness lock */
+        e->fd = -1;
+    }
+}
+
+/* close(wait_s): unmap.  If another thread is inside a call, or holds the
+ * engine between calls, the communicator is aborted first (reason ST_CLOSED:
+ * that call returns at its next check, within ms, and the peers learn that
+ * this rank closed it) and close waits up to wait_s seconds, GIL released, for
+ * the thread to leave; RuntimeError (nothing unmapped) if it does not. */
+static PyObject *eng_close(Engine *e, PyObject *arg)
+{
+    double wait_s = PyFloat_AsDouble(arg);
+    if (wait_s == -1.0 && PyErr_Occurred())
+        return NULL;
+    if (e->base && other_thread(e)) {
+        set_abort(e, ST_CLOSED, e->rank);
+        uint64_t deadline = now_ns() + (uint64_t)(wait_s > 0 ? wait_s * 1e9 : 0);
+        while (other_thread(e) && now_ns() < deadline) {
+            Py_BEGIN_ALLOW_THREADS
+            struct timespec s = {0, 200000};
+            nanosleep(&s, NULL);
+            Py_END_ALLOW_THREADS
+        }
+        if (other_thread(e)) {
+            PyErr_Format(PyExc_RuntimeError,
+                         "close: another thread is still inside a call on this Communicator "
+                         "%gs after it was aborted", wait_s);
+            return NULL;
+        }
+    }
+    eng_unmap(e);
+    Py_RETURN_NONE;
+}
+
+/* hold() -> status: keep other threads out across the several calls of one
+ * operation (0, or ST_BUSY when another thread is in); release() ends it.
+ * Nested holds of one thread count. */
+static PyObject *eng_hold(Engine *e, PyObject *unused)
+{
+    (void)unused;
+    if (!e->base)
+        return eng_closed_error();
+    if (other_thread(e))
+        return PyLong_FromLong(ST_BUSY);
+    e->held++;
+    e->holder = PyThread_get_thread_ident();
+    return PyLong_FromLong(ST_OK);
+}
+
+static PyObject *eng_release(Engine *e, PyObject *unused)
+{
+    (void)unused;
+    if (e->held > e->rx_held && e->holder == PyThread_get_thread_ident())
+        e->held--;
+    Py_RETURN_NONE;
+}
+
+/* rx_release(): give up the hold of a received header whose body will not be
+ * read (Python failed between the two); no-op otherwise */
+static PyObject *eng_rx_release(Engine *e, PyObject *unused)
+{
+    (void)unused;
+    if (e->holder == PyThread_get_thread_ident())
+        rx_release(e);
+    Py_RETURN_NONE;
+}
+
+/* in_use: whether another thread is inside a call or holds the engine */
+static PyObject *eng_get_in_use(Engine *e, void *c)
+{
+    (void)c;
+    return PyBool_FromLong(other_thread(e));
+}
+
+static PyObject *eng_get_mapping(Engine *e, PyObject *unused)
+{
+    (void)unused;
+    if (!e->mapping)
+        return eng_closed_error();
+    Py_INCREF(e->mapping);
+    return e->mapping;
+}
+
+static PyObject *eng_address(Engine *e, PyObject *unused)
+{
+    (void)unused;
+    if (!e->base)
+        return eng_closed_error();
+    return PyLong_FromUnsignedLongLong((unsigned long long)(uintptr_t)e->base);
+}
+
+/*
+ * Engine(fd, size, rank, world, slot_bytes, create, timeout_s, spin_us, yield_us)
+ * Maps the segment (fd stays owned by the engine: it carries the liveness
+ * lock), takes the liveness lock on byte `rank`, and writes the header when
+ * `create` is true.  Header validation on attach is Python's (header()).
+ */
+static int eng_init(Engine *e, PyObject *args, PyObject *kw)
+{
+    (void)kw;
+    int fd, rank, world, create;
+    unsigned long long size, slot_bytes;
+    double timeout, spin_us, yield_us;
+    if (!PyArg_ParseTuple(args, "iKiiKpddd", &fd, &size, &rank, &world, &slot_bytes, &create,
+                          &timeout, &spin_us, &yield_us))
+        return -1;
+    if (world < 2 || rank < 0 || rank >= world || slot_bytes == 0 || slot_bytes % PAGE) {
+        PyErr_Format(PyExc_ValueError, "Engine: bad rank %d / world %d / slot_bytes %llu", rank,
+                     world, slot_bytes);
+        return -1;
+    }
+    if (world > MAX_WORLD) {
+        PyErr_Format(PyExc_ValueError, "Engine: world %d too large", world);
+        return -1;
+    }
+    uint64_t need = seg_size((uint32_t)world, slot_bytes);
+    if (size < need) {
+        PyErr_Format(PyExc_ValueError, "Engine: segment of %llu bytes, layout needs %llu", size,
+                     (unsigned long long)need);
+        return -1;
+    }
+    /* The liveness lock lives on an open file description of its own, which
+     * nothing but myfd refers to: a mapping holds a reference to the
+     * description it was made through, and a child made by fork() inherits
+     * the mapping, so a lock on the mapping's description would outlive this
+     * process as long as such a child lives (after_fork_child closes the
+     * child's copy of myfd).  Reopening /proc/self/fd/N makes a new
+     * description; without /proc, share fd's (as the fallback it is). */
+    char path[64];
+    snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
+    int myfd = open(path, O_RDWR | O_CLOEXEC);
+    if (myfd < 0)
+        myfd = fcntl(fd, F_DUPFD_CLOEXEC, 3);
+    if (myfd < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    void *p = mmap(NULL, (size_t)size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        close(myfd);
+        return -1;
+    }
+    /* Every rank opened the file itself: OFD locks of different ranks conflict. */
+    struct flock fl;
+    memset(&fl, 0, sizeof fl);
+    fl.l_type = F_WRLCK;
+    fl.l_whence = SEEK_SET;
+    fl.l_start = rank;
+    fl.l_len = 1;
+    if (fcntl(myfd, F_OFD_SETLK, &fl) != 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        munmap(p, (size_t)size);
+        close(myfd);
+        return -1;
+    }
+    Mapping *mp = PyObject_New(Mapping, &MappingType);
+    if (!mp) {
+        munmap(p, (size_t)size);
+        close(myfd);
+        return -1;
+    }
+    mp->base = p;
+    mp->size = (size_t)size;
+    eng_unmap(e);
+    PyMem_Free(e->srcs);
+    e->srcs = PyMem_Calloc((size_t)world, sizeof(void *));
+    if (!e->srcs) {
+        Py_DECREF(mp);
+        close(myfd);
+        PyErr_NoMemory();
+        return -1;
+    }
+    e->mapping = (PyObject *)mp;
+    PyMem_Free(e->p2p_sent);
+    e->p2p_sent = PyMem_Calloc((size_t)world * 2, sizeof(uint64_t));
+    if (!e->p2p_sent) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    e->p2p_recvd = e->p2p_sent + world;
+    e->rx_src = -1;
+    e->base = p;
+    e->size = (size_t)size;
+    e->fd = myfd;
+    live_add(e);
+    e->rank = rank;
+    e->world = world;
+    e->slot_bytes = slot_bytes;
+    e->ctrl_bytes = (size_t)ctrl_size((uint32_t)world);
+    e->slot_off = PAGE + (size_t)world * e->ctrl_bytes;
+    e->p2p_bytes = (size_t)p2p_size((uint32_t)world, slot_bytes);
+    e->p2p_piece = 2 * e->p2p_bytes / P2P_RING; /* p2p_bytes: a multiple of 4 KiB, >= 64 KiB */
+    e->p2p_off = e->slot_off + (size_t)world * 2 * slot_bytes;
+    e->round = 0;
+    e->timeout_ns = (uint64_t)(timeout * 1e9);
+    e->spin_ns = (uint64_t)(spin_us * 1e3);
+    e->yield_ns = (uint64_t)(yield_us * 1e3);
+    e->busy = 0;
+    e->failed = 0;
+    e->twoshot_min = UINT64_MAX;
+    if (create) {
+        hdr_t *h = HDR(e);
+        h->version = VERSION;
+        h->world = (uint32_t)world;
+        h->slot_bytes = slot_bytes;
+        h->total_bytes = need;
+        h->ctrl_off = PAGE;
+        h->slot_off = e->slot_off;
+        h->nchan = NCHAN;
+        h->p2p_bytes = e->p2p_bytes;
+        atomic_store(&h->attached, 0);
+        atomic_store(&h->sleepers, 0);
+        atomic_store(&h->abort_word, 0);
+        atomic_thread_fence(memory_order_release);
+        h->magic = MAGIC;
+    }
+    /* who maps it, for `tpcomm doctor` to tell stale segments from live ones,
+     * and where the word is that peers read to check single-copy reads work */
+    e->cma_word = cma_tag((uint64_t)getpid(), rank);
+    *(uint64_t *)ctrl_of(e, rank) = (uint64_t)getpid();
+    ((uint64_t *)ctrl_of(e, rank))[1] = (uint64_t)(uintptr_t)&e->cma_word;
+    return 0;
+}
+
+static PyObject *eng_new(PyTypeObject *type, PyObject *args, PyObject *kw)
+{
+    (void)args;
+    (void)kw;
+    Engine *e = (Engine *)type->tp_alloc(type, 0);
+    if (!e)
+        return NULL;
+    e->fd = -1; /* 0 is stdin: never close it by mistake */
+    if (tview_new(e) < 0) {
+        Py_DECREF(e);
+        return NULL;
+    }
+    return (PyObject *)e;
+}
+
+static void eng_dealloc(Engine *e)
+{
+    Py_CLEAR(e->pending);
+    PyMem_Free(e->p2p_sent);
+    for (int i = 0; i < e->nsym; i++)
+        PyMem_Free(e->sym[i].peers);
+    eng_unmap(e);
+    PyMem_Free(e->srcs);
+    tview_free(e);
+    Py_TYPE(e)->tp_free((PyObject *)e);
+}
+
+static PyObject *eng_get_round(Engine *e, void *c)
+{
+    (void)c;
+    return PyLong_FromUnsignedLongLong(e->round);
+}
+
+static PyObject *eng_get_failed(Engine *e, void *c)
+{
+    (void)c;
+    if (!e->failed && e->base)
+        take_abort(e);
+    return PyBool_FromLong(e->failed);
+}
+
+/* add_symmetric(base, size, [every rank's base]): register a symmetric buffer */
+static PyObject *eng_add_symmetric(Engine *e, PyObject *args)
+{
+    unsigned long long base, size;
+    PyObject *peers;
+    if (!PyArg_ParseTuple(args, "KKO!", &base, &size, &PyList_Type, &peers))
+        return NULL;
+    if (PyList_GET_SIZE(peers) != e->world) {
+        PyErr_SetString(PyExc_ValueError, "add_symmetric: one base per rank");
+        return NULL;
+    }
+    if (e->nsym >= MAX_SYM) {
+        PyErr_Format(PyExc_ValueError, "add_symmetric: at most %d buffers per communicator",
+                     MAX_SYM);
+        return NULL;
+    }
+    char **p = PyMem_Calloc((size_t)e->world, sizeof(char *));
+    if (!p)
+        return PyErr_NoMemory();
+    for (int r = 0; r < e->world; r++) {
+        p[r] = (char *)(uintptr_t)PyLong_AsUnsignedLongLong(PyList_GET_ITEM(peers, r));
+        if (PyErr_Occurred()) {
+            PyMem_Free(p);
+            return NULL;
+        }
+    }
+    struct sym *sb = &e->sym[e->nsym++];
+    sb->base = (char *)(uintptr_t)base;
+    sb->size = (size_t)size;
+    sb->peers = p;
+    Py_RETURN_NONE;
+}
+
+/* set_threads(n): copies and reductions of large chunks use n threads */
+static PyObject *eng_set_threads(Engine *e, PyObject *arg)
+{
+    long n = PyLong_AsLong(arg);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    if (n < 1 || n > 256) {
+        PyErr_Format(PyExc_ValueError, "set_threads: %ld threads, expected 1..256", n);
+        return NULL;
+    }
+    if (e->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "set_threads: a collective is running");
+        return NULL;
+    }
+    pool_free(e->pool);
+    e->pool = NULL;
+    if (n > 1 && !(e->pool = pool_new((int)n)))
+        return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *eng_get_threads(Engine *e, void *c)
+{
+    (void)c;
+    return PyLong_FromLong(pool_threads(e->pool));
+}
+
+/* reraise(): raise the exception a signal handler raised during a wait */
+static PyObject *eng_reraise(Engine *e, PyObject *unused)
+{
+    (void)unused;
+    if (!e->pending) {
+        PyErr_SetString(PyExc_RuntimeError, "tpcomm: interrupted");
+        return NULL;
+    }
+    PyObject *v = e->pending;
+    e->pending = NULL;
+    PyErr_SetObject((PyObject *)Py_TYPE(v), v);
+    Py_DECREF(v);
+    return NULL;
+}
+
+/* set_twoshot_min(bytes): -1 = never two-shot */
+static PyObject *eng_set_twoshot_min(Engine *e, PyObject *arg)
+{
+    long long v = PyLong_AsLongLong(arg);
+    if (v == -1 && PyErr_Occurred())
+        return NULL;
+    e->twoshot_min = v < 0 ? UINT64_MAX : (uint64_t)v;
+    Py_RETURN_NONE;
+}
+
+/*
+ * cma_init(kind, want, min_bytes) -> (status, enabled): collective.  Every rank
+ * tries to read every peer's check word (cma_tag) with process_vm_readv, then
+ * one round (kind: a barrier's) tells every rank what every other found;
+ * single-copy all_gathers are on only if every rank can read every peer and
+ * wants them (want: 0 from TPCOMM_CMA=0 turns them off everywhere).
+ */
+static PyObject *eng_cma_init(Engine *e, PyObject *args)
+{
+    unsigned int kind;
+    int want;
+    unsigned long long min_bytes;
+    if (!PyArg_ParseTuple(args, "IpK", &kind, &want, &min_bytes))
+        return NULL;
+    if (!e->base)
+        return eng_closed_error();
+    int en = enter(e);
+    if (en < 0)
+        return NULL;
+    if (en > 0)
+        return Py_BuildValue("(iO)", en, Py_False);
+    int ok = want;
+    for (int r = 0; ok && r < e->world; r++) {
+        if (r == e->rank)
+            continue;
+        uint64_t v = 0, where = ((uint64_t *)ctrl_of(e, r))[1];
+        struct iovec l = {&v, sizeof v}, rm = {(void *)(uintptr_t)where, sizeof v};
+        ok = process_vm_readv(peer_pid(e, r), &l, 1, &rm, 1, 0) == (ssize_t)sizeof v &&
+             v == cma_tag((uint64_t)peer_pid(e, r), r);
+    }
+    int p = (int)((e->round + 1) & 1);
+    line_of(e, e->rank, 0, p)->_r = (uint32_t)ok;
+    PyThreadState *ts = NULL;
+    int st = round_sync(e, kind, 0, 0, 0, 0, &ts);
+    st = leave_data(e, st, ts); /* ts is set by round_sync: two statements */
+    int all = st == ST_OK;
+    for (int r = 0; all && r < e->world; r++)
+        all = line_of(e, r, 0, p)->_r == 1;
+    e->cma = all;
+    e->cma_min = min_bytes;
+    return Py_BuildValue("(iO)", st, all ? Py_True : Py_False);
+}
+
+/* Fault injection for tests: every slow wait of p2p_batch sleeps this long
+ * (microseconds) between its last pass and its verdicts (see batch_run), and
+ * a single-copy all_gather, all_to_all or message read by reference before each
+ * read of a peer (cma_read, cma_recv). */
+static PyObject *eng_fault_check_delay(Engine *e, PyObject *arg)
+{
+    double us = PyFloat_AsDouble(arg);
+    if (us == -1.0 && PyErr_Occurred())
+        return NULL;
+    e->fault_check_delay_ns = us > 0 ? (uint64_t)(us * 1e3) : 0;
+    Py_RETURN_NONE;
+}
+
+/* Fault injection for tests: single-copy all_gathers and all_to_alls, and
+ * messages sent by reference, publish an address the peers cannot read (a
+ * read error with every rank alive: ST_CMA). */
+static PyObject *eng_fault_cma_addr(Engine *e, PyObject *arg)
+{
+    int v = PyObject_IsTrue(arg);
+    if (v < 0)
+        return NULL;
+    e->fault_cma_addr = v;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef eng_methods[] = {
+    {"fault_check_delay", (PyCFunction)eng_fault_check_delay, METH_O, NULL},
+    {"cma_init", (PyCFunction)eng_cma_init, METH_VARARGS, NULL},
+    {"fault_cma_addr", (PyCFunction)eng_fault_cma_addr, METH_O, NULL},
+    {"all_reduce", (PyCFunction)(void (*)(void))eng_all_reduce, METH_FASTCALL, NULL},
+    {"fast_all_reduce", (PyCFunction)(void (*)(void))eng_fast_all_reduce,
+     METH_FASTCALL | METH_KEYWORDS, NULL},
+    {"set_fast_path", (PyCFunction)eng_set_fast_path, METH_VARARGS, NULL},
+    {"error_info", (PyCFunction)eng_error_info, METH_NOARGS, NULL},
+    {"header", (PyCFunction)eng_header, METH_NOARGS, NULL},
+    {"attach", (PyCFunction)eng_attach, METH_NOARGS, NULL},
+    {"wait_attached", (PyCFunction)eng_wait_attached, METH_O, NULL},
+    {"peer_pids", (PyCFunction)eng_peer_pids, METH_NOARGS, NULL},
+    {"abort", (PyCFunction)eng_abort, METH_O, NULL},
+    {"close", (PyCFunction)eng_close, METH_O, NULL},
+    {"hold", (PyCFunction)eng_hold, METH_NOARGS, NULL},
+    {"release", (PyCFunction)eng_release, METH_NOARGS, NULL},
+    {"rx_release", (PyCFunction)eng_rx_release, METH_NOARGS, NULL},
+    {"p2p_batch", (PyCFunction)eng_p2p_batch, METH_O, NULL},
+    {"address", (PyCFunction)eng_address, METH_NOARGS, NULL},
+    {"mapping", (PyCFunction)eng_get_mapping, METH_NOARGS, NULL},
+    {"set_twoshot_min", (PyCFunction)eng_set_twoshot_min, METH_O, NULL},
+    {"add_symmetric", (PyCFunction)eng_add_symmetric, METH_VARARGS, NULL},
+    {"set_threads", (PyCFunction)eng_set_threads, METH_O, NULL},
+    {"reraise", (PyCFunction)eng_reraise, METH_NOARGS, NULL},
+    {"p2p_send", (PyCFunction)eng_p2p_send, METH_VARARGS, NULL},
+    {"gatherv", (PyCFunction)(void (*)(void))eng_gatherv, METH_FASTCALL, NULL},
+    {"fast_gather", (PyCFunction)(void (*)(void))eng_fast_gather, METH_FASTCALL, NULL},
+    {"alltoallv", (PyCFunction)(void (*)(void))eng_alltoallv, METH_FASTCALL, NULL},
+    {"broadcast", (PyCFunction)(void (*)(void))eng_broadcast, METH_FASTCALL, NULL},
+    {"reduce_scatterv", (PyCFunction)(void (*)(void))eng_reduce_scatterv, METH_FASTCALL, NULL},
+    {"p2p_send_tensors", (PyCFunction)(void (*)(void))eng_p2p_send_tensors, METH_FASTCALL, NULL},
+    {"p2p_recv_new", (PyCFunction)eng_p2p_recv_new, METH_O, NULL},
+    {"p2p_sendrecv", (PyCFunction)(void (*)(void))eng_p2p_sendrecv, METH_FASTCALL, NULL},
+    {"p2p_recv_into", (PyCFunction)(void (*)(void))eng_p2p_recv_into, METH_FASTCALL, NULL},
+    {"set_p2p_dtypes", (PyCFunction)eng_set_p2p_dtypes, METH_VARARGS, NULL},
+    {"plain", (PyCFunction)eng_plain, METH_O, NULL},
+    {"fast_broadcast", (PyCFunction)(void (*)(void))eng_fast_broadcast, METH_FASTCALL, NULL},
+    {"fast_all_gather", (PyCFunction)(void (*)(void))eng_fast_all_gather, METH_FASTCALL, NULL},
+    {"fast_reduce_scatter", (PyCFunction)(void (*)(void))eng_fast_reduce_scatter, METH_FASTCALL,
+     NULL},
+    {"p2p_recv_head", (PyCFunction)eng_p2p_recv_head, METH_O, NULL},
+    {"p2p_recv_body", (PyCFunction)eng_p2p_recv_body, METH_O, NULL},
+    {"sync", (PyCFunction)(void (*)(void))eng_sync, METH_FASTCALL, NULL},
+    {"layout", (PyCFunction)eng_layout, METH_NOARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef eng_getset[] = {
+    {"round", (getter)eng_get_round, NULL, NULL, NULL},
+    {"threads", (getter)eng_get_threads, NULL, NULL, NULL},
+    {"failed", (getter)eng_get_failed, NULL, NULL, NULL},
+    {"in_use", (getter)eng_get_in_use, NULL, NULL, NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject EngineType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tpcomm._native.Engine",
+    .tp_basicsize = sizeof(Engine),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = eng_new,
+    .tp_init = (initproc)eng_init,
+    .tp_dealloc = (destructor)eng_dealloc,
+    .tp_methods = eng_methods,
+    .tp_getset = eng_getset,
+};
+
+/* Ready the Engine and Mapping types and add Engine to the module: 0, or -1
+ * with an exception. */
+int engine_add_types(PyObject *m)
+{
+    if (PyType_Ready(&EngineType) < 0 || PyType_Ready(&MappingType) < 0)
+        return -1;
+    Py_INCREF(&EngineType);
+    if (PyModule_AddObject(m, "Engine", (PyObject *)&EngineType) < 0) {
+        Py_DECREF(&EngineType);
+        return -1;
+    }
+    return 0;
+}

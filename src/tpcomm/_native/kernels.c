@@ -1,0 +1,249 @@
+/*
+ * Reduce kernels: load every source as float32 (or the integer type), combine in
+ * rank order, store once; the portable C versions (compiler-vectorised per ISA
+ * level), the two-source fused form, the copy into a slot, and do_reduce, the
+ * one entry that picks a kernel.
+ */
+#include "tpcomm.h"
+
+/* ------------------------------------------------------------------------ */
+/* reduce kernels                                                            */
+/* ------------------------------------------------------------------------ */
+
+static inline float bf16_to_f32(uint16_t h)
+{
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) /* NaN: keep it quiet, keep the sign */
+        return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+#define BLK 512 /* elements per accumulator block: 2 KiB of floats, stays in L1 */
+
+/* NaN-propagating max/min, the same as torch.maximum / torch.minimum. */
+#define FMAX(a, b) (((a) != (a)) ? (a) : (((b) > (a) || (b) != (b)) ? (b) : (a)))
+#define FMIN(a, b) (((a) != (a)) ? (a) : (((b) < (a) || (b) != (b)) ? (b) : (a)))
+#define IMAX(a, b) ((b) > (a) ? (b) : (a))
+#define IMIN(a, b) ((b) < (a) ? (b) : (a))
+
+/*
+ * Float family: load every source as float32, combine in rank order, store
+ * once.  srcs[0..w-1] are in rank order; dst may alias any source (the
+ * caller's own tensor is both its source and the destination).
+ */
+#define DEF_FLOAT_REDUCE(NAME, T, LOAD, STORE)                                    \
+    KERNEL static void NAME(void *dst_, void *const *srcs_, int w, size_t n,      \
+                            int op)                                               \
+    {                                                                             \
+        T *dst = (T *)dst_;                                                       \
+        const T *const *srcs = (const T *const *)srcs_;                           \
+        float acc[BLK];                                                           \
+        const float inv = 1.0f / (float)w;                                        \
+        (void)inv;                                                                \
+        for (size_t i0 = 0; i0 < n; i0 += BLK) {                                  \
+            size_t m = n - i0 < BLK ? n - i0 : BLK;                               \
+            const T *s0 = srcs[0] + i0;                                           \
+            for (size_t i = 0; i < m; i++)                                        \
+                acc[i] = LOAD(s0[i]);                                             \
+            for (int r = 1; r < w; r++) {                                         \
+                const T *s = srcs[r] + i0;                                        \
+                if (op == OP_SUM || op == OP_AVG) {                               \
+                    for (size_t i = 0; i < m; i++)                                \
+                        acc[i] += LOAD(s[i]);                                     \
+                } else if (op == OP_MAX) {                                        \
+                    for (size_t i = 0; i < m; i++) {                              \
+                        float b = LOAD(s[i]);                                     \
+                        acc[i] = FMAX(acc[i], b);                                 \
+                    }                                                             \
+                } else {                                                          \
+                    for (size_t i = 0; i < m; i++) {                              \
+                        float b = LOAD(s[i]);                                     \
+                        acc[i] = FMIN(acc[i], b);                                 \
+                    }                                                             \
+                }                                                                 \
+            }                                                                     \
+            T *d = dst + i0;                                                      \
+            if (op == OP_AVG) {                                                   \
+                const float fw = (float)w;                                        \
+                for (size_t i = 0; i < m; i++)                                    \
+                    d[i] = STORE(acc[i] / fw);                                    \
+            } else {                                                              \
+                for (size_t i = 0; i < m; i++)                                    \
+                    d[i] = STORE(acc[i]);                                         \
+            }                                                                     \
+        }                                                                         \
+    }
+
+#define ID(x) (x)
+#if defined(__FLT16_MAX__)
+#define F16_LOAD(x) ((float)(x))
+#define F16_STORE(x) ((_Float16)(x))
+DEF_FLOAT_REDUCE(reduce_f16, _Float16, F16_LOAD, F16_STORE)
+#else
+#error "tpcomm needs a compiler with _Float16 (gcc >= 12 or clang >= 15)"
+#endif
+DEF_FLOAT_REDUCE(reduce_f32, float, ID, ID)
+DEF_FLOAT_REDUCE(reduce_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+
+/* Integer family: sums wrap modulo 2^bits like torch (computed unsigned,
+ * so no undefined behaviour); AVG is refused in Python. */
+#define DEF_INT_REDUCE(NAME, T, U)                                                \
+    KERNEL static void NAME(void *dst_, void *const *srcs_, int w, size_t n,      \
+                            int op)                                               \
+    {                                                                             \
+        T *dst = (T *)dst_;                                                       \
+        const T *const *srcs = (const T *const *)srcs_;                           \
+        T acc[BLK];                                                               \
+        for (size_t i0 = 0; i0 < n; i0 += BLK) {                                  \
+            size_t m = n - i0 < BLK ? n - i0 : BLK;                               \
+            const T *s0 = srcs[0] + i0;                                           \
+            for (size_t i = 0; i < m; i++)                                        \
+                acc[i] = s0[i];                                                   \
+            for (int r = 1; r < w; r++) {                                         \
+                const T *s = srcs[r] + i0;                                        \
+                if (op == OP_SUM) {                                               \
+                    for (size_t i = 0; i < m; i++)                                \
+                        acc[i] = (T)((U)acc[i] + (U)s[i]);                        \
+                } else if (op == OP_MAX) {                                        \
+                    for (size_t i = 0; i < m; i++)                                \
+                        acc[i] = IMAX(acc[i], s[i]);                              \
+                } else {                                                          \
+                    for (size_t i = 0; i < m; i++)                                \
+                        acc[i] = IMIN(acc[i], s[i]);                              \
+                }                                                                 \
+            }                                                                     \
+            memcpy(dst + i0, acc, m * sizeof(T));                                 \
+        }                                                                         \
+    }
+
+DEF_INT_REDUCE(reduce_i32, int32_t, uint32_t)
+DEF_INT_REDUCE(reduce_i64, int64_t, uint64_t)
+
+typedef void (*reduce_fn)(void *, void *const *, int, size_t, int);
+static const reduce_fn reducers[DT_COUNT] = {reduce_f32, reduce_bf16, reduce_f16,
+                                             reduce_i32, reduce_i64};
+
+/* Two sources are the hot case at world size 2: one fused pass, no block
+ * buffer.  Same arithmetic, same rounding as the general kernel. */
+KERNEL static void sum2_f32(float *d, const float *a, const float *b, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        d[i] = a[i] + b[i];
+}
+
+KERNEL static void sum2_bf16(uint16_t *d, const uint16_t *a, const uint16_t *b, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        d[i] = f32_to_bf16(bf16_to_f32(a[i]) + bf16_to_f32(b[i]));
+}
+
+/*
+ * Copy into this rank's slot.  Above nt_min bytes the copy uses non-temporal
+ * stores: the lines go to memory/L3 instead of this core's L2, so the peers
+ * read them without snooping a modified line out of another core, and the
+ * stores need no read-for-ownership of lines the peers still hold shared.
+ * The slot is page aligned; the source may be anything.  AVX-512 machines
+ * only (elsewhere it is a plain memcpy).  Measured slower on the development
+ * machine, so off by default (docs/PERFORMANCE.md).
+ */
+#if defined(__x86_64__)
+__attribute__((target("avx512f"))) static void copy_nt_avx512(char *dst, const char *src, size_t n)
+{
+    size_t i = 0;
+    for (; i + 256 <= n; i += 256) {
+        __m512i a = _mm512_loadu_si512((const void *)(src + i));
+        __m512i b = _mm512_loadu_si512((const void *)(src + i + 64));
+        __m512i c = _mm512_loadu_si512((const void *)(src + i + 128));
+        __m512i d = _mm512_loadu_si512((const void *)(src + i + 192));
+        _mm512_stream_si512((void *)(dst + i), a);
+        _mm512_stream_si512((void *)(dst + i + 64), b);
+        _mm512_stream_si512((void *)(dst + i + 128), c);
+        _mm512_stream_si512((void *)(dst + i + 192), d);
+    }
+    for (; i + 64 <= n; i += 64)
+        _mm512_stream_si512((void *)(dst + i), _mm512_loadu_si512((const void *)(src + i)));
+    if (i < n)
+        memcpy(dst + i, src + i, n - i);
+}
+
+static int nt_level(void)
+{
+    static int level = -1;
+    if (level < 0) {
+        __builtin_cpu_init();
+        level = __builtin_cpu_supports("avx512f") ? 2 : 0;
+    }
+    return level;
+}
+#endif
+
+static size_t nt_min = (size_t)-1; /* set_nt_min(); (size_t)-1 = never */
+
+/* copies into a slot of at least this many bytes use non-temporal stores (-1: never) */
+void set_nt_min(long long v) { nt_min = v < 0 ? (size_t)-1 : (size_t)v; }
+
+void copy_in(char *dst, const char *src, size_t n)
+{
+#if defined(__x86_64__)
+    if (n >= nt_min) {
+        int lv = nt_level();
+        if (lv == 2) {
+            copy_nt_avx512(dst, src, n);
+            _mm_sfence();
+            return;
+        }
+    }
+#endif
+    memcpy(dst, src, n);
+}
+
+void do_reduce(int dtype, int op, void *dst, void *const *srcs, int w, size_t n)
+{
+    if (reduce_avx512(dtype, op, dst, srcs, w, n))
+        return;
+    if (w == 2 && op == OP_SUM) {
+        if (dtype == DT_F32) {
+            sum2_f32(dst, srcs[0], srcs[1], n);
+            return;
+        }
+        if (dtype == DT_BF16) {
+            sum2_bf16(dst, srcs[0], srcs[1], n);
+            return;
+        }
+    }
+    reducers[dtype](dst, srcs, w, n, op);
+}
+
+/* What do_reduce dispatches to, switches (TPCOMM_NO_AVX512...) included. */
+const char *kernel_isa(void)
+{
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    int v4 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+    int v3 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    switch (avx512_level()) {
+    case 2:
+        return "x86-64-v4 (avx512; bfloat16 avx512_bf16)";
+    case 1:
+        return "x86-64-v4 (avx512; bfloat16 integer rounding)";
+    default:
+        return v4 ? "x86-64-v4 (compiler-vectorised)"
+               : v3 ? "x86-64-v3 (compiler-vectorised)"
+                    : "x86-64 (compiler-vectorised)";
+    }
+#elif defined(__aarch64__)
+    return "aarch64 (neon)";
+#else
+    return "generic (scalar)";
+#endif
+}

@@ -1,0 +1,351 @@
+/*
+ * Point-to-point channels: streaming a message into the ring (send), and
+ * receiving it as a header, then a body.
+ */
+#include "tpcomm.h"
+
+/* 0 when the engine is open and r names another rank; else -1 with the
+ * exception set */
+int check_rank(Engine *e, long r, const char *fn)
+{
+    if (!e->base) {
+        eng_closed_error();
+        return -1;
+    }
+    if (r < 0 || r >= e->world || r == e->rank) {
+        PyErr_Format(PyExc_ValueError, "%s: rank %ld is not another rank of [0, %d)", fn, r,
+                     e->world);
+        return -1;
+    }
+    return 0;
+}
+
+/* layout() -> offsets the Python protocols need */
+PyObject *eng_layout(Engine *e, PyObject *unused)
+{
+    (void)unused;
+    if (!e->base)
+        return eng_closed_error();
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:i,s:i,s:i}", "slot_off",
+                         (unsigned long long)e->slot_off, "slot_bytes",
+                         (unsigned long long)e->slot_bytes, "p2p_off",
+                         (unsigned long long)e->p2p_off, "p2p_bytes",
+                         (unsigned long long)e->p2p_bytes, "p2p_piece",
+                         (unsigned long long)e->p2p_piece, "size", (unsigned long long)e->size,
+                         "p2p_sent_line", P2P_SENT_LINE(0), "p2p_done_line",
+                         P2P_DONE_LINE(e->world, 0), "p2p_ring", P2P_RING);
+}
+
+/*
+ * Point to point.  The channel s -> d: a ring of P2P_RING chunks
+ * p2p_slot_of(s, d, k), the sender's line P2P_SENT_LINE(d) counts chunks
+ * sent, the receiver's line P2P_DONE_LINE(w, s) counts chunks consumed.
+ * Chunk k may be written once chunk k - P2P_RING is consumed.  Chunks are
+ * small (p2p_piece: 64 KiB at world 2), so the receiver copies chunk k out
+ * while the sender copies chunk k + 1 in: a message costs about one copy, not
+ * two in a row.  The byte stream of a message is
+ * [header length, data length] (16 bytes) + header + data (see protocols.py).
+ */
+
+int parse_pieces(PyObject *list, pieces_t *pc)
+{
+    if (!PyList_Check(list)) {
+        PyErr_SetString(PyExc_TypeError, "pieces must be a list of (address, nbytes) or bytes");
+        return -1;
+    }
+    pc->n = PyList_GET_SIZE(list);
+    pc->addr = PyMem_Calloc((size_t)pc->n + 1, sizeof(char *));
+    pc->len = PyMem_Calloc((size_t)pc->n + 1, sizeof(size_t));
+    if (!pc->addr || !pc->len) {
+        PyMem_Free(pc->addr);
+        PyMem_Free(pc->len);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < pc->n; i++) {
+        unsigned long long a, l;
+        PyObject *item = PyList_GET_ITEM(list, i);
+        if (PyBytes_Check(item)) { /* a small header, copied from the bytes object */
+            pc->addr[i] = PyBytes_AS_STRING(item);
+            pc->len[i] = (size_t)PyBytes_GET_SIZE(item);
+            continue;
+        }
+        if (!PyArg_ParseTuple(item, "KK", &a, &l)) {
+            PyMem_Free(pc->addr);
+            PyMem_Free(pc->len);
+            return -1;
+        }
+        pc->addr[i] = (char *)(uintptr_t)a;
+        pc->len[i] = (size_t)l;
+    }
+    return 0;
+}
+
+/* Push as many chunks as the ring takes; 1 if any moved. */
+int bsend_step(Engine *e, bop_t *o)
+{
+    const size_t cap = e->p2p_piece;
+    _Atomic uint64_t *done = &ctrl_line(e, o->peer, P2P_DONE_LINE(e->world, e->rank))->seq;
+    line_t *sent = ctrl_line(e, e->rank, P2P_SENT_LINE(o->peer));
+    int moved = 0;
+    if (!o->started) {
+        o->k = e->p2p_sent[o->peer];
+        o->started = 1;
+    }
+    while (o->pos < o->total) {
+        uint64_t k = o->k + 1;
+        if (k > P2P_RING && atomic_load_explicit(done, memory_order_acquire) < k - P2P_RING)
+            break;
+        char *slot = p2p_slot_of(e, e->rank, o->peer, k);
+        size_t fill = 0;
+        while (fill < cap && o->piece < o->pc.n) {
+            size_t left = o->pc.len[o->piece] - o->off;
+            size_t n = left < cap - fill ? left : cap - fill;
+            memcpy(slot + fill, o->pc.addr[o->piece] + o->off, n);
+            fill += n;
+            o->off += n;
+            if (o->off == o->pc.len[o->piece]) {
+                o->piece++;
+                o->off = 0;
+            }
+        }
+        publish(e, sent, k);
+        o->k = k;
+        o->pos += fill;
+        moved = 1;
+    }
+    if (o->pos >= o->total) {
+        /* by reference: done once the receiver has read the data (cma_message) */
+        if (o->np && atomic_load_explicit(done, memory_order_acquire) < o->k)
+            return moved;
+        o->done = 1;
+        e->p2p_sent[o->peer] = o->k;
+    }
+    return moved;
+}
+
+/* Stream the pieces to dst: bsend_step while the ring has room, wait_p2p
+ * for room in between.  Called and returns with the GIL held. */
+int send_pieces(Engine *e, int dst, const pieces_t *pc)
+{
+    bop_t o;
+    memset(&o, 0, sizeof o);
+    o.send = 1;
+    o.peer = dst;
+    o.pc = *pc;
+    for (Py_ssize_t i = 0; i < pc->n; i++)
+        o.total += pc->len[i];
+    _Atomic uint64_t *done = &ctrl_line(e, dst, P2P_DONE_LINE(e->world, e->rank))->seq;
+    e->busy = 1;
+    PyThreadState *ts = o.total >= GIL_RELEASE_BYTES ? PyEval_SaveThread() : NULL;
+    int st = ST_OK;
+    for (;;) {
+        bsend_step(e, &o);
+        if (o.done)
+            break;
+        if ((st = wait_p2p(e, done, o.k + 1 - P2P_RING, dst, &ts)) != ST_OK)
+            break;
+    }
+    if (ts)
+        PyEval_RestoreThread(ts);
+    e->busy = 0;
+    return st;
+}
+
+/* p2p_send(dst, [(address, nbytes), ...], only_if_room=False) -> status: stream
+ * the pieces; with only_if_room, None (nothing sent) if it would have to wait */
+PyObject *eng_p2p_send(Engine *e, PyObject *args)
+{
+    int dst, only_if_room = 0;
+    PyObject *list;
+    pieces_t pc;
+    if (!PyArg_ParseTuple(args, "iO|p", &dst, &list, &only_if_room) ||
+        check_rank(e, dst, "p2p_send") < 0)
+        return NULL;
+    int no = refuse(e);
+    if (no)
+        return PyLong_FromLong(no);
+    if (parse_pieces(list, &pc) < 0)
+        return NULL;
+    if (only_if_room) { /* None (nothing sent) unless the ring takes it all now */
+        size_t total = 0;
+        for (Py_ssize_t i = 0; i < pc.n; i++)
+            total += pc.len[i];
+        uint64_t chunks = total ? (total + e->p2p_piece - 1) / e->p2p_piece : 1;
+        uint64_t done = atomic_load_explicit(
+            &ctrl_line(e, dst, P2P_DONE_LINE(e->world, e->rank))->seq, memory_order_acquire);
+        if (e->p2p_sent[dst] + chunks > done + P2P_RING) {
+            PyMem_Free(pc.addr);
+            PyMem_Free(pc.len);
+            Py_RETURN_NONE;
+        }
+    }
+    int st = send_pieces(e, dst, &pc);
+    PyMem_Free(pc.addr);
+    PyMem_Free(pc.len);
+    return PyLong_FromLong(st);
+}
+
+/* the next chunk of the receive in progress is consumed: say so, wait for the
+ * following one */
+static int rx_next(Engine *e, PyThreadState **ts)
+{
+    publish(e, ctrl_line(e, e->rank, P2P_DONE_LINE(e->world, e->rx_src)), e->rx_k);
+    e->rx_pos += e->rx_limit;
+    if (e->rx_pos >= e->rx_total)
+        return ST_OK;
+    e->rx_k++;
+    int st = wait_p2p(e, &ctrl_line(e, e->rx_src, P2P_SENT_LINE(e->rank))->seq, e->rx_k,
+                      e->rx_src, ts);
+    e->rx_used = 0;
+    e->rx_limit = e->rx_total - e->rx_pos < e->p2p_piece ? e->rx_total - e->rx_pos : e->p2p_piece;
+    return st;
+}
+
+/* copy n bytes of the stream into dst, crossing chunks as needed */
+static int rx_copy(Engine *e, char *dst, size_t n, PyThreadState **ts)
+{
+    while (n) {
+        if (e->rx_used == e->rx_limit) {
+            int st = rx_next(e, ts);
+            if (st != ST_OK)
+                return st;
+        }
+        char *slot = p2p_slot_of(e, e->rx_src, e->rank, e->rx_k);
+        size_t m = e->rx_limit - e->rx_used < n ? e->rx_limit - e->rx_used : n;
+        memcpy(dst, slot + e->rx_used, m);
+        e->rx_used += m;
+        dst += m;
+        n -= m;
+    }
+    return ST_OK;
+}
+
+/* Wait for the next message from src and read its header: a new bytes
+ * object (NULL with an exception set), *st the status (the bytes are empty
+ * unless it is ST_OK). */
+PyObject *recv_head(Engine *e, int src, int *st)
+{
+    PyThreadState *ts = NULL;
+    e->busy = 1;
+    e->rx_src = src;
+    e->rx_k = e->p2p_recvd[src] + 1;
+    *st = wait_p2p(e, &ctrl_line(e, src, P2P_SENT_LINE(e->rank))->seq, e->rx_k, src, &ts);
+    if (ts) {
+        PyEval_RestoreThread(ts);
+        ts = NULL;
+    }
+    if (*st != ST_OK) {
+        e->busy = 0;
+        return PyBytes_FromStringAndSize("", 0);
+    }
+    uint64_t lens[2];
+    memcpy(lens, p2p_slot_of(e, src, e->rank, e->rx_k), sizeof lens);
+    uint64_t hl = P2P_HL(lens[0]);
+    e->rx_np = P2P_NP(lens[0]);
+    e->rx_dl = lens[1];
+    /* by reference, the stream after the header is where the data lies */
+    e->rx_total = 16 + hl + (e->rx_np ? 16 * (uint64_t)e->rx_np : lens[1]);
+    e->rx_pos = 0;
+    e->rx_used = 16;
+    e->rx_limit = e->rx_total < e->p2p_piece ? e->rx_total : e->p2p_piece;
+    PyObject *hdr = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)hl);
+    if (!hdr) {
+        e->busy = 0;
+        return NULL;
+    }
+    *st = rx_copy(e, PyBytes_AS_STRING(hdr), (size_t)hl, &ts);
+    if (ts)
+        PyEval_RestoreThread(ts);
+    e->busy = 0;
+    if (*st == ST_OK && !e->rx_held) {
+        /* until the body is read (recv_body, or rx_release when Python gives
+         * up on it), the channel is mid-message: no other thread may come in */
+        e->rx_held = 1;
+        e->held++;
+        e->holder = PyThread_get_thread_ident();
+    }
+    return hdr;
+}
+
+/* p2p_recv_head(src) -> (status, header bytes): the next message's header */
+PyObject *eng_p2p_recv_head(Engine *e, PyObject *arg)
+{
+    long src = PyLong_AsLong(arg);
+    if ((src == -1 && PyErr_Occurred()) || check_rank(e, src, "p2p_recv_head") < 0)
+        return NULL;
+    int no = refuse(e);
+    if (no)
+        return Py_BuildValue("(iy#)", no, "", (Py_ssize_t)0);
+    int st;
+    PyObject *hdr = recv_head(e, (int)src, &st);
+    return hdr ? Py_BuildValue("(iN)", st, hdr) : NULL;
+}
+
+/* The end of recv_head's hold: the body is read, or Python gave up on it. */
+void rx_release(Engine *e)
+{
+    if (e->rx_held) {
+        e->rx_held = 0;
+        e->held--;
+    }
+}
+
+/* Receive the rest of the message (the header is read) into the pieces,
+ * which must hold exactly its bytes.  -1 with an exception if they do not. */
+int recv_body(Engine *e, const pieces_t *pc)
+{
+    size_t total = 0;
+    for (Py_ssize_t i = 0; i < pc->n; i++)
+        total += pc->len[i];
+    size_t left = e->rx_np ? e->rx_dl : e->rx_total - e->rx_pos - e->rx_used;
+    if (total != left) {
+        PyErr_Format(PyExc_ValueError, "p2p_recv_body: %zu bytes expected, %zu given", left,
+                     total);
+        return -1;
+    }
+    int st = ST_OK;
+    e->busy = 1;
+    PyThreadState *ts = total >= GIL_RELEASE_BYTES ? PyEval_SaveThread() : NULL;
+    if (e->rx_np) { /* by reference: where the data is, then the data itself */
+        char *desc = PyMem_RawMalloc(16 * (size_t)e->rx_np);
+        st = desc ? rx_copy(e, desc, 16 * (size_t)e->rx_np, &ts) : cma_failed(e, e->rx_src, ENOMEM);
+        if (st == ST_OK)
+            st = cma_recv(e, e->rx_src, desc, e->rx_np, (size_t)e->rx_dl, pc);
+        PyMem_RawFree(desc);
+    }
+    for (Py_ssize_t i = 0; !e->rx_np && i < pc->n && st == ST_OK; i++)
+        st = rx_copy(e, pc->addr[i], pc->len[i], &ts);
+    if (st == ST_OK) {
+        /* the last chunk is consumed too */
+        publish(e, ctrl_line(e, e->rank, P2P_DONE_LINE(e->world, e->rx_src)), e->rx_k);
+        e->p2p_recvd[e->rx_src] = e->rx_k;
+        e->rx_src = -1;
+        e->rx_np = 0;
+    }
+    if (ts)
+        PyEval_RestoreThread(ts);
+    e->busy = 0;
+    rx_release(e);
+    return st;
+}
+
+/* p2p_recv_body([(address, nbytes), ...]) -> status: the rest of the message */
+PyObject *eng_p2p_recv_body(Engine *e, PyObject *list)
+{
+    pieces_t pc;
+    if (!e->base)
+        return eng_closed_error();
+    if (other_thread(e))
+        return PyLong_FromLong(ST_BUSY);
+    if (e->rx_src < 0) {
+        PyErr_SetString(PyExc_RuntimeError, "p2p_recv_body without p2p_recv_head");
+        return NULL;
+    }
+    if (parse_pieces(list, &pc) < 0)
+        return NULL;
+    int st = recv_body(e, &pc);
+    PyMem_Free(pc.addr);
+    PyMem_Free(pc.len);
+    return status_result(st);
+}

@@ -1,0 +1,524 @@
+/*
+ * The data-moving rounds of the collectives other than all-reduce: sync
+ * (one bare round, for Python), gather, broadcast, reduce-scatter and
+ * all-to-all, in slots of the collective channel.
+ */
+#include "tpcomm.h"
+
+static int gather_rounds(Engine *e, uint32_t kind, const char *mine, const size_t *cnt, char *out,
+                         char *const *dsts, uint32_t dtype, uint64_t numel, uint64_t arg,
+                         size_t outer);
+
+/*
+ * sync(kind, dtype, op, count, arg) -> status: one collective round for the
+ * protocols written in Python (barrier, all_gather, reduce_scatter, ...):
+ * publish this rank's metadata, wait for every peer, compare.  The caller
+ * wrote its slot for parity (round + 1) & 1 before, and reads the peers'
+ * slots of that parity after.
+ */
+PyObject *eng_sync(Engine *e, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "sync expects 5 arguments");
+        return NULL;
+    }
+    unsigned long kind = PyLong_AsUnsignedLong(args[0]);
+    unsigned long dtype = PyLong_AsUnsignedLong(args[1]);
+    unsigned long op = PyLong_AsUnsignedLong(args[2]);
+    unsigned long long count = PyLong_AsUnsignedLongLong(args[3]);
+    unsigned long long arg = PyLong_AsUnsignedLongLong(args[4]);
+    if (PyErr_Occurred())
+        return NULL;
+    int en = enter(e);
+    if (en < 0)
+        return NULL;
+    if (en > 0)
+        return PyLong_FromLong(en);
+    PyThreadState *ts = NULL;
+    int st = round_sync(e, (uint32_t)kind, (uint32_t)dtype, (uint32_t)op, count, arg, &ts);
+    if (ts)
+        PyEval_RestoreThread(ts);
+    e->busy = 0;
+    return PyLong_FromLong(st);
+}
+
+/*
+ * The data-moving rounds of protocols.py in C: the loops there cost 5-8 us of
+ * Python per call on the development VM, more than the copies of a small
+ * message.  Each round: copy this rank's part into its slot of parity
+ * (round + 1) & 1, publish and compare the metadata (round_sync), copy out of
+ * the peers' slots.  Slot p is rewritten only two rounds later, after every
+ * peer published the round in between, so it was read by then.  Plain
+ * memcpy both ways, as the Python loops they replace did: the non-temporal
+ * copy_in made no difference that stood out of the noise (16 MiB gather,
+ * world 2: 4.4-4.7 ms with it, 3.3-4.9 ms without, three runs each).
+
+ */
+
+/* Parse a list of `world` non-negative ints into v (PyMem); -1 with an exception */
+static int int_list(Engine *e, PyObject *o, size_t **v, const char *fn)
+{
+    if (!PyList_Check(o) || PyList_GET_SIZE(o) != e->world) {
+        PyErr_Format(PyExc_ValueError, "%s: expected a list of %d sizes", fn, e->world);
+        return -1;
+    }
+    *v = PyMem_Calloc((size_t)e->world + 1, sizeof(size_t));
+    if (!*v) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (int r = 0; r < e->world; r++) {
+        long long x = PyLong_AsLongLong(PyList_GET_ITEM(o, r));
+        if (x < 0) {
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_ValueError, "%s: negative size", fn);
+            PyMem_Free(*v);
+            return -1;
+        }
+        (*v)[r] = (size_t)x;
+    }
+    return 0;
+}
+
+/* The `want` arguments as unsigned 64-bit ints (None and lists read as 0:
+ * the caller takes those from args itself); -1 with an exception */
+static int u64_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, const char *fn,
+                    unsigned long long *v)
+{
+    if (nargs != want) {
+        PyErr_Format(PyExc_TypeError, "%s expects %zd arguments", fn, want);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < want; i++)
+        v[i] = args[i] == Py_None || PyList_Check(args[i]) ? 0
+                                                           : PyLong_AsUnsignedLongLong(args[i]);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+/*
+ * Blocked layouts (a collective along a dim other than 0): a tensor of `outer`
+ * rows, each row the ranks' blocks side by side.  Rank r's contribution (or
+ * shard) is its blocks, one per row, of blk bytes at byte offset off of every
+ * row of row bytes; counted in that order, byte q of it is byte q % blk of
+ * block q / blk.  With outer 1 the contribution is the contiguous range at off.
+ */
+void put_blocks(char *out, const char *src, size_t q, size_t n, size_t blk, size_t row,
+                       size_t off)
+{
+    while (n) {
+        size_t a = q / blk, in = q % blk, m = blk - in < n ? blk - in : n;
+        memcpy(out + a * row + off + in, src, m);
+        src += m;
+        q += m;
+        n -= m;
+    }
+}
+
+/* the inverse of put_blocks: n bytes of the contribution, from byte q on, to dst */
+static void take_blocks(char *dst, const char *x, size_t q, size_t n, size_t blk, size_t row,
+                        size_t off)
+{
+    while (n) {
+        size_t a = q / blk, in = q % blk, m = blk - in < n ? blk - in : n;
+        memcpy(dst, x + a * row + off + in, m);
+        dst += m;
+        q += m;
+        n -= m;
+    }
+}
+
+/* world copies of v (PyMem), or NULL with MemoryError */
+size_t *even_sizes(Engine *e, size_t v)
+{
+    size_t *a = PyMem_Malloc((size_t)e->world * sizeof(size_t));
+    if (!a) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (int r = 0; r < e->world; r++)
+        a[r] = v;
+    return a;
+}
+
+/* 0 when outer (> 0) divides every count; else -1 with ValueError */
+static int check_outer(Engine *e, const size_t *cnt, unsigned long long outer, const char *fn)
+{
+    int ok = outer > 0;
+    for (int r = 0; ok && r < e->world; r++)
+        ok = cnt[r] % outer == 0;
+    if (!ok)
+        PyErr_Format(PyExc_ValueError, "%s: %llu rows do not divide every rank's part", fn, outer);
+    return ok ? 0 : -1;
+}
+
+/* gatherv(kind, mine, [bytes per rank], out | [address per rank] | None, dtype, numel,
+ * arg, outer) -> status: every rank's bytes, in rank order, at out (None: this
+ * rank receives nothing; a list: rank r's bytes at its own address, outer 1);
+ * with outer rows (put_blocks), rank r's bytes are outer blocks and row a of
+ * out is every rank's block a in rank order */
+PyObject *eng_gatherv(Engine *e, PyObject *const *args, Py_ssize_t nargs)
+{
+    unsigned long long v[8];
+    size_t *cnt, *at = NULL;
+    char **dsts = NULL;
+    if (u64_args(args, nargs, 8, "gatherv", v) < 0 || int_list(e, args[2], &cnt, "gatherv") < 0)
+        return NULL;
+    int st = check_outer(e, cnt, v[7], "gatherv");
+    if (st == 0 && PyList_Check(args[3])) {
+        st = v[7] == 1 ? int_list(e, args[3], &at, "gatherv") : -1;
+        if (v[7] != 1)
+            PyErr_SetString(PyExc_ValueError, "gatherv: a list of destinations takes no rows");
+        dsts = st == 0 ? PyMem_Calloc((size_t)e->world, sizeof(char *)) : NULL;
+        if (st == 0 && !dsts) {
+            PyErr_NoMemory();
+            st = -1;
+        }
+        for (int r = 0; st == 0 && r < e->world; r++)
+            dsts[r] = (char *)(uintptr_t)at[r];
+    }
+    if (st == 0)
+        st = gather_rounds(e, (uint32_t)v[0], (const char *)(uintptr_t)v[1], cnt,
+                           (char *)(uintptr_t)v[3], dsts, (uint32_t)v[4], v[5], v[6],
+                           (size_t)v[7]);
+    PyMem_Free(cnt);
+    PyMem_Free(at);
+    PyMem_Free(dsts);
+    return status_result(st);
+}
+
+/* The key of a flat, even layout: protocols.flat_key, bit for bit */
+uint64_t flat_key(uint64_t kind, uint64_t n, uint64_t world)
+{
+    uint64_t x = kind * 0x100000001B3ull;
+    x ^= n * 0x9E3779B97F4A7C15ull;
+    x ^= world << 48;
+    return x & 0x7FFFFFFFFFFFFFFFull;
+}
+
+/* The rounds of the one-call gathers: every rank's n elements of dtype code
+ * `code` at `mine`, in rank order, at out (NULL: this rank receives nothing),
+ * keyed flat_key(kind + tag, n, w) as protocols.layout_key keys a flat, even
+ * layout (tag: 0 without a root, (root + 1) << 32 with one) */
+PyObject *flat_gather(Engine *e, uint32_t kind, uint64_t tag, const char *mine, int code,
+                      long long n, size_t nbytes, char *out)
+{
+    size_t *cnt = even_sizes(e, nbytes);
+    if (!cnt)
+        return NULL;
+    uint64_t key = flat_key((uint64_t)kind + tag, (uint64_t)n, (uint64_t)e->world);
+    int st = gather_rounds(e, kind, mine, cnt, out, NULL, (uint32_t)code,
+                           (uint64_t)n * (uint64_t)e->world, key, 1);
+    PyMem_Free(cnt);
+    return status_result(st);
+}
+
+/* The rounds of a gather: -1 with an exception, or a status.
+ * A result that holds this rank's own input exactly where it belongs (torch's
+ * in-place all_gather_into_tensor: input = output.chunk(w)[rank]; a list form
+ * whose own entry is the input) skips copying it.  A result that overlaps the
+ * input anywhere else would overwrite the input before it is all sent: the
+ * input is copied aside first, so the result is as if nothing overlapped. */
+static int gather_rounds(Engine *e, uint32_t kind, const char *mine, const size_t *cnt, char *out,
+                         char *const *dsts, uint32_t dtype, uint64_t numel, uint64_t arg,
+                         size_t outer)
+{
+    const int w = e->world, me = e->rank;
+    const size_t cap = e->slot_bytes;
+    size_t total = 0, rounds = 1, before = 0;
+    for (int r = 0; r < w; r++) {
+        if (r == me)
+            before = total;
+        total += cnt[r];
+        if ((cnt[r] + cap - 1) / cap > rounds)
+            rounds = (cnt[r] + cap - 1) / cap;
+    }
+    int in_place = 0, clash = 0;
+    if (dsts) {
+        in_place = cnt[me] && dsts[me] == mine;
+        for (int r = 0; r < w; r++)
+            clash |= !(r == me && in_place) && overlap(dsts[r], cnt[r], mine, cnt[me]);
+    } else if (out) {
+        in_place = cnt[me] && outer == 1 && out + before == mine;
+        clash = !in_place && overlap(out, total, mine, cnt[me]);
+    }
+    char *aside = NULL;
+    if (clash) {
+        aside = PyMem_RawMalloc(cnt[me]);
+        if (!aside) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        memcpy(aside, mine, cnt[me]);
+        mine = aside;
+    }
+    /* single copy: large enough in all, and (along a later dim) in blocks of at
+     * least CMA_MIN_BLOCK bytes: one iovec per block, and smaller ones lose
+     * (docs/COLLECTIVES.md); every rank knows every count, so all decide alike */
+    int single = e->cma && kind == KIND_ALL_GATHER && total >= e->cma_min;
+    for (int r = 0; single && outer > 1 && r < w; r++)
+        single = !cnt[r] || cnt[r] / outer >= CMA_MIN_BLOCK;
+    if (single) {
+        int st =
+            cma_gather(e, kind, mine, cnt, out, dsts, dtype, numel, arg, total, in_place, outer);
+        PyMem_RawFree(aside);
+        return st;
+    }
+    PyThreadState *ts = NULL;
+    int st = enter_data(e, total, &ts);
+    if (st != 0) {
+        PyMem_RawFree(aside);
+        return st;
+    }
+    for (size_t k = 0; k < rounds && st == ST_OK; k++) {
+        size_t lo = k * cap, n = part_of(cnt[me], lo, cap);
+        int p = (int)((e->round + 1) & 1);
+        if (n)
+            memcpy(slot_of(e, me, p), mine + lo, n);
+        st = round_sync(e, kind, dtype, 0, numel, arg, &ts);
+        if (st != ST_OK || !(out || dsts))
+            continue;
+        size_t off = 0;
+        for (int r = 0; r < w; r++) {
+            n = part_of(cnt[r], lo, cap);
+            const char *from = r == me ? mine + lo : slot_of(e, r, p);
+            if (r == me && in_place)
+                ; /* already there */
+            else if (n && dsts)
+                memcpy(dsts[r] + lo, from, n);
+            else if (n)
+                put_blocks(out, from, lo, n, cnt[r] / outer, total / outer, off);
+            off += cnt[r] / outer;
+        }
+    }
+    st = leave_data(e, st, ts);
+    PyMem_RawFree(aside);
+    return st;
+}
+
+/* The rounds of a broadcast of `total` bytes at data from rank src: -1 with
+ * an exception, or a status */
+int bcast_rounds(Engine *e, uint32_t kind, char *data, size_t total, int src,
+                        uint32_t dtype, uint64_t numel)
+{
+    const size_t cap = e->slot_bytes;
+    size_t rounds = total ? (total + cap - 1) / cap : 1;
+    PyThreadState *ts = NULL;
+    int st = enter_data(e, total, &ts);
+    if (st != 0)
+        return st;
+    for (size_t k = 0; k < rounds && st == ST_OK; k++) {
+        size_t lo = k * cap, n = part_of(total, lo, cap);
+        int p = (int)((e->round + 1) & 1);
+        if (e->rank == src && n)
+            memcpy(slot_of(e, e->rank, p), data + lo, n);
+        st = round_sync(e, kind, dtype, 0, numel, (uint64_t)src, &ts);
+        if (st == ST_OK && e->rank != src && n)
+            memcpy(data + lo, slot_of(e, src, p), n);
+    }
+    return leave_data(e, st, ts);
+}
+
+/* broadcast(kind, data, nbytes, src, dtype, numel) -> status: src's bytes everywhere */
+PyObject *eng_broadcast(Engine *e, PyObject *const *args, Py_ssize_t nargs)
+{
+    unsigned long long v[6];
+    if (u64_args(args, nargs, 6, "broadcast", v) < 0)
+        return NULL;
+    if (v[3] >= (unsigned long long)e->world) {
+        PyErr_Format(PyExc_ValueError, "broadcast: src %lld is out of range", (long long)v[3]);
+        return NULL;
+    }
+    return status_result(bcast_rounds(e, (uint32_t)v[0], (char *)(uintptr_t)v[1], (size_t)v[2],
+                                      (int)v[3], (uint32_t)v[4], v[5]));
+}
+
+/* reduce_scatterv(kind, x, dtype, [elements per rank], out, op, arg) -> status: out
+ * gets the reduction of shard `rank` of every rank's x (W shards, in order) */
+
+PyObject *eng_reduce_scatterv(Engine *e, PyObject *const *args, Py_ssize_t nargs)
+{
+    unsigned long long v[8];
+    if (u64_args(args, nargs, 8, "reduce_scatterv", v) < 0)
+        return NULL;
+    if (v[7] == 0) {
+        PyErr_SetString(PyExc_ValueError, "reduce_scatterv: no rows");
+        return NULL;
+    }
+    if (v[2] >= DT_COUNT || v[5] >= OP_COUNT) {
+        PyErr_SetString(PyExc_ValueError, "reduce_scatterv: bad dtype or op");
+        return NULL;
+    }
+    size_t *sizes;
+    if (int_list(e, args[3], &sizes, "reduce_scatterv") < 0)
+        return NULL;
+    int st = rs_rounds(e, (uint32_t)v[0], (const char *)(uintptr_t)v[1], (int)v[2], sizes,
+                       (char *)(uintptr_t)v[4], (int)v[5], v[6], (size_t)v[7]);
+    PyMem_Free(sizes);
+    return status_result(st);
+}
+
+/* The rounds of a reduce-scatter: -1 with an exception, or a status */
+int rs_rounds(Engine *e, uint32_t kind, const char *x, int dtype, const size_t *sizes,
+                     char *out, int op, uint64_t arg, size_t outer)
+{
+    const int w = e->world, me = e->rank;
+    const size_t es = dt_size[dtype];
+    size_t per = e->slot_bytes / es / (size_t)w / 32 * 32; /* elements per shard per round */
+    if (per < 32)
+        per = 32;
+    size_t numel = 0, rounds = 1, *offs = PyMem_Calloc((size_t)w + 1, sizeof(size_t));
+    void **srcs = PyMem_Calloc((size_t)w, sizeof(void *));
+    if (!offs || !srcs) {
+        PyMem_Free(offs);
+        PyMem_Free(srcs);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (int r = 0; r < w; r++) {
+        offs[r] = numel;
+        numel += sizes[r];
+        if ((outer * sizes[r] + per - 1) / per > rounds)
+            rounds = (outer * sizes[r] + per - 1) / per;
+    }
+    const size_t row = numel * es; /* bytes per row (take_blocks) */
+    numel *= outer;
+    /* The result may be this rank's own block of the input (torch's in-place
+     * form: output = input.chunk(w)[rank]; each element is reduced onto
+     * itself).  A result that overlaps the input anywhere else would overwrite
+     * parts not sent yet: it is reduced aside and copied in at the end. */
+    const size_t mine = outer * sizes[me] * es;
+    char *aside = NULL, *dest = out;
+    if (overlap(out, mine, x, numel * es) && !(outer == 1 && out == x + offs[me] * es)) {
+        aside = PyMem_RawMalloc(mine);
+        if (!aside) {
+            PyMem_Free(offs);
+            PyMem_Free(srcs);
+            PyErr_NoMemory();
+            return -1;
+        }
+        out = aside;
+    }
+    PyThreadState *ts = NULL;
+    int st = enter_data(e, numel * es, &ts);
+    if (st != 0) {
+        PyMem_Free(offs);
+        PyMem_Free(srcs);
+        PyMem_RawFree(aside);
+        return st;
+    }
+    for (size_t k = 0; k < rounds && st == ST_OK; k++) {
+        size_t lo = k * per;
+        int p = (int)((e->round + 1) & 1);
+        char *base = slot_of(e, me, p);
+        /* shard j's part of this round to its place in the slot (take_blocks) */
+        for (int j = 0; j < w; j++) {
+            size_t n = part_of(outer * sizes[j], lo, per);
+            if (n && j != me)
+                take_blocks(base + (size_t)j * per * es, x, lo * es, n * es, sizes[j] * es, row,
+                            offs[j] * es);
+        }
+        st = round_sync(e, kind, (uint32_t)dtype, (uint32_t)op, numel, arg, &ts);
+        size_t n = part_of(outer * sizes[me], lo, per);
+        if (st != ST_OK || !n)
+            continue;
+        /* this rank's own part is read where it is: one reduction per piece
+         * of a row's block (one piece in all without rows) */
+        for (size_t q = lo, end = lo + n; q < end;) {
+            size_t a = q / sizes[me], in = q % sizes[me];
+            size_t m = sizes[me] - in < end - q ? sizes[me] - in : end - q;
+            for (int r = 0; r < w; r++)
+                srcs[r] = r == me ? (void *)(x + a * row + (offs[me] + in) * es)
+                                  : (void *)(slot_of(e, r, p) + ((size_t)me * per + q - lo) * es);
+            par_reduce(e->pool, dtype, op, out + q * es, srcs, w, m);
+            q += m;
+        }
+    }
+    if (aside && st == ST_OK)
+        memcpy(dest, aside, mine);
+    PyMem_Free(offs);
+    PyMem_Free(srcs);
+    st = leave_data(e, st, ts);
+    PyMem_RawFree(aside);
+    return st;
+}
+
+/*
+ * alltoallv(kind, x, [bytes to each rank], [their offsets in x], out, [bytes from
+ * each rank], [their offsets in out], most, dtype, count, arg) -> status: the
+ * block this rank sends rank j goes to rank j's out.  The slot is cut in W
+ * segments, as for reduce-scatter: in round k every rank copies part k of its
+ * block for j into segment j, waits, and copies part k of segment `rank` of
+ * every peer's slot (its own block: from x) to its place in out.  `most` is
+ * the largest block any rank sends (every rank must pass the same: it sets
+ * the number of rounds).  x and out must not overlap.
+ */
+PyObject *eng_alltoallv(Engine *e, PyObject *const *args, Py_ssize_t nargs)
+{
+    unsigned long long v[11];
+    size_t *sc = NULL, *so = NULL, *rc = NULL, *ro = NULL;
+    if (u64_args(args, nargs, 11, "alltoallv", v) < 0 || int_list(e, args[2], &sc, "alltoallv") < 0)
+        return NULL;
+    int st = int_list(e, args[3], &so, "alltoallv");
+    if (st == 0)
+        st = int_list(e, args[5], &rc, "alltoallv");
+    if (st == 0)
+        st = int_list(e, args[6], &ro, "alltoallv");
+    const int w = e->world, me = e->rank;
+    const size_t per = e->slot_bytes / (size_t)w / 64 * 64;
+    if (st == 0 && per == 0) {
+        PyErr_SetString(PyExc_ValueError, "alltoallv: the slot is too small for this world size");
+        st = -1;
+    }
+    if (st == 0 && sc[me] != rc[me]) {
+        PyErr_SetString(PyExc_ValueError, "alltoallv: this rank's block to itself differs in size");
+        st = -1;
+    }
+    const char *x = (const char *)(uintptr_t)v[1];
+    char *out = (char *)(uintptr_t)v[4];
+    size_t rounds = v[7] ? (size_t)((v[7] + per - 1) / per) : 1, total = 0;
+    PyThreadState *ts = NULL;
+    for (int r = 0; st == 0 && r < w; r++)
+        total += sc[r] + rc[r];
+    /* single copy (see cma_gather): every rank publishes its input's address
+     * and, in its slot, where its block for each rank starts; each rank reads
+     * its block from every peer straight into out.  Decided on `most`, which
+     * every rank shares. */
+    if (st == 0 && e->cma && v[7] * (uint64_t)w >= e->cma_min &&
+        (size_t)w * sizeof(uint64_t) <= e->slot_bytes) {
+        char *dst[w];
+        uint64_t offs[w];
+        for (int r = 0; r < w; r++) {
+            dst[r] = out + ro[r];
+            offs[r] = so[r];
+        }
+        st = cma_rounds(e, (uint32_t)v[0], (uint32_t)v[8], v[9], v[10], total, x, offs,
+                        x + so[me], dst, rc, rc, rc);
+    } else if (st == 0) {
+        int en = enter_data(e, total, &ts);
+        st = en;
+        for (size_t k = 0; en == 0 && k < rounds && st == ST_OK; k++) {
+            size_t lo = k * per;
+            int p = (int)((e->round + 1) & 1);
+            char *base = slot_of(e, me, p);
+            for (int j = 0; j < w; j++) {
+                size_t n = part_of(sc[j], lo, per);
+                if (n && j != me)
+                    memcpy(base + (size_t)j * per, x + so[j] + lo, n);
+            }
+            st = round_sync(e, (uint32_t)v[0], (uint32_t)v[8], 0, v[9], v[10], &ts);
+            for (int r = 0; st == ST_OK && r < w; r++) {
+                size_t n = part_of(rc[r], lo, per);
+                if (n)
+                    memcpy(out + ro[r] + lo,
+                           r == me ? x + so[me] + lo : slot_of(e, r, p) + (size_t)me * per, n);
+            }
+        }
+        if (en == 0)
+            leave_data(e, st, ts);
+    }
+    PyMem_Free(sc);
+    PyMem_Free(so);
+    PyMem_Free(rc);
+    PyMem_Free(ro);
+    return status_result(st);
+}

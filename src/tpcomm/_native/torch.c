@@ -1,0 +1,863 @@
+/*
+ * The only C of the core that knows torch: the one-call fast paths that take
+ * tensors (all_reduce, all_gather, gather, broadcast, reduce_scatter, send,
+ * recv, sendrecv).  Each reads a tensor's dtype, flags, address and size
+ * through descriptors resolved once (set_fast_path, set_p2p_dtypes), then
+ * calls the byte-level rounds of the other files; anything unusual goes back
+ * to Python's general path.
+ */
+#include "tpcomm.h"
+
+/*
+ * fast_all_reduce(tensor, op=SUM): the whole of Communicator.all_reduce for
+ * the common case, in one C call.  Torch attribute access costs ~100 ns each
+ * through Python, so the Python wrapper alone used to cost more than the
+ * collective.  Anything unusual (a subclass, another device, a view that is
+ * not contiguous, an unknown dtype or op, keywords, an error) goes to the
+ * Python fallback set with set_fast_path(), which does the full checks and
+ * raises the proper exceptions: fallback(tensor, op, status).
+ */
+#define MAX_ANY 32 /* dtypes a point-to-point message may carry */
+/* the binary header of n tensors, with the two lengths before it (plain_message) */
+#define P2P_HEAD_BYTES (16 + 2 + P2P_MAX_TENSORS * (2 + 8 * P2P_MAX_DIMS))
+
+/* The torch objects an engine's fast paths compare with, and the tensor
+ * type's accessors resolved once (set_fast_path, set_p2p_dtypes). */
+struct tview {
+    PyTypeObject *tensor_type;
+    PyObject *ops[OP_COUNT];
+    PyObject *dtypes[DT_COUNT];
+    PyObject *fallback; /* a weakref.WeakMethod to Python's general path */
+    PyObject *d_dtype, *d_is_cpu, *d_is_contiguous, *d_data_ptr, *d_numel, *d_is_neg;
+    PyObject *d_is_conj, *d_shape;
+    /* point-to-point fast path: every dtype a message may carry, by code */
+    PyObject *any_dtypes[MAX_ANY];
+    PyObject *empty_fn, *kw_dtype; /* torch.empty and ("dtype",): p2p_recv_new */
+    size_t any_size[MAX_ANY];
+    char any_complex[MAX_ANY]; /* only complex tensors can carry the conj bit */
+    int n_any;
+    uint32_t kind_all_reduce;
+};
+
+static PyObject *S_dtype, *S_is_cpu, *S_is_contiguous, *S_data_ptr, *S_numel, *S_is_neg;
+static PyObject *S_is_conj, *S_shape;
+
+/* The attribute names, interned once (module init): 0, or -1 with an exception. */
+int torch_init(void)
+{
+    S_dtype = PyUnicode_InternFromString("dtype");
+    S_is_cpu = PyUnicode_InternFromString("is_cpu");
+    S_is_contiguous = PyUnicode_InternFromString("is_contiguous");
+    S_data_ptr = PyUnicode_InternFromString("data_ptr");
+    S_numel = PyUnicode_InternFromString("numel");
+    S_is_neg = PyUnicode_InternFromString("is_neg");
+    S_is_conj = PyUnicode_InternFromString("is_conj");
+    S_shape = PyUnicode_InternFromString("shape");
+    return S_dtype && S_is_cpu && S_is_contiguous && S_data_ptr && S_numel && S_is_neg &&
+                   S_is_conj && S_shape
+               ? 0
+               : -1;
+}
+
+/* An engine's empty view (eng_new): 0, or -1 with MemoryError. */
+int tview_new(Engine *e)
+{
+    e->tv = PyMem_Calloc(1, sizeof(tview_t));
+    return e->tv ? 0 : (PyErr_NoMemory(), -1);
+}
+
+/* Drop an engine's view (eng_dealloc). */
+void tview_free(Engine *e)
+{
+    tview_t *v = e->tv;
+    if (!v)
+        return;
+    Py_CLEAR(v->tensor_type);
+    Py_CLEAR(v->fallback);
+    Py_CLEAR(v->d_dtype);
+    Py_CLEAR(v->d_is_cpu);
+    Py_CLEAR(v->d_is_contiguous);
+    Py_CLEAR(v->d_data_ptr);
+    Py_CLEAR(v->d_numel);
+    Py_CLEAR(v->d_is_neg);
+    Py_CLEAR(v->d_is_conj);
+    Py_CLEAR(v->d_shape);
+    for (int i = 0; i < v->n_any; i++)
+        Py_CLEAR(v->any_dtypes[i]);
+    Py_CLEAR(v->empty_fn);
+    Py_CLEAR(v->kw_dtype);
+    for (int i = 0; i < OP_COUNT; i++)
+        Py_CLEAR(v->ops[i]);
+    for (int i = 0; i < DT_COUNT; i++)
+        Py_CLEAR(v->dtypes[i]);
+    PyMem_Free(v);
+    e->tv = NULL;
+}
+
+static int plain_info(Engine *e, PyObject *t, int *code, char **addr, long long *n);
+
+/* Call a descriptor resolved on the tensor type once (see set_fast_path):
+ * skips the per-call attribute lookup and bound-method object. */
+static inline PyObject *descr_get(PyObject *descr, PyObject *t)
+{
+    return Py_TYPE(descr)->tp_descr_get(descr, t, (PyObject *)Py_TYPE(t));
+}
+
+static inline PyObject *descr_call(PyObject *descr, PyObject *t)
+{
+    return PyObject_Vectorcall(descr, &t, 1, NULL);
+}
+
+static PyObject *call_fallback(Engine *e, PyObject *t, PyObject *op, int status)
+{
+    if (!e->tv->fallback) {
+        PyErr_SetString(PyExc_RuntimeError, "tpcomm: the fast path has no fallback");
+        return NULL;
+    }
+    PyObject *target = PyObject_CallNoArgs(e->tv->fallback); /* a weakref.WeakMethod */
+    if (!target)
+        return NULL;
+    if (target == Py_None) {
+        Py_DECREF(target);
+        PyErr_SetString(PyExc_RuntimeError, "tpcomm: the Communicator is gone");
+        return NULL;
+    }
+    PyObject *st = PyLong_FromLong(status);
+    PyObject *res = st ? PyObject_CallFunctionObjArgs(target, t, op, st, NULL) : NULL;
+    Py_XDECREF(st);
+    Py_DECREF(target);
+    return res;
+}
+
+/* Is t.<descr> (called when `call`) the object `want` (Py_True or Py_False)?
+ * An error counts as no. */
+static int attr_is(PyObject *t, PyObject *descr, int call, PyObject *want)
+{
+    PyObject *v = call ? descr_call(descr, t) : descr_get(descr, t);
+    if (!v) {
+        PyErr_Clear();
+        return 0;
+    }
+    int r = v == want;
+    Py_DECREF(v);
+    return r;
+}
+
+PyObject *eng_fast_all_reduce(Engine *e, PyObject *const *args, Py_ssize_t nargs,
+                                     PyObject *kwnames)
+{
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    if (nargs + nkw < 1 || nargs + nkw > 2) {
+        PyErr_Format(PyExc_TypeError, "all_reduce() takes 1 or 2 arguments (%zd given)",
+                     nargs + nkw);
+        return NULL;
+    }
+    PyObject *t = nargs > 0 ? args[0] : NULL;
+    PyObject *op = nargs > 1 ? args[1] : NULL;
+    for (Py_ssize_t i = 0; i < nkw; i++) {
+        PyObject *k = PyTuple_GET_ITEM(kwnames, i);
+        if (PyUnicode_CompareWithASCIIString(k, "tensor") == 0 && !t)
+            t = args[nargs + i];
+        else if (PyUnicode_CompareWithASCIIString(k, "op") == 0 && !op)
+            op = args[nargs + i];
+        else {
+            PyErr_Format(PyExc_TypeError, "all_reduce() got an unexpected keyword argument %R", k);
+            return NULL;
+        }
+    }
+    if (!t) {
+        PyErr_SetString(PyExc_TypeError, "all_reduce() missing required argument 'tensor'");
+        return NULL;
+    }
+    if (!op)
+        op = e->tv->ops[OP_SUM];
+    int opc = -1, dtc = -1;
+    if (!e->base || other_thread(e) || e->failed || Py_TYPE(t) != e->tv->tensor_type)
+        return call_fallback(e, t, op, 0);
+    for (int i = 0; i < OP_COUNT; i++)
+        if (op == e->tv->ops[i])
+            opc = i;
+    PyObject *dt = descr_get(e->tv->d_dtype, t);
+    if (!dt)
+        return NULL;
+    for (int i = 0; i < DT_COUNT; i++)
+        if (dt == e->tv->dtypes[i])
+            dtc = i;
+    Py_DECREF(dt);
+    /* a negative view's memory holds the negated values (the reduce dtypes
+     * are real, so no conjugate bit): only is_neg() False qualifies */
+    if (opc < 0 || dtc < 0 || (opc == OP_AVG && dtc >= DT_I32) ||
+        !attr_is(t, e->tv->d_is_cpu, 0, Py_True) || !attr_is(t, e->tv->d_is_contiguous, 1, Py_True) ||
+        !attr_is(t, e->tv->d_is_neg, 1, Py_False))
+        return call_fallback(e, t, op, 0);
+    PyObject *pv = descr_call(e->tv->d_data_ptr, t);
+    if (!pv)
+        return NULL;
+    PyObject *nv = descr_call(e->tv->d_numel, t);
+    if (!nv) {
+        Py_DECREF(pv);
+        return NULL;
+    }
+    uintptr_t addr = (uintptr_t)PyLong_AsUnsignedLongLong(pv);
+    long long count = PyLong_AsLongLong(nv);
+    Py_DECREF(pv);
+    Py_DECREF(nv);
+    if (PyErr_Occurred())
+        return NULL;
+    if (take_abort(e))
+        return call_fallback(e, t, op, ST_ABORTED);
+    int st = run_all_reduce(e, (char *)addr, (size_t)count, dtc, opc, e->tv->kind_all_reduce);
+    if (st != ST_OK)
+        return call_fallback(e, t, op, st);
+    Py_INCREF(t);
+    return t;
+}
+
+/* set_fast_path(tensor_type, (ops...), (dtypes...), kind, fallback) */
+PyObject *eng_set_fast_path(Engine *e, PyObject *args)
+{
+    PyObject *tt, *ops, *dts, *fb;
+    unsigned int kind;
+    if (!PyArg_ParseTuple(args, "O!O!O!IO", &PyType_Type, &tt, &PyTuple_Type, &ops, &PyTuple_Type,
+                          &dts, &kind, &fb))
+        return NULL;
+    if (PyTuple_GET_SIZE(ops) != OP_COUNT || PyTuple_GET_SIZE(dts) != DT_COUNT) {
+        PyErr_SetString(PyExc_ValueError, "set_fast_path: wrong number of ops or dtypes");
+        return NULL;
+    }
+    Py_INCREF(tt);
+    Py_XSETREF(e->tv->tensor_type, (PyTypeObject *)tt);
+    for (int i = 0; i < OP_COUNT; i++) {
+        Py_INCREF(PyTuple_GET_ITEM(ops, i));
+        Py_XSETREF(e->tv->ops[i], PyTuple_GET_ITEM(ops, i));
+    }
+    for (int i = 0; i < DT_COUNT; i++) {
+        Py_INCREF(PyTuple_GET_ITEM(dts, i));
+        Py_XSETREF(e->tv->dtypes[i], PyTuple_GET_ITEM(dts, i));
+    }
+    Py_INCREF(fb);
+    Py_XSETREF(e->tv->fallback, fb);
+    /* Resolve the tensor type's accessors once; only C descriptors qualify
+     * (a Python override would need the ordinary lookup). */
+    PyObject *names[8] = {S_dtype, S_is_cpu, S_is_contiguous, S_data_ptr,
+                          S_numel, S_is_neg, S_is_conj,       S_shape};
+    PyObject **slots[8] = {&e->tv->d_dtype, &e->tv->d_is_cpu, &e->tv->d_is_contiguous, &e->tv->d_data_ptr,
+                           &e->tv->d_numel, &e->tv->d_is_neg, &e->tv->d_is_conj,       &e->tv->d_shape};
+    for (int i = 0; i < 8; i++) {
+        PyObject *d = _PyType_Lookup((PyTypeObject *)tt, names[i]);
+        if (!d || !(Py_IS_TYPE(d, &PyGetSetDescr_Type) || Py_IS_TYPE(d, &PyMethodDescr_Type))) {
+            PyErr_Format(PyExc_TypeError, "set_fast_path: %R.%U is not a C accessor", tt,
+                         names[i]);
+            return NULL;
+        }
+        Py_INCREF(d);
+        Py_XSETREF(*slots[i], d);
+    }
+    e->tv->kind_all_reduce = kind;
+    Py_RETURN_NONE;
+}
+
+/* For the one-call paths of the torch-style collectives: big and small are
+ * plain tensors of one dtype (*code) with big = world x small elements; their
+ * addresses and small's element count.  -1 (no exception): not that case. */
+static int flat_pair(Engine *e, PyObject *big, PyObject *small, int *code, char **abig,
+                     char **asmall, long long *nsmall)
+{
+    int cb;
+    long long nb;
+    if (plain_info(e, big, &cb, abig, &nb) < 0 || plain_info(e, small, code, asmall, nsmall) < 0 ||
+        cb != *code || nb != *nsmall * e->world)
+        return -1;
+    return 0;
+}
+
+/*
+ * fast_all_gather(output, input, kind) -> status, or None: the torch-style
+ * all_gather_into_tensor's common case in one call (plain tensors of one
+ * dtype, output = world x input elements); None sends the caller down the
+ * general path.  The metadata is the general path's (its layout key is
+ * protocols.flat_key for this layout).
+ */
+PyObject *eng_fast_all_gather(Engine *e, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3 || !e->base || e->failed || !e->tv->n_any || !e->tv->d_numel ||
+        !PyLong_CheckExact(args[2]))
+        Py_RETURN_NONE;
+    long kind = PyLong_AsLong(args[2]);
+    int ci;
+    char *ai, *ao;
+    long long ni;
+    if (kind < 0 || flat_pair(e, args[0], args[1], &ci, &ao, &ai, &ni) < 0) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    return flat_gather(e, (uint32_t)kind, 0, ai, ci, ni, (size_t)ni * e->tv->any_size[ci], ao);
+}
+
+/*
+ * fast_gather(input, out | None, dst, kind) -> status, or None: gather's
+ * common case in one call (a plain 1-d input; on dst a plain out of the same
+ * dtype with world x its elements; the caller checks the dims).  None: the
+ * general path.  The key is protocols.layout_key's for a flat, even layout with
+ * a root: flat_key(kind + ((dst + 1) << 32), n, w).
+ */
+PyObject *eng_fast_gather(Engine *e, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4 || !e->base || e->failed || !e->tv->n_any || !e->tv->d_numel ||
+        !PyLong_CheckExact(args[2]) || !PyLong_CheckExact(args[3]))
+        Py_RETURN_NONE;
+    long dst = PyLong_AsLong(args[2]), kind = PyLong_AsLong(args[3]);
+    int ci, co;
+    char *ai, *ao = NULL;
+    long long ni, no;
+    if (dst < 0 || dst >= e->world || kind < 0 || plain_info(e, args[0], &ci, &ai, &ni) < 0 ||
+        (dst == e->rank && (args[1] == Py_None || plain_info(e, args[1], &co, &ao, &no) < 0 ||
+                            co != ci || no != ni * e->world))) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    return flat_gather(e, (uint32_t)kind, (uint64_t)(dst + 1) << 32, ai, ci, ni,
+                       (size_t)ni * e->tv->any_size[ci],
+                       dst == e->rank ? ao : NULL);
+}
+
+/*
+ * fast_broadcast(t, src, kind) -> status, or None: Communicator.broadcast's
+ * common case in one call (a plain tensor, an exact int src in range); None
+ * sends the caller down the general Python path, which checks and reports.
+ * The metadata is the general path's (dtype code, element count, src).
+ */
+PyObject *eng_fast_broadcast(Engine *e, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3 || !e->base || e->failed || !e->tv->n_any || !e->tv->d_numel ||
+        !PyLong_CheckExact(args[1]) || !PyLong_CheckExact(args[2]))
+        Py_RETURN_NONE;
+    long src = PyLong_AsLong(args[1]);
+    long kind = PyLong_AsLong(args[2]);
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    if (src < 0 || src >= e->world)
+        Py_RETURN_NONE;
+    int code;
+    char *a;
+    long long n;
+    if (plain_info(e, args[0], &code, &a, &n) < 0)
+        Py_RETURN_NONE;
+    return status_result(bcast_rounds(e, (uint32_t)kind, a, (size_t)n * e->tv->any_size[code],
+                                      (int)src, (uint32_t)code, (uint64_t)n));
+}
+
+/*
+ * fast_reduce_scatter(output, input, op, kind) -> status, or None: the
+ * torch-style reduce_scatter_tensor's common case in one call (plain tensors
+ * of one reducible dtype, input = world x output elements, a ReduceOp the
+ * engine does, AVG on floats only); None: the general path.  The metadata is
+ * the general path's (flat_key(RS_FLAT, n, w) for this layout).
+ */
+PyObject *eng_fast_reduce_scatter(Engine *e, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4 || !e->base || e->failed || !e->tv->n_any || !e->tv->d_numel ||
+        !PyLong_CheckExact(args[3]))
+        Py_RETURN_NONE;
+    int opc = -1, dtc = -1, ci;
+    for (int i = 0; i < OP_COUNT; i++)
+        if (args[2] == e->tv->ops[i])
+            opc = i;
+    long kind = PyLong_AsLong(args[3]);
+    char *ai, *ao;
+    long long no;
+    if (opc < 0 || kind < 0 || flat_pair(e, args[1], args[0], &ci, &ai, &ao, &no) < 0) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    for (int i = 0; i < DT_COUNT; i++)
+        if (e->tv->dtypes[i] == e->tv->any_dtypes[ci])
+            dtc = i;
+    if (dtc < 0 || (opc == OP_AVG && dtc >= DT_I32))
+        Py_RETURN_NONE;
+    size_t *sizes = even_sizes(e, (size_t)no);
+    if (!sizes)
+        return NULL;
+    int st = rs_rounds(e, (uint32_t)kind, ai, dtc, sizes, ao, opc,
+                       flat_key(RS_FLAT, (uint64_t)no, (uint64_t)e->world), 1);
+    PyMem_Free(sizes);
+    return status_result(st);
+}
+
+/* The dtype code of tensor t for a message, or -1.  Only a plain tensor whose
+ * memory holds exactly its values qualifies: the exact tensor type, on the
+ * CPU, contiguous, no pending negation or conjugation (docs/COLLECTIVES.md). */
+static int plain_code(Engine *e, PyObject *t)
+{
+    if (Py_TYPE(t) != e->tv->tensor_type)
+        return -1;
+    PyObject *dt = descr_get(e->tv->d_dtype, t);
+    if (!dt) {
+        PyErr_Clear();
+        return -1;
+    }
+    int code = -1;
+    for (int c = 0; c < e->tv->n_any; c++)
+        if (dt == e->tv->any_dtypes[c])
+            code = c;
+    Py_DECREF(dt);
+    if (code < 0 || !attr_is(t, e->tv->d_is_cpu, 0, Py_True) ||
+        !attr_is(t, e->tv->d_is_contiguous, 1, Py_True) || !attr_is(t, e->tv->d_is_neg, 1, Py_False) ||
+        (e->tv->any_complex[code] && !attr_is(t, e->tv->d_is_conj, 1, Py_False)))
+        return -1;
+    return code;
+}
+
+/* t's data address, or 0 with the error cleared */
+static char *data_of(Engine *e, PyObject *t)
+{
+    PyObject *pv = descr_call(e->tv->d_data_ptr, t);
+    if (!pv) {
+        PyErr_Clear();
+        return NULL;
+    }
+    char *a = (char *)(uintptr_t)PyLong_AsUnsignedLongLong(pv);
+    Py_DECREF(pv);
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        return NULL;
+    }
+    return a;
+}
+
+/* A plain tensor's dtype code, data address (NULL when empty: an empty tensor
+ * may have none) and element count: 0, or -1 (no exception) if not plain */
+static int plain_info(Engine *e, PyObject *t, int *code, char **addr, long long *n)
+{
+    *code = plain_code(e, t);
+    if (*code < 0)
+        return -1;
+    PyObject *nv = descr_call(e->tv->d_numel, t);
+    *n = nv ? PyLong_AsLongLong(nv) : -1;
+    Py_XDECREF(nv);
+    *addr = *n > 0 ? data_of(e, t) : NULL;
+    if (*n < 0 || (*n > 0 && !*addr)) {
+        PyErr_Clear();
+        return -1;
+    }
+    return 0;
+}
+
+/* A valid peer rank given as an exact int, or -1 */
+static int peer_arg(Engine *e, PyObject *v)
+{
+    if (!PyLong_CheckExact(v))
+        return -1;
+    long r = PyLong_AsLong(v);
+    if (r == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return -1;
+    }
+    return r >= 0 && r < e->world && r != e->rank ? (int)r : -1;
+}
+
+/* The (peer, tensors) arguments of the point-to-point fast paths: the
+ * tensors' items (and *peer, *n), or NULL when the call is not for them
+ * (nothing is set as an error: the general path checks and reports). */
+static PyObject **p2p_args(Engine *e, PyObject *const *args, Py_ssize_t nargs, int *peer,
+                           Py_ssize_t *n)
+{
+    if (nargs != 2 || !e->base || other_thread(e) || e->failed || !e->tv->n_any || !e->tv->d_shape)
+        return NULL;
+    *peer = peer_arg(e, args[0]);
+    PyObject *seq = args[1];
+    if (*peer < 0 || !(PyList_CheckExact(seq) || PyTuple_CheckExact(seq)))
+        return NULL;
+    *n = PySequence_Fast_GET_SIZE(seq);
+    if (*n > P2P_MAX_TENSORS)
+        return NULL;
+    return PySequence_Fast_ITEMS(seq);
+}
+
+/*
+ * p2p_send_tensors(dst, tensors) -> status, or None: Communicator.send's
+ * common case in one C call (the Python steps cost ~5 us per message on the
+ * development VM).  It builds the same binary header as protocols.send.
+ * None means nothing was sent and the general path in Python must run: an
+ * argument it would reject or report, more than 255 tensors or 8 dims, a
+ * tensor that is not plain (see plain_code), a closed or failed engine.
+ */
+
+/* A message of n plain tensors as the binary protocol lays it out: head gets
+ * the two lengths (header, data) and then the header (protocols._binary_header),
+ * addr[0]/len[0] point at it, addr[1..]/len[1..] at the tensors' data (empty
+ * ones left out); *np pieces in all.  0, or -1 when a tensor is not plain or
+ * has too many dims (no exception: the general path takes it). */
+static int plain_message(Engine *e, PyObject **items, Py_ssize_t n, char *head, char **addr,
+                         size_t *len, Py_ssize_t *np)
+{
+    size_t hl = 2, total = 0;
+    *np = 1;
+    head[16] = (char)P2P_BINARY;
+    head[17] = (char)n;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *t = items[i];
+        int code = plain_code(e, t);
+        if (code < 0)
+            return -1;
+        PyObject *shape = descr_get(e->tv->d_shape, t);
+        if (!shape) {
+            PyErr_Clear();
+            return -1;
+        }
+        Py_ssize_t nd = PyTuple_Check(shape) ? PyTuple_GET_SIZE(shape) : P2P_MAX_DIMS + 1;
+        if (nd > P2P_MAX_DIMS) {
+            Py_DECREF(shape);
+            return -1;
+        }
+        char *p = head + 16 + hl;
+        p[0] = (char)code;
+        p[1] = (char)nd;
+        long long numel = 1;
+        for (Py_ssize_t j = 0; j < nd; j++) {
+            long long v = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, j));
+            memcpy(p + 2 + 8 * j, &v, 8); /* little-endian int64, as struct "<q" */
+            numel *= v;
+        }
+        Py_DECREF(shape);
+        if (PyErr_Occurred()) {
+            PyErr_Clear();
+            return -1;
+        }
+        hl += 2 + 8 * (size_t)nd;
+        size_t nbytes = (size_t)numel * e->tv->any_size[code];
+        if (nbytes) {
+            if (!(addr[*np] = data_of(e, t)))
+                return -1;
+            len[(*np)++] = nbytes;
+            total += nbytes;
+        }
+    }
+    uint64_t lens[2] = {hl, total};
+    memcpy(head, lens, sizeof lens);
+    addr[0] = head;
+    len[0] = 16 + hl;
+    return 0;
+}
+
+PyObject *eng_p2p_send_tensors(Engine *e, PyObject *const *args, Py_ssize_t nargs)
+{
+    int dst;
+    Py_ssize_t n, np;
+    PyObject **items = p2p_args(e, args, nargs, &dst, &n);
+    if (!items)
+        Py_RETURN_NONE;
+    char head[P2P_HEAD_BYTES];
+    char *addr[P2P_MAX_TENSORS + 1];
+    size_t len[P2P_MAX_TENSORS + 1];
+    if (plain_message(e, items, n, head, addr, len, &np) < 0)
+        Py_RETURN_NONE;
+    if (take_abort(e))
+        Py_RETURN_NONE; /* the general path reports it */
+    pieces_t pc = {addr, len, np};
+    return PyLong_FromLong(send_pieces(e, dst, &pc));
+}
+
+/*
+ * plain(t) -> (dtype code, data address, numel) or None: the checks and
+ * accessors of a torch-style collective's tensor in one call (each costs
+ * 0.1-0.2 us through Python here).  None: not plain (plain_code), or the
+ * engine is closed or failed; the caller takes the general path.
+ */
+PyObject *eng_plain(Engine *e, PyObject *t)
+{
+    int code;
+    char *a;
+    long long n;
+    if (!e->base || e->failed || !e->tv->n_any || !e->tv->d_numel || plain_info(e, t, &code, &a, &n) < 0)
+        Py_RETURN_NONE;
+    return Py_BuildValue("(iKL)", code, (unsigned long long)(uintptr_t)a, n);
+}
+
+/* set_p2p_dtypes((dtype, ...), (itemsize, ...), empty=None): the dtypes of
+ * messages, by code, and the allocator p2p_recv_new calls (torch.empty) */
+PyObject *eng_set_p2p_dtypes(Engine *e, PyObject *args)
+{
+    PyObject *dts, *sizes, *empty = Py_None;
+    if (!PyArg_ParseTuple(args, "O!O!|O", &PyTuple_Type, &dts, &PyTuple_Type, &sizes, &empty))
+        return NULL;
+    if (empty != Py_None) {
+        if (!e->tv->kw_dtype && !(e->tv->kw_dtype = Py_BuildValue("(s)", "dtype")))
+            return NULL;
+        Py_INCREF(empty);
+        Py_XSETREF(e->tv->empty_fn, empty);
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(dts);
+    if (n > MAX_ANY || PyTuple_GET_SIZE(sizes) != n) {
+        PyErr_SetString(PyExc_ValueError, "set_p2p_dtypes: too many dtypes, or sizes differ");
+        return NULL;
+    }
+    for (int i = 0; i < e->tv->n_any; i++)
+        Py_CLEAR(e->tv->any_dtypes[i]);
+    e->tv->n_any = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        size_t sz = PyLong_AsSize_t(PyTuple_GET_ITEM(sizes, i));
+        if (sz == (size_t)-1 && PyErr_Occurred())
+            return NULL;
+        PyObject *cx = PyObject_GetAttrString(PyTuple_GET_ITEM(dts, i), "is_complex");
+        if (!cx)
+            return NULL;
+        int is_cx = PyObject_IsTrue(cx);
+        Py_DECREF(cx);
+        if (is_cx < 0)
+            return NULL;
+        Py_INCREF(PyTuple_GET_ITEM(dts, i));
+        e->tv->any_dtypes[i] = PyTuple_GET_ITEM(dts, i);
+        e->tv->any_size[i] = sz;
+        e->tv->any_complex[i] = (char)is_cx;
+        e->tv->n_any = (int)i + 1;
+    }
+    Py_RETURN_NONE;
+}
+
+/* The next message's header from src, for the one-call receives: the header
+ * bytes (*h, *hl: their bytes and length); or NULL, *res being what the call
+ * returns (the status, or NULL with an exception). */
+static PyObject *fast_head(Engine *e, int src, PyObject **res, const unsigned char **h,
+                           size_t *hl)
+{
+    int st;
+    PyObject *hdr = recv_head(e, src, &st);
+    if (hdr && st == ST_OK) {
+        *h = (const unsigned char *)PyBytes_AS_STRING(hdr);
+        *hl = (size_t)PyBytes_GET_SIZE(hdr);
+        return hdr;
+    }
+    *res = hdr ? PyLong_FromLong(st) : NULL;
+    Py_XDECREF(hdr);
+    return NULL;
+}
+
+/*
+ * p2p_recv_into(src, out) -> status | header bytes | None: Communicator.recv
+ * with out= in one C call.  None: nothing was received (an argument the
+ * general path must check or report, a closed or failed engine).  Otherwise
+ * the next message's header is consumed; when it is binary and describes
+ * exactly `out`'s plain tensors (same count, dtypes and shapes), the body
+ * lands in them and the status comes back; else the header bytes come back
+ * and protocols.recv_rest finishes the receive (it reports the mismatch).
+ */
+PyObject *eng_p2p_recv_into(Engine *e, PyObject *const *args, Py_ssize_t nargs)
+{
+    int src;
+    Py_ssize_t n;
+    PyObject **items = p2p_args(e, args, nargs, &src, &n);
+    if (!items)
+        Py_RETURN_NONE;
+    int codes[P2P_MAX_TENSORS];
+    for (Py_ssize_t i = 0; i < n; i++)
+        if ((codes[i] = plain_code(e, items[i])) < 0)
+            Py_RETURN_NONE; /* the general path checks these before receiving */
+    if (take_abort(e))
+        Py_RETURN_NONE;
+    const unsigned char *h;
+    size_t hl, at = 2;
+    PyObject *res, *hdr = fast_head(e, src, &res, &h, &hl);
+    if (!hdr)
+        return res;
+    int st;
+    if (hl < 2 || h[0] != P2P_BINARY || h[1] != n)
+        return hdr;
+    char *addr[P2P_MAX_TENSORS];
+    size_t len[P2P_MAX_TENSORS];
+    Py_ssize_t np = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *t = items[i];
+        if (at + 2 > hl)
+            return hdr;
+        int code = h[at], nd = h[at + 1];
+        if (code >= e->tv->n_any || nd > P2P_MAX_DIMS || at + 2 + 8 * (size_t)nd > hl ||
+            codes[i] != code)
+            return hdr;
+        PyObject *shape = descr_get(e->tv->d_shape, t);
+        if (!shape) {
+            PyErr_Clear();
+            return hdr;
+        }
+        int same = PyTuple_Check(shape) && PyTuple_GET_SIZE(shape) == nd;
+        long long numel = 1;
+        for (int j = 0; same && j < nd; j++) {
+            long long want;
+            memcpy(&want, h + at + 2 + 8 * j, 8);
+            same = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, j)) == want;
+            numel *= want;
+        }
+        Py_DECREF(shape);
+        if (PyErr_Occurred())
+            PyErr_Clear();
+        if (!same)
+            return hdr;
+        at += 2 + 8 * (size_t)nd;
+        size_t nbytes = (size_t)numel * e->tv->any_size[code];
+        if (nbytes) {
+            if (!(addr[np] = data_of(e, t)))
+                return hdr;
+            len[np++] = nbytes;
+        }
+    }
+    if (at != hl)
+        return hdr;
+    pieces_t pc = {addr, len, np};
+    st = recv_body(e, &pc);
+    if (st < 0) { /* the sizes disagree with the header: let Python report it */
+        PyErr_Clear();
+        return hdr;
+    }
+    Py_DECREF(hdr);
+    return PyLong_FromLong(st);
+}
+
+/*
+ * p2p_recv_new(src) -> [tensors] | status | header bytes | None:
+ * Communicator.recv without out= in one C call (its Python steps cost ~17 us
+ * per message on the development VM).  The next message's binary header is
+ * read, a tensor of each dtype and shape it names is made (torch.empty), and
+ * the body lands in them.  None: nothing was received (an argument the
+ * general path must check, a closed or failed engine); header bytes: a
+ * header this path leaves to protocols.recv_rest (pickled: a dict's values).
+ */
+PyObject *eng_p2p_recv_new(Engine *e, PyObject *arg)
+{
+    int src = peer_arg(e, arg);
+    if (src < 0 || !e->base || other_thread(e) || e->failed || !e->tv->n_any || !e->tv->empty_fn ||
+        e->rx_src >= 0 || take_abort(e))
+        Py_RETURN_NONE;
+    const unsigned char *h;
+    size_t hl, at = 2;
+    PyObject *res, *hdr = fast_head(e, src, &res, &h, &hl);
+    if (!hdr)
+        return res;
+    int st;
+    if (hl < 2 || h[0] != P2P_BINARY)
+        return hdr;
+    int n = h[1];
+    char *addr[P2P_MAX_TENSORS];
+    size_t len[P2P_MAX_TENSORS];
+    Py_ssize_t np = 0;
+    PyObject *list = PyList_New(n);
+    for (int i = 0; list && i < n; i++) {
+        int code = at + 2 <= hl ? h[at] : -1, nd = at + 2 <= hl ? h[at + 1] : 0;
+        if (code < 0 || code >= e->tv->n_any || nd > P2P_MAX_DIMS || at + 2 + 8 * (size_t)nd > hl) {
+            Py_CLEAR(list); /* not a header this path knows: Python reports it */
+            return hdr;
+        }
+        PyObject *shape = PyTuple_New(nd);
+        long long numel = 1;
+        for (int j = 0; shape && j < nd; j++) {
+            long long v;
+            memcpy(&v, h + at + 2 + 8 * j, 8);
+            numel *= v;
+            PyObject *d = PyLong_FromLongLong(v);
+            if (!d)
+                Py_CLEAR(shape);
+            else
+                PyTuple_SET_ITEM(shape, j, d);
+        }
+        PyObject *argv[2] = {shape, e->tv->any_dtypes[code]};
+        PyObject *t = shape ? PyObject_Vectorcall(e->tv->empty_fn, argv, 1, e->tv->kw_dtype) : NULL;
+        Py_XDECREF(shape);
+        if (!t) {
+            Py_CLEAR(list);
+            break;
+        }
+        PyList_SET_ITEM(list, i, t);
+        at += 2 + 8 * (size_t)nd;
+        size_t nbytes = (size_t)numel * e->tv->any_size[code];
+        if (nbytes) {
+            if (!(addr[np] = data_of(e, t))) {
+                PyErr_SetString(PyExc_RuntimeError, "p2p_recv_new: a new tensor has no address");
+                Py_CLEAR(list);
+                break;
+            }
+            len[np++] = nbytes;
+        }
+    }
+    if (list && at != hl) {
+        Py_CLEAR(list);
+        return hdr;
+    }
+    Py_DECREF(hdr);
+    if (!list) { /* no memory: the message stays half read, as in Python */
+        rx_release(e);
+        return NULL;
+    }
+    pieces_t pc = {addr, len, np};
+    st = recv_body(e, &pc);
+    if (st != ST_OK) {
+        Py_DECREF(list);
+        return st < 0 ? NULL : PyLong_FromLong(st);
+    }
+    return list;
+}
+
+/*
+ * p2p_sendrecv(dst, tensors, src, out) -> status | (header, data) | None:
+ * Communicator.sendrecv with plain tensors in one C call (its Python steps
+ * cost ~30 us per call on the development VM, ten times the exchange).  With
+ * out=None the message is received whole into a bytearray, as p2p_batch does
+ * for a receive that expects nothing, and Python makes the tensors.
+ * The send and the receive progress together (batch_run).  None: nothing was
+ * sent or received (a tensor that is not plain, an out that overlaps what is
+ * sent, a closed or failed engine...): the general path runs.  (header, data):
+ * the message did not match out and was received whole into data (a
+ * bytearray), as p2p_batch reports it; out is untouched.
+ */
+PyObject *eng_p2p_sendrecv(Engine *e, PyObject *const *args, Py_ssize_t nargs)
+{
+    int dst, src;
+    Py_ssize_t ns, nr, nps, npr;
+    if (nargs != 4)
+        Py_RETURN_NONE;
+    PyObject **sitems = p2p_args(e, args, 2, &dst, &ns), **ritems = NULL;
+    int into = args[3] != Py_None; /* else new tensors: the message lands in a bytearray */
+    if (!sitems || e->rx_src >= 0)
+        Py_RETURN_NONE;
+    if (into ? !(ritems = p2p_args(e, args + 2, 2, &src, &nr)) : (src = peer_arg(e, args[2])) < 0)
+        Py_RETURN_NONE;
+    char shead[P2P_HEAD_BYTES], rhead[P2P_HEAD_BYTES];
+    char *saddr[P2P_MAX_TENSORS + 1], *raddr[P2P_MAX_TENSORS + 1];
+    size_t slen[P2P_MAX_TENSORS + 1], rlen[P2P_MAX_TENSORS + 1];
+    if (plain_message(e, sitems, ns, shead, saddr, slen, &nps) < 0 ||
+        (into && plain_message(e, ritems, nr, rhead, raddr, rlen, &npr) < 0))
+        Py_RETURN_NONE;
+    if (!into) { /* an expected header no message has: received whole, aside */
+        npr = 1;
+        rlen[0] = 16;
+    }
+    for (Py_ssize_t i = 1; i < nps; i++) /* receiving into what is sent: Python copies it */
+        for (Py_ssize_t j = 1; j < npr; j++)
+            if (overlap(saddr[i], slen[i], raddr[j], rlen[j]))
+                Py_RETURN_NONE;
+    if (take_abort(e))
+        Py_RETURN_NONE;
+    bop_t ops[2];
+    memset(ops, 0, sizeof ops);
+    ops[0].send = 1;
+    ops[0].peer = dst;
+    ops[0].pc = (pieces_t){saddr, slen, nps};
+    for (Py_ssize_t i = 0; i < nps; i++)
+        ops[0].total += slen[i];
+    ops[1].peer = src;
+    ops[1].pc = (pieces_t){raddr + 1, rlen + 1, npr - 1};
+    ops[1].want = rhead + 16;
+    ops[1].want_len = rlen[0] - 16;
+    int st = run_batch(e, ops, 2);
+    PyObject *res;
+    if (st < 0)
+        res = PyErr_NoMemory();
+    else if (st == ST_OK && ops[1].drop)
+        res = Py_BuildValue("(y#O)", ops[1].hdr, (Py_ssize_t)ops[1].hl, ops[1].scratch_obj);
+    else
+        res = PyLong_FromLong(st);
+    PyMem_RawFree(ops[0].rbuf);
+    PyMem_RawFree(ops[1].hdr);
+    Py_XDECREF(ops[1].scratch_obj);
+    return res;
+}

@@ -1,0 +1,494 @@
+/*
+ * tpcomm._native: the private C core of tpcomm's shared-memory engine.
+ *
+ * This header is the core's one shared vocabulary: the segment layout and
+ * its structs, the codes Python sees (status, dtype, op, collective kind:
+ * exported by module.c, owned here), the Engine object, and the functions
+ * one file of the core offers another.  One file per concern (docs/ENGINE.md
+ * has the map):
+ *
+ *   kernels.c         reduce kernels (portable C, compiler-vectorised), copy-in
+ *   kernels_avx512.c  the AVX-512 float-family kernels and their dispatch test
+ *   pool.c            a rank's helper threads for large copies and reductions
+ *   wait.c            waits, futexes, liveness, aborts, the collective round
+ *   allreduce.c       one-shot, two-shot and zero-copy all-reduce
+ *   rounds.c          gather / broadcast / reduce-scatter / all-to-all rounds
+ *   cma.c             single-copy reads of a peer's memory (process_vm_readv)
+ *   p2p.c             point-to-point channels: send, receive head and body
+ *   p2p_batch.c       point-to-point operations progressed together
+ *   torch.c           the only C that knows torch: one-call fast paths
+ *   engine.c          the Engine object: life cycle, entering calls, methods
+ *   module.c          the module: its functions, constants and init
+ *
+ * Segment layout, version 4 (offsets from the mapping's base; seg_size()):
+ *
+ *   +--------------------------+ 0
+ *   | header (4 KiB)           |  magic, version, world, slot_bytes, sizes,
+ *   |                          |  attach counter, sleeper count, abort word
+ *   +--------------------------+ ctrl_off = 4096
+ *   | rank 0 control           |  page-rounded (3 + 2W) lines: line 0 pid
+ *   | rank 1 control           |  (and where its check word is, cma.c);
+ *   | ...                      |  line 1 + 2c + p: channel c parity p
+ *   |                          |  {seq, kind, dtype, op, count, arg, addr};
+ *   |                          |  P2P_SENT_LINE(d), P2P_DONE_LINE(w, s)
+ *   +--------------------------+ slot_off
+ *   | rank 0 slot parity 0     |  slot_bytes each, 4 KiB aligned
+ *   | rank 0 slot parity 1     |
+ *   | rank 1 slot parity 0 ... |
+ *   +--------------------------+ p2p_off
+ *   | pair (s, d): P2P_RING    |  2 x p2p_bytes per ordered pair s != d, cut
+ *   | pieces                   |  into P2P_RING pieces (a ring of chunks)
+ *   | ...                      |
+ *   +--------------------------+ total
+ *
+ * Protocol of the collective channel (one-shot all-reduce, barrier):
+ *   Every rank keeps a private round counter n (the same on every rank,
+ *   because collectives are called in the same order).  Round n uses parity
+ *   p = n & 1.  A rank
+ *     1. copies its chunk into its slot p,
+ *     2. writes the call's metadata into its line p, then stores seq = n with
+ *        release semantics (the publish),
+ *     3. waits until every peer's line p has seq >= n (acquire),
+ *     4. compares the peers' metadata with its own (mismatch -> error on all),
+ *     5. reduces all slots p in rank order 0..W-1 into its own tensor.
+ *   Slot p of round n is rewritten in round n+2.  A rank reaches round n+2
+ *   only after it saw every peer publish round n+1, and a peer publishes n+1
+ *   only after it finished reading round n.  So one wait per round suffices.
+ *
+ * Flag states: seq of line p only ever holds values n with n & 1 == p, and it
+ * only grows.  A waiter that sleeps bumps hdr->sleepers first; a publisher
+ * that sees sleepers != 0 after its release store futex-wakes its line.
+ *
+ * Liveness: each rank holds an OFD write lock on byte `rank` of the segment
+ * file (its own open file description).  The kernel drops it when the holder
+ * exits, however it exits (SIGKILL included, zombies included).  A waiter
+ * checks a peer with F_OFD_GETLK every few milliseconds once it stops
+ * spinning.  A rank that finds a dead peer, or times out, stores an abort word
+ * in the header so that every other rank leaves its wait too.
+ */
+#ifndef TPCOMM_NATIVE_H
+#define TPCOMM_NATIVE_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
+#include <linux/futex.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define cpu_relax() _mm_pause()
+/* Runtime dispatch: gcc builds one clone per ISA level and picks at load time
+ * (ifunc).  x86-64-v4 = AVX-512, v3 = AVX2 + FMA + F16C. */
+#define KERNEL __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#elif defined(__aarch64__)
+#define cpu_relax() __asm__ __volatile__("yield" ::: "memory")
+#define KERNEL
+#else
+#define cpu_relax() ((void)0)
+#define KERNEL
+#endif
+
+#define MAGIC 0x314d4d4f43505454ULL /* "TTPCOMM1" little endian */
+#define VERSION 4u
+#define PAGE 4096u
+#define LINE 64u
+#define NCHAN 1          /* channels per rank: 0 = collectives */
+#define MAX_WORLD 4096   /* OFD lock bytes and futex fan-out stay cheap up to here */
+#define MAX_SYM 64       /* symmetric buffers per communicator (Communicator.empty) */
+#define P2P_BINARY 0xB1  /* first byte of a binary message header (torch.c, protocols.py) */
+#define P2P_MAX_TENSORS 255
+#define P2P_MAX_DIMS 8
+#define P2P_RING 64    /* chunks in flight per point-to-point channel (pipelining) */
+#define ARG_ZERO_COPY 3  /* all-reduce metadata arg: 1 one-shot, 2 two-shot, 3 + ... zero-copy */
+#define RS_FLAT 0x5253   /* flat_key's kind for reduce_scatter layouts (rounds.c) */
+#define CMA_MIN_BLOCK 4096u /* smaller blocks of a row layout: the copy path (cma.c) */
+/* per-rank control block: pid line, 2 lines per channel, then one "sent to d"
+ * and one "consumed from s" line per peer (point-to-point), page rounded */
+#define P2P_SENT_LINE(d) (1 + 2 * NCHAN + (d))
+#define P2P_DONE_LINE(w, s) (1 + 2 * NCHAN + (w) + (s))
+/* below this many bytes, an operation is shorter than a GIL round trip */
+#define GIL_RELEASE_BYTES (256u * 1024u)
+
+/* status codes returned to Python (shm/engine.py turns them into exceptions) */
+enum { ST_OK = 0, ST_TIMEOUT = 1, ST_PEER_DEAD = 2, ST_MISMATCH = 3, ST_ABORTED = 4,
+       ST_INTERRUPTED = 5, ST_CROSSED = 6, ST_BUSY = 7, ST_CLOSED = 8,
+       ST_CMA = 9 };
+
+/* dtype and op codes of the reductions */
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_I32 = 3, DT_I64 = 4, DT_COUNT };
+enum { OP_SUM = 0, OP_AVG = 1, OP_MAX = 2, OP_MIN = 3, OP_COUNT };
+static const size_t dt_size[DT_COUNT] = {4, 2, 2, 4, 8};
+
+/* Collective kinds, published with every round so that ranks calling
+ * different collectives are told so instead of corrupting each other. */
+enum { KIND_ALL_REDUCE = 1, KIND_BARRIER = 2, KIND_ALL_GATHER = 3, KIND_REDUCE_SCATTER = 4,
+       KIND_BROADCAST = 5, KIND_GATHER = 6, KIND_EMPTY = 7, KIND_ALL_TO_ALL = 8 };
+
+typedef struct {
+    uint64_t magic;
+    uint32_t version;
+    uint32_t world;
+    uint64_t slot_bytes;
+    uint64_t total_bytes;
+    uint64_t ctrl_off;
+    uint64_t slot_off;
+    uint64_t nchan;
+    uint64_t p2p_bytes;
+    _Alignas(64) _Atomic uint32_t attached; /* ranks that mapped the segment */
+    _Alignas(64) _Atomic uint32_t sleepers; /* ranks asleep in futex_wait */
+    _Alignas(64) _Atomic uint64_t abort_word; /* (reason << 32) | (rank + 1), 0 = fine */
+    _Alignas(64) char _end;
+} hdr_t;
+
+typedef struct {
+    _Atomic uint64_t seq;
+    uint32_t kind, dtype, op, _r;
+    uint64_t count, arg;
+    uint64_t addr; /* single-copy all_gather: where this rank's input is (its own memory) */
+    char _pad[LINE - 48];
+} line_t;
+
+_Static_assert(sizeof(line_t) == LINE, "line_t must be one cache line");
+_Static_assert(sizeof(hdr_t) <= PAGE, "header must fit one page");
+
+static inline uint64_t round_page(uint64_t n) { return (n + PAGE - 1) / PAGE * PAGE; }
+
+static inline uint64_t ctrl_size(uint32_t world)
+{
+    return round_page((uint64_t)(1 + 2 * NCHAN + 2 * world) * LINE);
+}
+
+/* point-to-point slots: a share of the collective slot, at least 64 KiB, so a
+ * world of 16 does not reserve 16 x 15 full slots */
+static inline uint64_t p2p_size(uint32_t world, uint64_t slot_bytes)
+{
+    uint64_t b = round_page(slot_bytes / (world ? world : 1));
+    if (b < 65536)
+        b = 65536;
+    return b > slot_bytes ? slot_bytes : b;
+}
+
+static inline uint64_t seg_size(uint32_t world, uint64_t slot_bytes)
+{
+    return PAGE + (uint64_t)world * ctrl_size(world) + (uint64_t)world * 2 * slot_bytes +
+           (uint64_t)world * (world - 1) * 2 * p2p_size(world, slot_bytes);
+}
+
+static inline uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* ------------------------------------------------------------------------ */
+/* the engine object                                                         */
+/* ------------------------------------------------------------------------ */
+
+typedef struct pool pool_t;   /* pool.c */
+typedef struct tview tview_t; /* torch.c: the torch objects the fast paths compare with */
+
+typedef struct {
+    PyObject_HEAD
+    char *base;
+    size_t size;
+    int fd;
+    int rank;
+    int world;
+    uint64_t slot_bytes;
+    size_t ctrl_bytes, slot_off, p2p_off, p2p_bytes, p2p_piece;
+    uint64_t round;   /* last collective round this rank published */
+    uint64_t timeout_ns;
+    uint64_t spin_ns;  /* spin with pause this long before yielding */
+    uint64_t yield_ns; /* then sched_yield until this long, then futex */
+    int busy;        /* a thread is inside a call that touches the segment */
+    int held;        /* hold() depth: a multi-call operation of thread `holder` */
+    int rx_held;     /* a received header holds the engine until its body is read */
+    unsigned long holder;
+    int live;        /* on the live_engines list (holds its liveness lock) */
+    void *next_live;
+    int failed;      /* the communicator is unusable after a failure */
+    int in_p2p;      /* inside a point-to-point wait (wait_p2p) */
+    uint64_t fault_check_delay_ns; /* tests only: sleep before a slow wait's verdicts */
+    int fault_cma_addr;            /* tests only: publish an unreadable input address */
+    /* details of the last error, for Python's message: the peer's rank, and
+     * on a mismatch what it published and what this rank published */
+    int err_rank;
+    uint32_t err_kind, err_dtype, err_op;
+    uint64_t err_count, err_arg;
+    uint32_t err_my_kind, err_my_dtype, err_my_op;
+    uint64_t err_my_count, err_my_arg;
+    uint64_t err_reason;
+    void **srcs; /* scratch: world source pointers */
+    tview_t *tv; /* torch.c's, for the one-call fast paths */
+    PyObject *mapping; /* the Mapping that owns base */
+    PyObject *pending; /* exception a signal handler raised during a wait */
+    uint64_t twoshot_min; /* all-reduces of at least this many bytes go two-shot */
+    int cma;              /* all ranks can read each other's memory (cma_init) */
+    int err_errno;        /* the errno of a failed process_vm_readv (ST_CMA) */
+    uint64_t cma_min;     /* all_gathers of at least this many bytes read the peers directly */
+    uint64_t cma_word;    /* the word peers read to check they can (cma_init) */
+    pool_t *pool; /* helper threads, NULL with one thread */
+    /* point to point: chunks sent to / received from each rank, and the
+     * receive in progress (between p2p_recv_head and p2p_recv_body) */
+    uint64_t *p2p_sent, *p2p_recvd;
+    uint64_t rx_k, rx_pos, rx_total;
+    uint64_t rx_dl;  /* a message sent by reference: its data bytes, */
+    Py_ssize_t rx_np; /* and how many pieces it lies in (0: sent by value) */
+    size_t rx_used, rx_limit;
+    int rx_src;
+    /* symmetric buffers (Communicator.empty): this rank's range and every
+     * rank's base address of the same buffer, as mapped here */
+    int nsym;
+    struct sym {
+        char *base;
+        size_t size;
+        char **peers;
+    } sym[MAX_SYM];
+} Engine;
+
+static inline hdr_t *HDR(Engine *e) { return (hdr_t *)e->base; }
+
+static inline char *ctrl_of(Engine *e, int r) { return e->base + PAGE + (size_t)r * e->ctrl_bytes; }
+
+static inline line_t *line_of(Engine *e, int r, int chan, int parity)
+{
+    return (line_t *)(ctrl_of(e, r) + LINE * (1 + 2 * chan + parity));
+}
+
+static inline line_t *ctrl_line(Engine *e, int owner, long line)
+{
+    return (line_t *)(ctrl_of(e, owner) + LINE * (size_t)line);
+}
+
+static inline int peer_pid(Engine *e, int r) { return (int)*(uint64_t *)ctrl_of(e, r); }
+
+static inline char *slot_of(Engine *e, int r, int parity)
+{
+    return e->base + e->slot_off + ((size_t)r * 2 + parity) * e->slot_bytes;
+}
+
+/* where chunk k of the channel from rank s to rank d goes: piece k % P2P_RING
+ * of the pair's 2 x p2p_bytes, each piece p2p_piece bytes */
+static inline char *p2p_slot_of(Engine *e, int s, int d, uint64_t k)
+{
+    size_t pair = (size_t)s * (size_t)(e->world - 1) + (size_t)(d < s ? d : d - 1);
+    return e->base + e->p2p_off + pair * 2 * e->p2p_bytes + (size_t)(k % P2P_RING) * e->p2p_piece;
+}
+
+static inline uint32_t *futex_word(_Atomic uint64_t *p)
+{
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    return (uint32_t *)p;
+#else
+    return (uint32_t *)p + 1;
+#endif
+}
+
+void futex_wake_all(_Atomic uint64_t *p);
+
+/*
+ * Publish round n on line l.  No full fence between the release store and the
+ * sleeper check: that fence (an RFO stall of ~100 ns on every call) would only
+ * close the race with a waiter that is falling asleep at this very moment, and
+ * such a waiter sleeps at most one futex period (2 ms) before it looks again.
+ * A rank only sleeps after waiting 1 ms already, so the race costs little and
+ * the hot path pays nothing.
+ */
+static inline void publish(Engine *e, line_t *l, uint64_t n)
+{
+    atomic_store_explicit(&l->seq, n, memory_order_release);
+    if (atomic_load_explicit(&HDR(e)->sleepers, memory_order_relaxed))
+        futex_wake_all(&l->seq);
+}
+
+/* Whether a call of this thread must wait its turn: another thread is inside
+ * a call, or holds the engine across several (hold(), a received header).  A
+ * Communicator serves one thread at a time (docs/ENGINE.md, "Threads"). */
+static inline int other_thread(Engine *e)
+{
+    return e->busy || (e->held && e->holder != PyThread_get_thread_ident());
+}
+
+/* The status a call that skipped enter() returns before starting, or 0. */
+int take_abort(Engine *e);
+static inline int refuse(Engine *e)
+{
+    if (other_thread(e))
+        return ST_BUSY;
+    return e->failed || take_abort(e) ? ST_ABORTED : 0;
+}
+
+/* how much of `have` bytes round k (starting at lo, cap bytes a round) moves */
+static inline size_t part_of(size_t have, size_t lo, size_t cap)
+{
+    return have > lo ? (have - lo < cap ? have - lo : cap) : 0;
+}
+
+/* whether [a, a + na) and [b, b + nb) share a byte */
+static inline int overlap(const char *a, size_t na, const char *b, size_t nb)
+{
+    return na && nb && a < b + nb && b < a + na;
+}
+
+/* ------------------------------------------------------------------------ */
+/* point-to-point messages                                                   */
+/* ------------------------------------------------------------------------ */
+
+/* A message as pieces of memory: n (address, length) pairs. */
+typedef struct {
+    char **addr;
+    size_t *len;
+    Py_ssize_t n;
+} pieces_t;
+
+/* Messages sent by reference (cma.c, cma_message): the header-length word
+ * carries P2P_BYREF and the number of pieces. */
+#define P2P_BYREF (1ull << 63)
+/* from 1.5 rings (1.5 MiB at world 2): an exchange at world 2, fresh data,
+ * by reference / by value: 1.125 MiB 484-644 / 411-489 us, 1.5 MiB 473-518 /
+ * 565-1573 us, 2.5 MiB 709-892 / 1091-1304 us (docs/COLLECTIVES.md) */
+#define P2P_BYREF_MIN(e) (3 * (e)->p2p_bytes)
+#define P2P_HL(w) ((w) & P2P_BYREF ? (w) & 0xffffffffull : (w))
+#define P2P_NP(w) ((w) & P2P_BYREF ? (Py_ssize_t)(((w) >> 32) & 0x7fffffffull) : 0)
+
+/* One send or receive in progress: a message streamed chunk by chunk
+ * (send_pieces in p2p.c, and the batches of p2p_batch.c). */
+typedef struct {
+    int send, peer, started, done, drop, need;
+    pieces_t pc;
+    Py_ssize_t piece;      /* position in pc */
+    size_t off;
+    uint64_t k;            /* the chunk last published (send) / being read (recv) */
+    size_t total, pos;     /* message bytes; send: pushed; recv: before chunk k */
+    size_t used, limit;    /* recv: read of chunk k, and its size */
+    const char *want;      /* recv: the expected header */
+    size_t want_len, hl, dl, got;
+    char *hdr;             /* recv: the header as it arrives */
+    PyObject *scratch_obj; /* recv: a bytearray for the data of a message that */
+    char *scratch;         /* does not match (Python judges it) */
+    size_t soff;
+    Py_ssize_t np;         /* sent by reference (cma_message): its data pieces */
+    char *rbuf;            /* send by reference: the stream (lengths, header, where) */
+    pieces_t own;          /* the pieces arrays p2p_batch allocated (bops_free) */
+    char *by_addr[1];      /* send by reference: pc's one piece */
+    size_t by_len[1];
+    int err;               /* recv: the status of a failed read by reference */
+} bop_t;
+
+/* ------------------------------------------------------------------------ */
+/* what one file offers the others                                           */
+/* ------------------------------------------------------------------------ */
+
+/* kernels.c */
+void copy_in(char *dst, const char *src, size_t n);
+void do_reduce(int dtype, int op, void *dst, void *const *srcs, int w, size_t n);
+
+const char *kernel_isa(void);
+void set_nt_min(long long v);
+
+/* kernels_avx512.c */
+int avx512_level(void);
+int reduce_avx512(int dtype, int op, void *dst, void *const *srcs, int w, size_t n);
+
+/* pool.c */
+void pool_free(pool_t *P);
+pool_t *pool_new(int nthreads);
+void par_copy(pool_t *P, char *dst, const char *src, size_t n);
+void par_reduce(pool_t *P, int dtype, int op, void *dst, void *const *srcs, int w, size_t n);
+int pool_threads(const pool_t *P);
+
+/* wait.c */
+int peer_alive(Engine *e, int r);
+void set_abort(Engine *e, uint64_t reason, int rank);
+int take_abort(Engine *e);
+int peer_ahead(Engine *e, int peer);
+int deadline_and_signals(Engine *e, int over, int peer, uint64_t t, uint64_t *next_signal, PyThreadState **ts);
+int wait_p2p(Engine *e, _Atomic uint64_t *seq, uint64_t n, int peer, PyThreadState **ts);
+int round_sync(Engine *e, uint32_t kind, uint32_t dtype, uint32_t op, uint64_t count, uint64_t arg, PyThreadState **ts);
+
+/* engine.c */
+PyObject *eng_closed_error(void);
+int enter(Engine *e);
+int enter_data(Engine *e, size_t bytes, PyThreadState **ts);
+int leave_data(Engine *e, int st, PyThreadState *ts);
+PyObject *status_result(int st);
+void after_fork_child(void);
+int engine_add_types(PyObject *m);
+
+/* allreduce.c */
+int run_all_reduce(Engine *e, char *t, size_t count, int dtype, int op, uint32_t kind);
+PyObject *eng_all_reduce(Engine *e, PyObject *const *args, Py_ssize_t nargs);
+
+/* rounds.c */
+PyObject *eng_sync(Engine *e, PyObject *const *args, Py_ssize_t nargs);
+void put_blocks(char *out, const char *src, size_t q, size_t n, size_t blk, size_t row, size_t off);
+size_t *even_sizes(Engine *e, size_t v);
+PyObject *eng_gatherv(Engine *e, PyObject *const *args, Py_ssize_t nargs);
+uint64_t flat_key(uint64_t kind, uint64_t n, uint64_t world);
+PyObject *flat_gather(Engine *e, uint32_t kind, uint64_t tag, const char *mine, int code, long long n, size_t nbytes, char *out);
+int bcast_rounds(Engine *e, uint32_t kind, char *data, size_t total, int src, uint32_t dtype, uint64_t numel);
+PyObject *eng_broadcast(Engine *e, PyObject *const *args, Py_ssize_t nargs);
+PyObject *eng_reduce_scatterv(Engine *e, PyObject *const *args, Py_ssize_t nargs);
+int rs_rounds(Engine *e, uint32_t kind, const char *x, int dtype, const size_t *sizes, char *out, int op, uint64_t arg, size_t outer);
+PyObject *eng_alltoallv(Engine *e, PyObject *const *args, Py_ssize_t nargs);
+
+/* cma.c */
+uint64_t cma_tag(uint64_t pid, int rank);
+void fault_pause(Engine *e);
+int cma_failed(Engine *e, int r, int err);
+int cma_rounds(Engine *e, uint32_t kind, uint32_t dtype, uint64_t numel, uint64_t arg, size_t total, const char *mine, const uint64_t *offs, const char *own, char *const *dst, const size_t *blk, const size_t *row, const size_t *n);
+int cma_gather(Engine *e, uint32_t kind, const char *mine, const size_t *cnt, char *out, char *const *dsts, uint32_t dtype, uint64_t numel, uint64_t arg, size_t total, int in_place, size_t outer);
+int cma_message(Engine *e, const pieces_t *pc, char **buf, char **addr, size_t *len, pieces_t *out);
+int cma_recv(Engine *e, int r, const char *desc, Py_ssize_t np, size_t dl, const pieces_t *dst);
+
+/* p2p.c */
+int check_rank(Engine *e, long r, const char *fn);
+PyObject *eng_layout(Engine *e, PyObject *unused);
+int parse_pieces(PyObject *list, pieces_t *pc);
+int bsend_step(Engine *e, bop_t *o);
+int send_pieces(Engine *e, int dst, const pieces_t *pc);
+PyObject *eng_p2p_send(Engine *e, PyObject *args);
+PyObject *recv_head(Engine *e, int src, int *st);
+PyObject *eng_p2p_recv_head(Engine *e, PyObject *arg);
+void rx_release(Engine *e);
+int recv_body(Engine *e, const pieces_t *pc);
+PyObject *eng_p2p_recv_body(Engine *e, PyObject *list);
+
+/* p2p_batch.c */
+int run_batch(Engine *e, bop_t *ops, Py_ssize_t n);
+PyObject *eng_p2p_batch(Engine *e, PyObject *list);
+
+/* torch.c */
+int torch_init(void);
+int tview_new(Engine *e);
+void tview_free(Engine *e);
+PyObject *eng_fast_all_reduce(Engine *e, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
+PyObject *eng_set_fast_path(Engine *e, PyObject *args);
+PyObject *eng_fast_all_gather(Engine *e, PyObject *const *args, Py_ssize_t nargs);
+PyObject *eng_fast_gather(Engine *e, PyObject *const *args, Py_ssize_t nargs);
+PyObject *eng_fast_broadcast(Engine *e, PyObject *const *args, Py_ssize_t nargs);
+PyObject *eng_fast_reduce_scatter(Engine *e, PyObject *const *args, Py_ssize_t nargs);
+PyObject *eng_p2p_send_tensors(Engine *e, PyObject *const *args, Py_ssize_t nargs);
+PyObject *eng_plain(Engine *e, PyObject *t);
+PyObject *eng_set_p2p_dtypes(Engine *e, PyObject *args);
+PyObject *eng_p2p_recv_into(Engine *e, PyObject *const *args, Py_ssize_t nargs);
+PyObject *eng_p2p_recv_new(Engine *e, PyObject *arg);
+PyObject *eng_p2p_sendrecv(Engine *e, PyObject *const *args, Py_ssize_t nargs);
+
+
+#endif /* TPCOMM_NATIVE_H */
