@@ -1,5 +1,5 @@
 # make test   - create .venv if missing, install torch (pinned CPU build) and tpcomm, run the suite
-# make bench  - the same set-up, then the all-reduce performance table
+# make bench  - the same set-up, then every benchmark; rewrites docs/PERFORMANCE.md from that run
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -25,27 +25,34 @@ $(VENV)/.installed: pyproject.toml setup.py $(wildcard src/tpcomm/_native/*.[ch]
 install: $(VENV)/.installed
 
 lint: install
-	$(VENV)/bin/ruff check src tests examples benchmarks
-	$(VENV)/bin/ruff format --check src tests examples benchmarks
+	$(VENV)/bin/ruff check src tests examples benchmarks scripts
+	$(VENV)/bin/ruff format --check src tests examples benchmarks scripts
 
 test: install lint
 	$(PY) -m pytest -q tests
 
+# make bench: every table of docs/PERFORMANCE.md, from one run (BENCH_DIR keeps its JSON and text)
+BENCH_DIR ?= build/bench
+TP := $(VENV)/bin/tpcomm
 bench: install build/handoff
-	$(VENV)/bin/tpcomm perf all_reduce $(BENCH_ARGS)
-	$(VENV)/bin/tpcomm perf all_reduce $(BENCH_ARGS) -d bfloat16
+	rm -rf $(BENCH_DIR) && mkdir -p $(BENCH_DIR)
+	for d in float32 bfloat16 float16; do \
+		$(TP) perf all_reduce $(BENCH_ARGS) -d $$d -J $(BENCH_DIR)/all_reduce_$$d.json || exit 1; done
 	for c in all_gather reduce_scatter broadcast gather sendrecv; do \
-		$(VENV)/bin/tpcomm perf $$c $(COLL_ARGS) || exit 1; done
-	$(VENV)/bin/tpcomm perf all_gather $(COLL_ARGS) --in-place
-	$(VENV)/bin/tpcomm perf all_reduce -b 1K -e 1M -f 4 --backend dist --compare gloo
-	$(PY) benchmarks/pg_floor.py
-	$(PY) benchmarks/gather_dims.py
-	$(PY) benchmarks/p2p_batch.py
-	@echo "# handoff bound (benchmarks/handoff.c): producer copies N bytes on CPU 0, consumer reads them on CPU 1"
-	@echo "#    bytes   round(us)  copy(us)  read(us)  read GB/s"
-	@build/handoff 0 200000
-	@for n in 4096 65536 262144 1048576 4194304 16777216; do build/handoff $$n; done
-	$(PY) examples/tp_decode.py --ranks 2 --layers 4 --steps 16
+		$(TP) perf $$c $(COLL_ARGS) -J $(BENCH_DIR)/$$c.json || exit 1; done
+	$(TP) perf all_gather $(COLL_ARGS) --in-place -J $(BENCH_DIR)/all_gather_in_place.json
+	$(TP) perf all_reduce -b 1K -e 1M -f 4 --backend dist --compare gloo -J $(BENCH_DIR)/dist_all_reduce.json
+	$(PY) benchmarks/pg_floor.py > $(BENCH_DIR)/pg_floor.txt && cat $(BENCH_DIR)/pg_floor.txt
+	$(PY) benchmarks/gather_dims.py > $(BENCH_DIR)/gather_dims.txt && cat $(BENCH_DIR)/gather_dims.txt
+	$(PY) benchmarks/p2p_batch.py > $(BENCH_DIR)/p2p_batch.txt && cat $(BENCH_DIR)/p2p_batch.txt
+	{ echo "# producer copies N bytes on CPU 0, consumer reads them on CPU 1"; \
+	  echo "#    bytes   round(us)  copy(us)  read(us)  read GB/s"; \
+	  build/handoff 0 200000; \
+	  for n in 4096 65536 262144 1048576 4194304 16777216; do build/handoff $$n; done; \
+	} > $(BENCH_DIR)/handoff.txt && cat $(BENCH_DIR)/handoff.txt
+	$(PY) examples/tp_decode.py --ranks 2 --layers 4 --steps 16 > $(BENCH_DIR)/tp_decode.txt && cat $(BENCH_DIR)/tp_decode.txt
+	$(PY) scripts/perf_page.py $(BENCH_DIR) > docs/PERFORMANCE.md
+	@echo "# docs/PERFORMANCE.md rewritten from $(BENCH_DIR)"
 
 build/handoff: benchmarks/handoff.c
 	mkdir -p build

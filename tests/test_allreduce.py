@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import tpcomm
-from tpcomm import _env
+from tpcomm import _env, _testing
 
 from ._ref import DTYPES, FLOATS, OPS, digest, make, reference, reference_f64
 
@@ -106,14 +106,13 @@ def repeat_and_rounds(comm):
         x = x0.clone()
         comm.all_reduce(x)
         outs.append(digest(x))
-    eng = comm._engine._native
-    r0 = eng.round
+    r0 = _testing.rounds(comm)
     comm.all_reduce(torch.ones(1000))
-    small_rounds = eng.round - r0
-    r0 = eng.round
+    small_rounds = _testing.rounds(comm) - r0
+    r0 = _testing.rounds(comm)
     big = torch.ones(3 * SLOT // 4 + 5)  # 3 full slots + 5 elements
     comm.all_reduce(big)
-    big_rounds = eng.round - r0
+    big_rounds = _testing.rounds(comm) - r0
     two = 0 <= comm._engine.twoshot_min <= big.numel() * 4
     return outs, small_rounds, big_rounds // (2 if two else 1), float(big[0])
 
@@ -212,7 +211,7 @@ def test_matrix_each_algorithm(monkeypatch, algo, world):
 
 
 def disagree_on_algorithm(comm):
-    comm._engine._native.set_twoshot_min(0 if comm.rank == 0 else -1)
+    _testing.set_twoshot_min(comm, 0 if comm.rank == 0 else -1)
     x = torch.ones(1000)
     try:
         comm.all_reduce(x)
@@ -220,7 +219,7 @@ def disagree_on_algorithm(comm):
     except ValueError as e:
         return str(e)
     finally:
-        comm._engine._native.set_twoshot_min(comm._engine.twoshot_min)
+        _testing.set_twoshot_min(comm, None)
 
 
 def test_ranks_disagreeing_on_the_algorithm_are_told(pools):
@@ -254,7 +253,7 @@ def test_world_16(pools):
 
 
 def threads_in_use(comm):
-    return comm._engine._native.threads
+    return _testing.threads(comm)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -280,12 +279,11 @@ def test_threads_per_rank(monkeypatch, world):
 
 
 def run_matrix_algo(comm, cases, algo):
-    eng = comm._engine._native
-    eng.set_twoshot_min(-1 if algo == "oneshot" else 0)
+    _testing.set_twoshot_min(comm, -1 if algo == "oneshot" else 0)
     try:
         return run_matrix(comm, cases)
     finally:
-        eng.set_twoshot_min(comm._engine.twoshot_min)
+        _testing.set_twoshot_min(comm, None)
 
 
 def test_non_temporal_copy_in(monkeypatch):

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import tpcomm
+from tpcomm import _testing
 
 from ._ref import unexpected_errors
 from .test_dist import free_port
@@ -53,14 +54,14 @@ def quantized_everywhere(comm):
     }
     out = []
     for fn, call in calls.items():
-        r0 = comm._engine._native.round
+        r0 = _testing.rounds(comm)
         try:
             call()
             out.append(f"{fn}: no error")
         except ValueError as e:
             if not str(e).startswith(fn) or "quantized" not in str(e):
                 out.append(f"{fn}: {e}")
-        if comm._engine._native.round != r0:
+        if _testing.rounds(comm) != r0:
             out.append(f"{fn}: touched shared memory")
     x = torch.ones(3)
     comm.all_reduce(x)
@@ -88,9 +89,8 @@ def bad_arguments(comm):
         ((_quantized(),), ValueError, "is quantized (torch.qint8)"),
     ]
     out = []
-    eng = comm._engine._native if comm._engine else None
     for args, exc, text in cases:
-        r0 = eng.round if eng else 0
+        r0 = _testing.rounds(comm)
         try:
             comm.all_reduce(*args)
             out.append(f"{text}: no error")
@@ -100,7 +100,7 @@ def bad_arguments(comm):
                 out.append(f"bad message for {text}: {msg}")
         except Exception as e:  # wrong type
             out.append(f"{text}: raised {type(e).__name__}: {e}")
-        if eng and eng.round != r0:
+        if _testing.rounds(comm) != r0:
             out.append(f"{text}: touched shared memory")
     try:
         comm.all_reduce()
@@ -262,9 +262,9 @@ def written_views(comm):
             "sendrecv: tensors[0] has elements",
         ),
     ]
-    r0 = comm._engine._native.round
+    r0 = _testing.rounds(comm)
     problems = unexpected_errors(cases)
-    if comm._engine._native.round != r0:
+    if _testing.rounds(comm) != r0:
         problems.append("touched shared memory")
     y = comm.all_reduce(torch.ones(2))
     return problems, y.tolist()

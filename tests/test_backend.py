@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import tpcomm
+from tpcomm import _testing
 
 from .test_dist import free_port
 
@@ -721,7 +722,7 @@ def late_look_at_a_sent_message(comm, port):
     try:
         got = None
         if r == 1:
-            dist.group.WORLD._comm._engine._native.fault_check_delay(100_000.0)
+            _testing.fault_check_delay(dist.group.WORLD._comm, 100_000.0)
             buf = torch.zeros(4)
             dist.recv(buf, src=0)
             got = buf.tolist()

@@ -23,9 +23,9 @@ import pytest
 import torch
 
 import tpcomm
-from tpcomm import _env, _native
+from tpcomm import _env, _testing
 from tpcomm.launch import LocalGroup
-from tpcomm.shm.engine import KIND_ALL_GATHER, KIND_BARRIER
+from tpcomm.shm.engine import KIND_ALL_GATHER
 
 from ._ref import assert_survivors_saw, comm_error_of, make, write_json
 
@@ -72,7 +72,7 @@ def _gather(comm, form: str, x: torch.Tensor) -> torch.Tensor:
 
 def _restore(comm) -> None:
     """Back to the default decision (the pools' communicators serve other tests)."""
-    comm._engine._native.cma_init(KIND_BARRIER, *_env.cma_plan(comm.world_size))
+    _testing.cma_init(comm, *_env.cma_plan(comm.world_size))
 
 
 def _can_read_peers(comm) -> bool:
@@ -104,12 +104,12 @@ def _can_read_peers(comm) -> bool:
 
 
 def both_paths(comm):
-    nat, w = comm._engine._native, comm.world_size
+    w = comm.world_size
     possible = _can_read_peers(comm)
     bad = []
     try:
         for cma in (True, False):
-            st, on = nat.cma_init(KIND_BARRIER, cma, 0)  # min 0: every size single-copy
+            st, on = _testing.cma_init(comm, cma, 0)  # min 0: every size single-copy
             assert st == 0
             if on != (cma and possible):
                 bad.append(("enabled", cma, on, possible))
@@ -129,11 +129,11 @@ def both_paths(comm):
 def all_to_all_both_paths(comm):
     """all_to_all_single, even and uneven splits (zeros included), single copy
     (every size) and two copies, against the blocks each rank must receive."""
-    nat, w, r = comm._engine._native, comm.world_size, comm.rank
+    w, r = comm.world_size, comm.rank
     bad = []
     try:
         for cma in (True, False):
-            nat.cma_init(KIND_BARRIER, cma, 0)
+            _testing.cma_init(comm, cma, 0)
             for rows in (1, 5000, 70_001):
                 # rank q sends rank j `split(q, j)` rows of 3 (all zero for one pair)
                 def split(q, j, rows=rows):
@@ -184,8 +184,7 @@ NO_CMA = (
 
 
 def one_rank_refuses(comm):
-    nat = comm._engine._native
-    st, on = nat.cma_init(KIND_BARRIER, comm.rank != 1, 0)
+    st, on = _testing.cma_init(comm, comm.rank != 1, 0)
     x = make(comm.rank, 70_000, torch.float32, 5)
     got = comm.all_gather(x)
     _restore(comm)
@@ -222,7 +221,6 @@ def test_tpcomm_cma_is_read_and_checked(monkeypatch):
     assert _env.cma_min_bytes(2) == 4 << 20 and _env.cma_min_bytes(8) == -1
     monkeypatch.setenv("TPCOMM_CMA_MIN_BYTES", "0")
     assert _env.cma_min_bytes(8) == 0
-    assert _native.KIND_ALL_GATHER == KIND_ALL_GATHER  # the C side's copy of the kind
 
 
 def _single_copy(comm, which, x):
@@ -236,11 +234,11 @@ def killed_while_read(comm, outdir, which):
     """Rank 1 dies while it waits for its peers to finish reading its input;
     rank 0 reads it only afterwards (the fault knob delays its reads 400 ms)."""
     r = comm.rank
-    if not comm._engine._native.cma_init(KIND_BARRIER, True, 0)[1]:
+    if not _testing.cma_init(comm, True, 0)[1]:
         return "no cma"
     x = torch.ones(3 << 18)
     if r == 0:
-        comm._engine._native.fault_check_delay(400_000.0)
+        _testing.fault_check_delay(comm, 400_000.0)
     if r == 1:
 
         def die():
@@ -267,11 +265,10 @@ def test_a_peer_killed_while_it_is_read(tmp_path, which):
 
 
 def unreadable(comm, which):
-    nat = comm._engine._native
-    if not nat.cma_init(KIND_BARRIER, True, 0)[1]:
+    if not _testing.cma_init(comm, True, 0)[1]:
         return None, 0.0
     if comm.rank == 1:
-        nat.fault_cma_addr(True)  # publishes an address nobody can read
+        _testing.fault_cma_addr(comm, True)  # publishes an address nobody can read
     t0 = time.time()
     res = comm_error_of(lambda: _single_copy(comm, which, torch.ones(999)))
     return res, time.time() - t0
@@ -300,12 +297,12 @@ def exchanges_by_reference(comm):
     """Every way a large message sent by a batch that also receives can be
     received, with the reads by reference on (threshold 0) and off, against the
     values each rank must get; then a wrong out= and the channel still in step."""
-    nat, r = comm._engine._native, comm.rank
+    r = comm.rank
     peer = 1 - r
     res = {}
     try:
         for cma in (True, False):
-            on = nat.cma_init(KIND_BARRIER, cma, 0)[1]
+            on = _testing.cma_init(comm, cma, 0)[1]
             xs = [make(r, BIG, torch.float32, 1), make(r, (7, 3), torch.int64, 2)]
             xs.append(make(r, 70_001, torch.bfloat16, 3))
             want = [make(peer, BIG, torch.float32, 1), make(peer, (7, 3), torch.int64, 2)]
@@ -356,11 +353,10 @@ def test_large_exchanges_by_reference_match(pools):
 def refused_by_reference(comm, lone):
     """Rank 1 publishes an address nobody can read: an exchange (by reference)
     fails on both ranks; a lone send (by value) is not affected."""
-    nat = comm._engine._native
-    if not nat.cma_init(KIND_BARRIER, True, 0)[1]:
+    if not _testing.cma_init(comm, True, 0)[1]:
         return None
     if comm.rank == 1:
-        nat.fault_cma_addr(True)
+        _testing.fault_cma_addr(comm, True)
     x = torch.ones(BIG)
 
     def call():
@@ -395,10 +391,10 @@ def killed_while_read_by_reference(comm, outdir):
     """Rank 1 dies while rank 0 reads its message (the fault knob delays each
     read 400 ms); rank 0 must raise PeerFailedError, not hang."""
     r = comm.rank
-    if not comm._engine._native.cma_init(KIND_BARRIER, True, 0)[1]:
+    if not _testing.cma_init(comm, True, 0)[1]:
         return "no cma"
     if r == 0:
-        comm._engine._native.fault_check_delay(400_000.0)
+        _testing.fault_check_delay(comm, 400_000.0)
     else:
 
         def die():

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 
-from tpcomm import _native, doctor
+from tpcomm import _testing, doctor
 from tpcomm.cli import main
 from tpcomm.shm.segment import PREFIX
 
@@ -30,7 +30,7 @@ def _doctor(*argv):
 def _fake_segment(directory, name, world, age_s=60.0):
     path = os.path.join(directory, PREFIX + name)
     with open(path, "wb") as f:
-        f.write(struct.pack("<QII", _native.MAGIC, 2, world))
+        f.write(struct.pack("<QII", _testing.MAGIC, 2, world))
         f.write(b"\0" * 4096)
     old = time.time() - age_s
     os.utime(path, (old, old))
@@ -42,7 +42,7 @@ def test_healthy(shm_dir):
     assert rc == 0, text
     assert "healthy: 0 failure(s)" in text
     assert f"shared memory: {shm_dir}" in text and "no stale tpcomm segments" in text
-    assert _native.isa() in text and "backend 'tpcomm' registered" in text
+    assert _testing.kernel_isa() in text and "backend 'tpcomm' registered" in text
     assert "all_reduce: shared memory" in text and "one-shot below" in text
 
 

@@ -10,7 +10,7 @@ import mmap
 import pytest
 import torch
 
-from tpcomm import _native
+from tpcomm import _testing
 from tpcomm.ops import DTYPE_CODES, FLOAT_DTYPES, ReduceOp
 
 from ._ref import DTYPES, make, reference
@@ -52,11 +52,13 @@ def test_kernels_match_reference_at_page_edge(dtype, world):
             for b, x in zip(bufs, inputs):
                 b.tensor.copy_(x)
             out = bufs[-1]
-            _native.reduce(DTYPE_CODES[dtype], op.value, out.addr, [b.addr for b in bufs[:-1]], n)
+            _testing.reduce_kernel(
+                DTYPE_CODES[dtype], op.value, out.addr, [b.addr for b in bufs[:-1]], n
+            )
             ref = reference(inputs, op)
             assert torch.equal(out.tensor, ref), (dtype, op, n, world)
             # in place, as all_reduce uses it: the destination is rank 0's source
-            _native.reduce(
+            _testing.reduce_kernel(
                 DTYPE_CODES[dtype], op.value, bufs[0].addr, [b.addr for b in bufs[:-1]], n
             )
             assert torch.equal(bufs[0].tensor, ref)
@@ -69,7 +71,7 @@ def test_nan_propagates_through_max_and_min():
     b = torch.tensor([0.0, float("nan"), 5.0])
     out = torch.empty(3)
     for op, fn in ((ReduceOp.MAX, torch.maximum), (ReduceOp.MIN, torch.minimum)):
-        _native.reduce(0, op.value, out.data_ptr(), [a.data_ptr(), b.data_ptr()], 3)
+        _testing.reduce_kernel(0, op.value, out.data_ptr(), [a.data_ptr(), b.data_ptr()], 3)
         ref = fn(a, b)
         assert torch.equal(out.isnan(), ref.isnan()) and out[2] == ref[2]
 
@@ -81,7 +83,7 @@ def test_bfloat16_denormals_round_like_torch():
     tiny = torch.tensor([1e-39, -3e-39, 5e-40, 1.0, 2e-38] * 13, dtype=torch.bfloat16)
     inputs = [tiny, tiny.flip(0)]
     out = torch.empty_like(tiny)
-    _native.reduce(1, 0, out.data_ptr(), [x.data_ptr() for x in inputs], tiny.numel())
+    _testing.reduce_kernel(1, 0, out.data_ptr(), [x.data_ptr() for x in inputs], tiny.numel())
     assert torch.equal(out, reference(inputs, ReduceOp.SUM))
     assert (out.float().abs() < 1.1754944e-38).any() and (out != 0).all()
 
@@ -107,7 +109,7 @@ def test_special_values_like_torch(dtype, world):
     ]
     out = torch.empty(n, dtype=dtype)
     for op in ReduceOp:
-        _native.reduce(
+        _testing.reduce_kernel(
             DTYPE_CODES[dtype], op.value, out.data_ptr(), [x.data_ptr() for x in inputs], n
         )
         ref = reference(inputs, op)
@@ -155,7 +157,7 @@ def test_one_rank_two_threads(dtype):
             ref = reference(inputs, op)
             for threads in (2, 3):
                 out = torch.empty_like(inputs[0])
-                _native.reduce(
+                _testing.reduce_kernel(
                     DTYPE_CODES[dtype],
                     op.value,
                     out.data_ptr(),

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import tpcomm
+from tpcomm import _testing
 from tpcomm.launch import LocalGroup
 
 from ._ref import MOVE_DTYPES, assert_survivors_saw, comm_error_of, make, unexpected_errors
@@ -366,7 +367,7 @@ def test_messages_across_chunk_boundaries(pools, n):
 def tiny_chunks(comm):
     """With the smallest slot (4 KiB) a channel's chunks are 128 bytes: headers,
     pickled headers, dicts and data all cross chunk boundaries."""
-    lay = comm._engine._native.layout()
+    lay = _testing.layout(comm)
     if comm.rank == 0:
         comm.send([torch.arange(1000.0), torch.tensor(7), torch.zeros(0, 3)], dst=1)
         comm.send([torch.arange(512.0).reshape((2,) * 9)], dst=1)  # 9-d: pickled header

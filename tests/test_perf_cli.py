@@ -78,9 +78,11 @@ def test_perf_all_reduce_table():
 
 
 def test_perf_json(tmp_path):
+    """-J writes the rows; scripts/perf_page.py renders docs/PERFORMANCE.md from them."""
     import json
+    import pathlib
 
-    out = tmp_path / "r.json"
+    out = tmp_path / "reduce_scatter.json"
     cmd = [
         sys.executable,
         "-m",
@@ -108,6 +110,17 @@ def test_perf_json(tmp_path):
     assert data["collective"] == "reduce_scatter" and data["nranks"] == 2
     assert [row["size"] for row in data["results"]] == [1024, 4096]
     assert all(row["wrong"] == 0 and row["time"] > 0 for row in data["results"])
+    assert data["in_place"] is False and data["kernels"]
+    page = pathlib.Path(__file__).parents[1] / "scripts" / "perf_page.py"
+    r = subprocess.run(
+        [sys.executable, str(page), str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "- **CPU**: " in r.stdout and data["kernels"] in r.stdout
+    rows = [line for line in r.stdout.splitlines() if line.startswith(("| 1 KiB", "| 4 KiB"))]
+    assert len(rows) == 2, r.stdout
+    for line, rec in zip(rows, data["results"]):
+        assert f"| {rec['time']:.2f} |" in line and line.endswith("| 0 |")
 
 
 def test_perf_rejects_bad_flags():
@@ -188,7 +201,7 @@ def test_perf_compare_mpi_missing(monkeypatch, capsys):
     def no_launch(*a, **k):
         raise AssertionError("ranks were started")
 
-    monkeypatch.setattr(perf, "_find_mpi", lambda: (None, "mpi4py is not installed (pip ...)"))
+    monkeypatch.setattr(perf.mpi, "find_mpi", lambda: (None, "mpi4py is not installed (pip ...)"))
     monkeypatch.setattr(sys.modules["tpcomm.launch"], "LocalGroup", no_launch)
     p = argparse.ArgumentParser()
     perf.add_arguments(p)
@@ -197,13 +210,13 @@ def test_perf_compare_mpi_missing(monkeypatch, capsys):
 
 
 def test_touch_keeps_values():
-    """perf --fresh rewrites every line of the input with _native.touch: same values."""
+    """perf --fresh rewrites every line of the input with the core's touch: same values."""
     import torch
 
-    from tpcomm import _native
+    from tpcomm import _testing
 
     for n in (0, 1, 15, 16, 17, 1000, 4099):
         x = torch.arange(n, dtype=torch.float32) * 1.5 - 7
         want = x.clone()
-        _native.touch(x.data_ptr(), x.numel() * 4)
+        _testing.touch(x.data_ptr(), x.numel() * 4)
         assert torch.equal(x, want)

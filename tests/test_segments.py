@@ -16,7 +16,7 @@ import tempfile
 import pytest
 
 import tpcomm
-from tpcomm import _native
+from tpcomm import _testing
 from tpcomm.shm import segment
 
 
@@ -30,7 +30,7 @@ def test_create_names_modes_and_space(shm_dir):
         assert len(name.rsplit("-", 1)[1]) == 16  # 64-bit random token
         st = os.fstat(fd1)
         assert stat.S_IMODE(st.st_mode) == 0o600
-        assert st.st_size == _native.segment_size(2, 4096)
+        assert st.st_size == _testing.segment_size(2, 4096)
         # reserved, not sparse
         assert st.st_blocks * 512 >= st.st_size
     finally:
@@ -85,7 +85,7 @@ def test_tiny_shm_dir_gives_clear_error(monkeypatch):
         with pytest.raises(tpcomm.CommError) as info:
             segment.create(2, 1 << 20, "gtest")
         msg = str(info.value)
-        need = _native.segment_size(2, 1 << 20)
+        need = _testing.segment_size(2, 1 << 20)
         assert f"needs {need} bytes" in msg and "--shm-size" in msg and d in msg
         assert os.listdir(d) == []
         # through launch: every rank fails set-up with the same message, no crash
@@ -124,7 +124,7 @@ def _noop(comm):
 
 def segment_gone(comm):
     eng = comm._engine
-    return os.path.exists(eng.path), os.path.dirname(eng.path), eng._native.peer_pids()
+    return os.path.exists(eng.path), os.path.dirname(eng.path), _testing.peer_pids(eng)
 
 
 def test_unlinked_once_everyone_mapped(pools, shm_dir):

@@ -79,6 +79,12 @@ def timeout() -> float:
     return value
 
 
+def timeout_is_set() -> bool:
+    """Whether TPCOMM_TIMEOUT is set (the backend then uses it instead of the
+    group's timeout)."""
+    return bool(os.environ.get("TPCOMM_TIMEOUT"))
+
+
 def shm_dir() -> str:
     """TPCOMM_SHM_DIR (default /dev/shm)."""
     return os.environ.get("TPCOMM_SHM_DIR") or DEFAULT_SHM_DIR
@@ -140,12 +146,20 @@ def cma_plan(world: int) -> tuple[bool, int]:
     return cma() and least >= 0, max(least, 0)
 
 
-def allreduce_algo() -> str:
-    """TPCOMM_ALLREDUCE_ALGO: oneshot, twoshot or auto (default)."""
-    value = (os.environ.get("TPCOMM_ALLREDUCE_ALGO") or "auto").lower()
-    if value not in ("oneshot", "twoshot", "auto"):
-        raise ValueError(f"TPCOMM_ALLREDUCE_ALGO={value!r}: expected oneshot, twoshot or auto")
+def _algo(name: str) -> str:
+    """An all-reduce algorithm setting: one_shot, two_shot or auto (default).
+    The CPU and GPU settings take the same words; oneshot / twoshot (the CPU
+    setting's old spelling) are read as one_shot / two_shot."""
+    raw = os.environ.get(name) or "auto"
+    value = {"oneshot": "one_shot", "twoshot": "two_shot"}.get(raw.lower(), raw.lower())
+    if value not in ("one_shot", "two_shot", "auto"):
+        raise ValueError(f"{name}={raw!r}: {name} must be one_shot, two_shot or auto")
     return value
+
+
+def allreduce_algo() -> str:
+    """TPCOMM_ALLREDUCE_ALGO: the CPU all-reduce's one_shot, two_shot or auto (default)."""
+    return _algo("TPCOMM_ALLREDUCE_ALGO")
 
 
 # auto: all-reduces of at least this many bytes go two-shot, by world size
@@ -157,9 +171,9 @@ TWOSHOT_MIN_BYTES = {2: 256 << 10}
 def twoshot_min_bytes(world: int) -> int:
     """Bytes from which all_reduce goes two-shot at this world size (-1: never)."""
     algo = allreduce_algo()
-    if algo == "oneshot":
+    if algo == "one_shot":
         return -1
-    if algo == "twoshot":
+    if algo == "two_shot":
         return 0
     key = max(k for k in TWOSHOT_MIN_BYTES if k <= max(world, 2))
     return TWOSHOT_MIN_BYTES[key]
@@ -193,10 +207,7 @@ def host_id_override() -> str | None:
 
 def cuda_algo() -> str:
     """TPCOMM_CUDA_ALGO: the GPU custom all-reduce's one_shot, two_shot or auto (default)."""
-    value = os.environ.get("TPCOMM_CUDA_ALGO") or "auto"
-    if value not in ("one_shot", "two_shot", "auto"):
-        raise ValueError(f"TPCOMM_CUDA_ALGO must be one_shot, two_shot or auto, got {value!r}")
-    return value
+    return _algo("TPCOMM_CUDA_ALGO")
 
 
 def cache_dir() -> str:

@@ -1,4 +1,6 @@
-"""Type stubs for the private C core (see _native.c for the protocol)."""
+"""Type stubs for the private C core (src/tpcomm/_native/: tpcomm.h has the protocol and the map).
+
+Only ``tpcomm.shm`` calls it."""
 
 from typing import Any
 
@@ -8,14 +10,42 @@ ST_PEER_DEAD: int
 ST_MISMATCH: int
 ST_ABORTED: int
 ST_INTERRUPTED: int
+ST_CROSSED: int
+ST_BUSY: int
+ST_CLOSED: int
 ST_CMA: int
+DT_F32: int
+DT_BF16: int
+DT_F16: int
+DT_I32: int
+DT_I64: int
+OP_SUM: int
+OP_AVG: int
+OP_MAX: int
+OP_MIN: int
+KIND_ALL_REDUCE: int
+KIND_BARRIER: int
 KIND_ALL_GATHER: int
+KIND_REDUCE_SCATTER: int
+KIND_BROADCAST: int
+KIND_GATHER: int
+KIND_EMPTY: int
+KIND_ALL_TO_ALL: int
+ARG_ZERO_COPY: int
+RS_FLAT: int
+P2P_BINARY: int
+P2P_MAX_TENSORS: int
+P2P_MAX_DIMS: int
+P2P_RING: int
 MAGIC: int
 VERSION: int
 PAGE: int
 NCHAN: int
+MAX_WORLD: int
+MAX_SYM: int
 
 def segment_size(world: int, slot_bytes: int) -> int: ...
+def flat_key(kind: int, n: int, world: int) -> int: ...
 def reduce(
     dtype: int, op: int, dst: int, srcs: list[int], count: int, nthreads: int = ...
 ) -> None: ...
@@ -52,6 +82,55 @@ class Engine:
         self, tensor_type: type, ops: tuple, dtypes: tuple, kind: int, fallback: Any
     ) -> None: ...
     def sync(self, kind: int, dtype: int, op: int, count: int, arg: int) -> int: ...
+    def gatherv(
+        self,
+        kind: int,
+        mine: int,
+        counts: list[int],
+        out: int | list[int] | None,
+        dtype: int,
+        numel: int,
+        arg: int,
+        rows: int,
+    ) -> int: ...
+    def broadcast(
+        self, kind: int, data: int, nbytes: int, src: int, dtype: int, numel: int
+    ) -> int: ...
+    def reduce_scatterv(
+        self,
+        kind: int,
+        x: int,
+        dtype: int,
+        sizes: list[int],
+        out: int,
+        op: int,
+        arg: int,
+        rows: int,
+    ) -> int: ...
+    def alltoallv(
+        self,
+        kind: int,
+        x: int,
+        send_bytes: list[int],
+        send_offsets: list[int],
+        out: int,
+        recv_bytes: list[int],
+        recv_offsets: list[int],
+        most: int,
+        dtype: int,
+        count: int,
+        arg: int,
+    ) -> int: ...
+    def fast_all_gather(self, output: Any, input: Any, kind: int) -> int | None: ...
+    def fast_gather(self, input: Any, out: Any, dst: int, kind: int) -> int | None: ...
+    def fast_reduce_scatter(self, output: Any, input: Any, op: Any, kind: int) -> int | None: ...
+    def set_p2p_dtypes(self, dtypes: tuple, itemsizes: tuple, empty: Any = ...) -> None: ...
+    def p2p_send_tensors(self, dst: int, tensors: Any) -> int | None: ...
+    def p2p_recv_into(self, src: int, out: Any) -> int | bytes | None: ...
+    def p2p_recv_new(self, src: int) -> list | int | bytes | None: ...
+    def p2p_sendrecv(
+        self, dst: int, tensors: Any, src: int, out: Any
+    ) -> int | tuple[bytes, bytearray] | None: ...
     def p2p_send(self, dst: int, pieces: list, only_if_room: bool = ...) -> int | None: ...
     def p2p_batch(self, ops: list[tuple]) -> tuple[int, list[tuple[int, bytes, bytearray]]]: ...
     def p2p_recv_head(self, src: int) -> tuple[int, bytes]: ...

@@ -14,26 +14,21 @@ import hashlib
 import os
 import pickle
 import weakref
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Sequence
 
 import torch
 
-from . import _env, compiled
+from . import checks, compiled, layout, routing
 from .bootstrap import exchange, host_identity
 from .dist_fallback import DistPath, private_gloo, private_nccl
 from .errors import CommError
 from .hierarchical import Hierarchy
 from .ops import (
-    ALL_DTYPES,
-    ANY_DTYPE_CODES,
-    CODE_DTYPES,
     DTYPE_CODES,
-    FLOAT_DTYPES,
     ReduceOp,
     as_reduce_op,
     dense,
     is_dense,
-    op_name,
 )
 from .shm import protocols, symmetric
 from .shm.engine import (
@@ -51,66 +46,19 @@ __all__ = ["Communicator"]
 _Tensor = torch.Tensor
 _compiling = torch.compiler.is_compiling
 _STRIDED = torch.strided
-_SUPPORTED = ", ".join(str(d) for d in DTYPE_CODES)
 
 # Communicators created on the same ranks get the same sequence number on
 # every rank because every rank creates them in the same order (a collective
 # contract, as in torch.distributed.new_group).
 _created: collections.Counter = collections.Counter()
 
-Timeout = Union[None, float, int, datetime.timedelta]
-
-
-def _timeout_seconds(fn: str, timeout: Timeout) -> float:
-    if timeout is None:
-        return _env.timeout()
-    if isinstance(timeout, datetime.timedelta):
-        timeout = timeout.total_seconds()
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(
-            f"{fn}: timeout must be seconds or a timedelta, got {type(timeout).__name__}"
-        )
-    if not timeout > 0:
-        raise ValueError(f"{fn}: timeout must be positive, got {timeout}")
-    return float(timeout)
+Timeout = checks.Timeout
 
 
 _NOT_PLAIN = object()  # _plain_gather: not its case
-# torch's own check of a tensor whose elements share memory (what copy_ refuses)
-_OVERLAP = getattr(torch, "_debug_has_internal_overlap", None)
-
-
-def _offsets(sizes: Sequence[int]) -> list[int]:
-    """Where each of ``sizes`` starts when laid out back to back."""
-    out, at = [], 0
-    for v in sizes:
-        out.append(at)
-        at += v
-    return out
-
-
-def _span(t: _Tensor) -> tuple[int, int]:
-    """The bytes [lo, hi) a tensor's elements lie in (for a strided view, the
-    whole stretch they spread over: conservative)."""
-    lo = t.data_ptr()
-    return lo, lo + t.element_size() * (
-        1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
-    )
-
-
-def _any_overlap(xs: Sequence[_Tensor], ys: Sequence[_Tensor]) -> bool:
-    """Whether any tensor of ``xs`` shares memory with any of ``ys`` (_span)."""
-    a = sorted(_span(t) for t in xs if t.numel())
-    b = sorted(_span(t) for t in ys if t.numel())
-    i = j = 0
-    while i < len(a) and j < len(b):  # two sorted lists of intervals: a merge
-        if a[i][0] < b[j][1] and b[j][0] < a[i][1]:
-            return True
-        if a[i][1] <= b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return False
+# marks the messages of scatter, so that one of them is never taken for a
+# user's send (and the other way round)
+_SCATTER = "tpcomm.scatter"
 
 
 class Communicator:
@@ -140,7 +88,7 @@ class Communicator:
         import torch.distributed as dist
 
         fn = "Communicator"
-        seconds = _timeout_seconds(fn, timeout)
+        seconds = checks.timeout_seconds(fn, timeout)
         if not (dist.is_available() and dist.is_initialized()):
             raise CommError(
                 f"{fn}: torch.distributed is not initialized; call "
@@ -174,7 +122,7 @@ class Communicator:
         from torch.distributed import TCPStore
 
         fn = "Communicator.from_env"
-        seconds = _timeout_seconds(fn, timeout)
+        seconds = checks.timeout_seconds(fn, timeout)
         env = {}
         for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             value = os.environ.get(name)
@@ -209,6 +157,34 @@ class Communicator:
         return self
 
     @classmethod
+    def from_store(
+        cls,
+        store: Any,
+        rank: int,
+        world_size: int,
+        *,
+        prefix: str = "tpcomm",
+        timeout: Timeout = None,
+        fallback: Optional[DistPath] = None,
+        cuda_fallback: Optional[DistPath] = None,
+    ) -> Communicator:
+        """Create a communicator over an existing torch ``Store`` (collective: every
+        rank calls it with the same ``prefix``, which keeps communicators made over
+        one store apart).
+
+        Args:
+            fallback: the torch.distributed path for what the engine does not do
+                (a ``tpcomm.dist_fallback.DistPath``); default: a private gloo
+                group over ``store``, made on first use.
+            cuda_fallback: the path CUDA all-reduces take when the custom
+                all-reduce declines them; default: a private NCCL group.
+        """
+        return cls._from_store(
+            store, rank, world_size, prefix, prefix.replace("/", "-"), timeout,
+            fallback=fallback, cuda_fallback=cuda_fallback,
+        )  # fmt: skip
+
+    @classmethod
     def _from_store(
         cls,
         store: Any,
@@ -218,12 +194,16 @@ class Communicator:
         tag: str,
         timeout: Timeout = None,
         fallback: Optional[DistPath] = None,
+        cuda_fallback: Optional[DistPath] = None,
     ) -> Communicator:
-        """Create a communicator over an existing torch Store (the launcher's, the
-        backend's); ``fallback`` is its torch.distributed path."""
+        """from_store with the segment's name tag chosen by the caller (the
+        launcher's, a hierarchy's host-local communicators)."""
         self = cls.__new__(cls)
-        seconds = _timeout_seconds("Communicator", timeout)
-        self._setup(store, rank, world, prefix, tag, seconds, fallback=fallback)
+        seconds = checks.timeout_seconds("Communicator", timeout)
+        self._setup(
+            store, rank, world, prefix, tag, seconds, fallback=fallback,
+            cuda_fallback=cuda_fallback,
+        )  # fmt: skip
         return self
 
     def _setup(self, *args: Any, **kwargs: Any) -> None:
@@ -241,6 +221,7 @@ class Communicator:
         timeout: float,
         group: Any = None,
         fallback: Optional[DistPath] = None,
+        cuda_fallback: Optional[DistPath] = None,
     ) -> None:
         self._rank = rank
         self._world = world
@@ -259,7 +240,8 @@ class Communicator:
         self._fallback = fallback
         self._dups = 0
         self._cuda_ar: dict = {}  # device -> tpcomm.cuda.CustomAllreduce, made on first use
-        self._cuda_dist: Optional[DistPath] = None  # NCCL, for what the custom path declines
+        # NCCL, for what the custom path declines (the caller's, or made on first use)
+        self._cuda_dist: Optional[DistPath] = cuda_fallback
         self._dist: Optional[DistPath] = None
         if world > 1:
             if fallback is not None:
@@ -273,7 +255,8 @@ class Communicator:
                     world,
                     label="gloo, tpcomm's own",
                 )
-        self._all_dist: Optional[str] = None
+        # the paths a call may take, in the order routing.route tries them
+        self._paths = routing.plan(1)
         if world == 1:
             return
         hosts = exchange(store, prefix, rank, world, "host", host_identity(), timeout)
@@ -284,22 +267,16 @@ class Communicator:
                 return cls._from_store(store, r, w, p, f"{tag}h", timeout)
 
             self._hier = Hierarchy(make_local, store, prefix, rank, world, hosts, timeout)
-            self._all_dist = f"the group spans {self._hier.hosts} hosts ({self._hier.describe()})"
+            why = f"the group spans {self._hier.hosts} hosts ({self._hier.describe()})"
+            self._paths = routing.plan(world, self._hier.hosts, why)
             return
         self._engine = ShmEngine(store, rank, world, prefix, tag, timeout)
-        native = self._engine._native
-        native.set_fast_path(
-            torch.Tensor,
-            tuple(ReduceOp),
-            tuple(CODE_DTYPES[i] for i in range(len(CODE_DTYPES))),
-            KIND_ALL_REDUCE,
-            weakref.WeakMethod(self._all_reduce_fallback),
-        )
-        # The instance attribute shadows the method below: one C call per
-        # all_reduce in the common case (see _native.c fast_all_reduce).
-        self.all_reduce = native.fast_all_reduce
+        self._paths = routing.plan(world)
         # send/recv's common case in C too (p2p_send_tensors, p2p_recv_into)
-        native.set_p2p_dtypes(tuple(ALL_DTYPES), _ANY_SIZE, torch.empty)
+        self._engine.install_fast_paths(weakref.WeakMethod(self._all_reduce_fallback))
+        # The instance attribute shadows the method below: one C call per
+        # all_reduce in the common case (_native/torch.c fast_all_reduce).
+        self.all_reduce = self._engine.fast_all_reduce
 
     # -- properties -----------------------------------------------------------
 
@@ -317,6 +294,23 @@ class Communicator:
     def closed(self) -> bool:
         """True once close() was called."""
         return self._closed
+
+    @property
+    def shared_memory(self) -> bool:
+        """True when this communicator's CPU collectives run through shared memory
+        (world size 2 or more, every rank on this host)."""
+        return self._engine is not None
+
+    @property
+    def single_copy(self) -> bool:
+        """True when large all_gathers, all_to_alls and exchanged messages read the
+        peers' memory directly (every rank may; TPCOMM_CMA, docs/COLLECTIVES.md)."""
+        return self._engine is not None and self._engine.cma
+
+    @property
+    def spans_hosts(self) -> bool:
+        """True when the ranks are on several hosts (served hierarchically)."""
+        return self._hier is not None
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("failed" if self._failed() else "open")
@@ -350,6 +344,7 @@ class Communicator:
         for car in self._cuda_ar.values():
             car.close()
         self._cuda_ar.clear()
+        self._cuda_dist = None  # a caller's (the backend's) path: its owner releases it
         if self._hier is not None:
             self._hier.close()
 
@@ -365,7 +360,7 @@ class Communicator:
         """
         fn = "dup"
         self._check_open(fn)
-        seconds = self._timeout if timeout is None else _timeout_seconds(fn, timeout)
+        seconds = self._timeout if timeout is None else checks.timeout_seconds(fn, timeout)
         self._dups += 1
         other = type(self).__new__(type(self))
         other._setup(
@@ -407,36 +402,15 @@ class Communicator:
                 f"fork() cannot use its parent's Communicator (make a new one in the child)"
             )
 
-    def _check_reduce(self, fn: str, tensor: Any, op: Any) -> tuple[Any, Optional[str]]:
-        """Check a reducing call's tensor and op.
+    # -- the choice of path ----------------------------------------------------
 
-        Returns:
-            (op, reason): ``reason`` says why the engine cannot do this call (a
-            dtype or op it lacks), None when it can.
-        """
-        self._check_any(fn, tensor)
-        op = as_reduce_op(fn, op)
-        if op is ReduceOp.AVG and not (tensor.is_floating_point() or tensor.is_complex()):
-            raise TypeError(
-                f"{fn}: ReduceOp.AVG needs a floating dtype ({', '.join(map(str, FLOAT_DTYPES))}),"
-                f" got {tensor.dtype}; use ReduceOp.SUM and divide"
-            )
-        if tensor.dtype not in DTYPE_CODES:
-            return op, f"unsupported dtype {tensor.dtype} (the engine reduces {_SUPPORTED})"
-        if not isinstance(op, ReduceOp):
-            return op, (
-                f"op {op_name(op)} is not supported by the engine (it does "
-                f"{', '.join('ReduceOp.' + o.name for o in ReduceOp)})"
-            )
-        return op, None
-
-    def _via_dist(self, fn: str, reason: Optional[str], call: Any, local: Any) -> Any:
-        """Run ``call(DistPath)``; world size 1 returns ``local`` (the result of
-        any reduction over one rank) instead."""
-        if self._world == 1 or self._dist is None:
-            return local() if callable(local) else local
-        self._dist.note(fn, reason or self._all_dist)
-        return call(self._dist)
+    def _route(self, fn: str, call: routing.Call) -> str:
+        """The path of this call (routing.route over this communicator's paths);
+        a call leaving for torch.distributed is logged once, with why."""
+        r = routing.route(self._paths, call)
+        if r.path == "dist":
+            self._dist.note(fn, r.reason)
+        return r.path
 
     # -- collectives ----------------------------------------------------------
 
@@ -470,13 +444,14 @@ class Communicator:
         self._check_open(fn)
         if isinstance(tensor, _Tensor) and tensor.is_cuda:
             return self._cuda_all_reduce(tensor, op)
-        op, reason = self._check_reduce(fn, tensor, op)
-        self._check_written(fn, tensor)
-        if reason:
-            return self._via_dist(fn, reason, lambda d: d.all_reduce(tensor, op), tensor)
-        if self._hier is not None:
+        op = checks.reduce_op(fn, tensor, op)
+        checks.writable(fn, tensor)
+        path = self._route(fn, routing.Call("all_reduce", dtype=tensor.dtype, op=op))
+        if path == "dist":
+            return self._dist.all_reduce(tensor, op)
+        if path == "hier":
             return self._hier.all_reduce(tensor, op)
-        if self._engine is None:  # world size 1
+        if path == "local":
             return tensor
         work = dense(tensor)
         status = self._engine.all_reduce(
@@ -492,7 +467,7 @@ class Communicator:
         """CUDA tensors: tpcomm.cuda.CustomAllreduce first (SUM, its sizes and
         dtypes), else NCCL (the group's, or a private one over the set-up store)."""
         op = as_reduce_op("all_reduce", op)
-        if self._world == 1:
+        if self._route("all_reduce", routing.Call("all_reduce", cuda=True)) == "local":
             return tensor
         if op is ReduceOp.SUM:
             car = self._cuda_ar.get(tensor.device)
@@ -519,67 +494,6 @@ class Communicator:
 
     # -- data-moving collectives -----------------------------------------------
 
-    def _check_any(self, fn: str, tensor: Any, name: str = "tensor") -> None:
-        """Checks for collectives that move any dtype (no arithmetic)."""
-        if not isinstance(tensor, _Tensor):
-            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
-        if not tensor.is_cpu:
-            raise ValueError(f"{fn}: {name} must be a CPU tensor, got one on {tensor.device}")
-        if tensor.layout is not _STRIDED:
-            raise ValueError(f"{fn}: {name} must be dense (strided), got layout {tensor.layout}")
-        if tensor.is_quantized:  # its data without its scale and zero point means nothing
-            raise ValueError(
-                f"{fn}: {name} is quantized ({tensor.dtype}); collectives move plain tensors: "
-                f"pass t.int_repr() (and the scale and zero point), or t.dequantize()"
-            )
-
-    def _check_written(self, fn: str, tensor: _Tensor, name: str = "tensor") -> None:
-        """A tensor a call writes into must own its elements: an expand()ed view
-        (or any whose elements share memory) cannot hold a result."""
-        if _OVERLAP is not None and _OVERLAP(tensor) == 1:  # MemOverlap::Yes
-            raise ValueError(
-                f"{fn}: {name} has elements that share memory (an expand()ed or overlapping "
-                f"view, strides {tuple(tensor.stride())}), so the result cannot be written "
-                f"into it; pass a tensor that owns its elements (e.g. .clone())"
-            )
-
-    def _check_same_dtype(self, fn: str, output: _Tensor, input: _Tensor) -> None:
-        if output.dtype != input.dtype:
-            raise TypeError(
-                f"{fn}: output dtype {output.dtype} differs from input dtype {input.dtype}"
-            )
-
-    def _check_rank(self, fn: str, name: str, value: Any, allow_self: bool = True) -> int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{fn}: {name} must be an int rank, got {type(value).__name__}")
-        if not 0 <= value < self._world:
-            raise ValueError(f"{fn}: {name}={value} is out of range [0, {self._world})")
-        if not allow_self and value == self._rank:
-            raise ValueError(f"{fn}: {name}={value} is this rank; send to another rank")
-        return value
-
-    def _check_dim(self, fn: str, tensor: _Tensor, dim: Any) -> int:
-        if isinstance(dim, bool) or not isinstance(dim, int):
-            raise TypeError(f"{fn}: dim must be an int, got {type(dim).__name__}")
-        nd = tensor.dim()
-        if not -nd <= dim < nd:
-            raise ValueError(
-                f"{fn}: dim {dim} is out of range for a {nd}-d tensor "
-                f"(expected {-nd} <= dim < {nd})"
-                if nd
-                else f"{fn}: a 0-d tensor has no dim {dim}"
-            )
-        return dim % nd
-
-    def _check_sizes(self, fn: str, sizes: Any) -> list[int]:
-        if not isinstance(sizes, (list, tuple)) or len(sizes) != self._world:
-            raise ValueError(
-                f"{fn}: sizes must be a list of {self._world} ints (one per rank), got {sizes!r}"
-            )
-        if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in sizes):
-            raise ValueError(f"{fn}: sizes must be non-negative ints, got {list(sizes)}")
-        return [int(s) for s in sizes]
-
     def all_gather(self, tensor: _Tensor, dim: int = 0) -> _Tensor:
         """All ranks' ``tensor`` concatenated along ``dim`` (same shape on every rank).
 
@@ -595,7 +509,7 @@ class Communicator:
             # 1-d: one C call, as all_gather_into_tensor (same key: protocols.flat_key)
             if dim == 0 and type(tensor) is _Tensor and tensor.dim() == 1:
                 out = torch.empty(self._world * tensor.shape[0], dtype=tensor.dtype)
-                status = eng._native.fast_all_gather(out, tensor, KIND_ALL_GATHER)
+                status = eng.fast_all_gather(out, tensor, KIND_ALL_GATHER)
                 if status == 0:
                     return out
                 if status is not None:
@@ -605,8 +519,8 @@ class Communicator:
                 return res
         fn = "all_gather"
         self._check_open(fn)
-        self._check_any(fn, tensor)
-        d = self._check_dim(fn, tensor, dim)
+        checks.tensor(fn, tensor)
+        d = checks.dim(fn, tensor, dim)
         return self._gather(fn, KIND_ALL_GATHER, tensor, [tensor.shape[d]] * self._world, d, None)
 
     def all_gatherv(self, tensor: _Tensor, sizes: Sequence[int], dim: int = 0) -> _Tensor:
@@ -614,9 +528,9 @@ class Communicator:
         (any of them may be 0); the other dims must agree."""
         fn = "all_gatherv"
         self._check_open(fn)
-        self._check_any(fn, tensor)
-        d = self._check_dim(fn, tensor, dim)
-        sizes = self._check_sizes(fn, sizes)
+        checks.tensor(fn, tensor)
+        d = checks.dim(fn, tensor, dim)
+        sizes = checks.sizes(fn, sizes, self._world)
         if tensor.shape[d] != sizes[self._rank]:
             raise ValueError(
                 f"{fn}: rank {self._rank} has size {tensor.shape[d]} along dim {d} "
@@ -648,7 +562,7 @@ class Communicator:
                 res = out if self._rank == dst else None
                 if res is None and self._rank == dst:
                     res = torch.empty(self._world * tensor.shape[0], dtype=tensor.dtype)
-                status = eng._native.fast_gather(tensor, res, dst, KIND_GATHER)
+                status = eng.fast_gather(tensor, res, dst, KIND_GATHER)
                 if status == 0:
                     return res
                 if status is not None:
@@ -658,17 +572,17 @@ class Communicator:
                 return res
         fn = "gather"
         self._check_open(fn)
-        self._check_any(fn, tensor)
-        dst = self._check_rank(fn, "dst", dst)
-        d = self._check_dim(fn, tensor, dim)
+        checks.tensor(fn, tensor)
+        dst = checks.rank(fn, "dst", dst, self._world)
+        d = checks.dim(fn, tensor, dim)
         sizes = [tensor.shape[d]] * self._world
         bad = None
         if out is not None and self._rank == dst:
             shape = list(tensor.shape)
             shape[d] *= self._world
             try:
-                self._check_any(fn, out, "out")
-                self._check_written(fn, out, "out")
+                checks.tensor(fn, out, "out")
+                checks.writable(fn, out, "out")
                 if out.dtype != tensor.dtype or list(out.shape) != shape:
                     raise ValueError(
                         f"{fn}: out has dtype {out.dtype} and shape {tuple(out.shape)}, "
@@ -693,20 +607,20 @@ class Communicator:
             return compiled.all_gather_into_tensor(self, output, input)
         eng = self._engine
         # the common case (plain tensors, output = world x input): one C call
-        # (_native.c fast_all_gather) with the general path's metadata; None: the
+        # (_native/torch.c fast_all_gather) with the general path's metadata; None: the
         # general path below does every check and handles views and subclasses
         if eng is not None:
-            status = eng._native.fast_all_gather(output, input, KIND_ALL_GATHER)
+            status = eng.fast_all_gather(output, input, KIND_ALL_GATHER)
             if status is not None:
                 if status:
                     eng.raise_status(status, "all_gather_into_tensor")
                 return output
         fn = "all_gather_into_tensor"
         self._check_open(fn)
-        self._check_any(fn, output, "output")
-        self._check_written(fn, output, "output")
-        self._check_any(fn, input, "input")
-        self._check_same_dtype(fn, output, input)
+        checks.tensor(fn, output, "output")
+        checks.writable(fn, output, "output")
+        checks.tensor(fn, input, "input")
+        checks.same_dtype(fn, output, input)
         if output.numel() != self._world * input.numel():
             raise ValueError(
                 f"{fn}: output has {output.numel()} elements, expected world_size "
@@ -725,6 +639,48 @@ class Communicator:
             output.copy_(res.view(output.shape))
         return output
 
+    def all_gather_into_list(self, outputs: Sequence[_Tensor], tensor: _Tensor) -> list:
+        """torch's list form: ``outputs[r]`` gets rank r's ``tensor`` (every output
+        has ``tensor``'s dtype and element count; shapes may differ).  Returns
+        ``outputs``."""
+        return self._gather_list("all_gather_into_list", KIND_ALL_GATHER, outputs, tensor, None)
+
+    def gather_into_list(
+        self, outputs: Optional[Sequence[_Tensor]], tensor: _Tensor, dst: int = 0
+    ) -> Optional[list]:
+        """torch's list form of gather: on ``dst``, ``outputs[r]`` gets rank r's
+        ``tensor``; elsewhere ``outputs`` is ignored (may be None) and None comes
+        back."""
+        return self._gather_list("gather_into_list", KIND_GATHER, outputs, tensor, dst)
+
+    def _gather_list(
+        self, fn: str, kind: int, outputs: Any, tensor: _Tensor, root: Optional[int]
+    ) -> Optional[list]:
+        mine = root is None or root == self._rank
+        if mine:
+            outputs = checks.tensor_list(fn, outputs, written=True)
+            if len(outputs) != self._world:
+                raise ValueError(f"{fn}: expected {self._world} output tensors, got {len(outputs)}")
+        outs = outputs if mine else [None] * self._world
+        if self._gather_into_list(fn, kind, outs, tensor, root):
+            return list(outputs) if mine else None
+        flat = tensor.reshape(-1)
+        if root is None:
+            got = torch.empty(self._world * flat.numel(), dtype=flat.dtype)
+            self.all_gather_into_tensor(got, flat)
+        else:
+            got = self.gather(flat, dst=root)
+        if not mine:
+            return None
+        n = flat.numel()
+        for o, part in zip(outputs, got.split(n) if n else [got[:0]] * self._world):
+            if o.numel() != n:
+                raise ValueError(
+                    f"{fn}: output tensors must have {n} elements each, got {o.numel()}"
+                )
+            o.copy_(part.view(o.shape))
+        return list(outputs)
+
     def _plain_gather(
         self,
         eng: Any,
@@ -735,11 +691,11 @@ class Communicator:
         root: Optional[int],
         out: Optional[_Tensor],
     ) -> Any:
-        """all_gather / gather (root) of a plain tensor (``_native.plain``) along an
+        """all_gather / gather (root) of a plain tensor (``ShmEngine.plain``) along an
         int dim in range, into a fitting ``out`` or a new tensor: one C check and
         the rounds, with _gather's rows and layout key.  _NOT_PLAIN when the call
         is not that case (the general path then checks and reports)."""
-        a = eng._native.plain(tensor)
+        a = eng.plain(tensor)
         if a is None:
             return _NOT_PLAIN
         nd = tensor.dim()
@@ -754,16 +710,16 @@ class Communicator:
             if out is None:
                 res = torch.empty(full, dtype=tensor.dtype)
             else:
-                b = eng._native.plain(out)
+                b = eng.plain(out)
                 if b is None or b[0] != a[0] or out.shape != full:
                     return _NOT_PLAIN
                 res = out
         rest = tuple(shape[:d]) + tuple(shape[d + 1 :])
         key = protocols.layout_key(kind, rest, d, (shape[d],) * w, root)
         protocols.gatherv(
-            eng, fn, kind, a[1], [a[2] * _ANY_SIZE[a[0]]] * w,
+            eng, fn, kind, a[1], [a[2] * layout.ANY_SIZE[a[0]]] * w,
             res.data_ptr() if res is not None else None, a[0], a[2] * w, key,
-            _prod(shape[:d]) or 1,
+            layout.prod(shape[:d]) or 1,
         )  # fmt: skip
         return res
 
@@ -773,27 +729,27 @@ class Communicator:
         """Every rank's ``tensor`` (flattened) straight into ``outs[r]``, on every
         rank (``root`` None) or on ``root``: the list forms of torch's all_gather and
         gather without a gathered temporary and a copy per part.  Only for plain
-        tensors of one dtype and element count (``_native.plain``); False (nothing
+        tensors of one dtype and element count (``ShmEngine.plain``); False (nothing
         done) otherwise.  Same rounds and layout key as a 1-d all_gather / gather,
         so ranks that take this path and ranks that do not still agree."""
         eng = self._engine
         if eng is None or len(outs) != self._world:
             return False
-        a = eng._native.plain(tensor)
+        a = eng.plain(tensor)
         if a is None:
             return False
         addrs = None
         if root is None or root == self._rank:
             addrs = []
             for o in outs:
-                b = eng._native.plain(o)
+                b = eng.plain(o)
                 if b is None or b[0] != a[0] or b[2] != a[2]:
                     return False
                 addrs.append(b[1] or 0)
         w = self._world
         key = protocols.layout_key(kind, (), 0, (a[2],) * w, root)
         protocols.gatherv(
-            eng, fn, kind, a[1] or 0, [a[2] * _ANY_SIZE[a[0]]] * w, addrs, a[0], a[2] * w, key
+            eng, fn, kind, a[1] or 0, [a[2] * layout.ANY_SIZE[a[0]]] * w, addrs, a[0], a[2] * w, key
         )
         return True
 
@@ -807,21 +763,26 @@ class Communicator:
         root: Optional[int],
         out: Optional[_Tensor] = None,
     ) -> _Tensor:
-        hier = self._hier is not None and root is None and len(set(sizes)) == 1
-        if hier or self._all_dist or self._engine is None:
-            return self._gather_moved(fn, tensor, sizes, d, root, out, hier)
+        call = routing.Call(
+            "gather" if root is not None else "all_gather",
+            rooted=root is not None,
+            even=len(set(sizes)) == 1,
+        )
+        path = self._route(fn, call)
+        if path != "shm":
+            return self._gather_moved(tensor, sizes, d, root, out, path)
         # the engine gathers along d where the data is: rank r's tensor is
         # `rows` blocks (one per index of the dims before d), and row a of the
         # result is every rank's block a in rank order (gatherv's rows)
         x = dense(tensor)
         shape = tuple(x.shape)
-        rows = _prod(shape[:d])
+        rows = layout.prod(shape[:d])
         rest = shape[:d] + shape[d + 1 :]
         full = (*shape[:d], sum(sizes), *shape[d + 1 :])
         res = None
         if root is None or root == self._rank:
             res = out if out is not None else torch.empty(full, dtype=tensor.dtype)
-        inner = _prod(shape[d + 1 :]) * rows * tensor.element_size()
+        inner = layout.prod(shape[d + 1 :]) * rows * tensor.element_size()
         key = protocols.layout_key(kind, rest, d, tuple(sizes), root)
         protocols.gatherv(
             self._engine,
@@ -831,7 +792,7 @@ class Communicator:
             [s * inner for s in sizes],
             res.data_ptr() if res is not None else None,
             protocols.dtype_code_any(tensor.dtype),
-            sum(sizes) * _prod(rest),
+            sum(sizes) * layout.prod(rest),
             key,
             max(rows, 1),
         )
@@ -839,24 +800,23 @@ class Communicator:
 
     def _gather_moved(
         self,
-        fn: str,
         tensor: _Tensor,
         sizes: list[int],
         d: int,
         root: Optional[int],
         out: Optional[_Tensor],
-        hier: bool,
+        path: str,
     ) -> Optional[_Tensor]:
-        """_gather across hosts (hier), through torch.distributed, or at world
-        size 1: along dim 0 of the tensor with dim d moved first."""
+        """_gather across hosts (hier), through torch.distributed (dist), or at
+        world size 1 (local): along dim 0 of the tensor with dim d moved first."""
         moved = dense(tensor.movedim(d, 0) if d else tensor)
-        if hier:
+        if path == "hier":
             got = self._hier.all_gather(moved)
-        elif self._all_dist:
+        elif path == "dist":
             if root is None:
-                got = self._via_dist(fn, None, lambda p: p.all_gatherv(moved, sizes), None)
+                got = self._dist.all_gatherv(moved, sizes)
             else:
-                got = self._via_dist(fn, None, lambda p: p.gather(moved, root), None)
+                got = self._dist.gather(moved, root)
             if got is None:
                 return None
         else:  # world size 1: a copy, like every other rank count
@@ -876,8 +836,8 @@ class Communicator:
             return compiled.reduce_scatter(self, tensor, dim, op)
         fn = "reduce_scatter"
         self._check_open(fn)
-        op, reason = self._check_reduce(fn, tensor, op)
-        d = self._check_dim(fn, tensor, dim)
+        op = checks.reduce_op(fn, tensor, op)
+        d = checks.dim(fn, tensor, dim)
         size = tensor.shape[d]
         if size % self._world:
             raise ValueError(
@@ -885,7 +845,7 @@ class Communicator:
                 f"does not divide; use reduce_scatterv with explicit sizes"
             )
         sizes = [size // self._world] * self._world
-        return self._reduce_scatter(fn, tensor, sizes, d, op, reason)
+        return self._reduce_scatter(fn, tensor, sizes, d, op)
 
     def reduce_scatterv(
         self, tensor: _Tensor, sizes: Sequence[int], dim: int = 0, op: ReduceOp = ReduceOp.SUM
@@ -894,14 +854,14 @@ class Communicator:
         ``dim`` (any may be 0; they must add up to the tensor's size)."""
         fn = "reduce_scatterv"
         self._check_open(fn)
-        op, reason = self._check_reduce(fn, tensor, op)
-        d = self._check_dim(fn, tensor, dim)
-        sizes = self._check_sizes(fn, sizes)
+        op = checks.reduce_op(fn, tensor, op)
+        d = checks.dim(fn, tensor, dim)
+        sizes = checks.sizes(fn, sizes, self._world)
         if sum(sizes) != tensor.shape[d]:
             raise ValueError(
                 f"{fn}: sizes add up to {sum(sizes)} but dim {d} has size {tensor.shape[d]}"
             )
-        return self._reduce_scatter(fn, tensor, sizes, d, op, reason)
+        return self._reduce_scatter(fn, tensor, sizes, d, op)
 
     def reduce_scatter_tensor(
         self, output: _Tensor, input: _Tensor, op: ReduceOp = ReduceOp.SUM
@@ -912,47 +872,46 @@ class Communicator:
             return compiled.reduce_scatter_tensor(self, output, input, op)
         eng = self._engine
         if eng is not None:  # one C call, as all_gather_into_tensor (None: the general path)
-            status = eng._native.fast_reduce_scatter(output, input, op, KIND_REDUCE_SCATTER)
+            status = eng.fast_reduce_scatter(output, input, op, KIND_REDUCE_SCATTER)
             if status is not None:
                 if status:
                     eng.raise_status(status, "reduce_scatter_tensor")
                 return output
         fn = "reduce_scatter_tensor"
         self._check_open(fn)
-        op, reason = self._check_reduce(fn, input, op)
-        self._check_any(fn, output, "output")
-        self._check_written(fn, output, "output")
-        self._check_same_dtype(fn, output, input)
+        op = checks.reduce_op(fn, input, op)
+        checks.tensor(fn, output, "output")
+        checks.writable(fn, output, "output")
+        checks.same_dtype(fn, output, input)
         if input.numel() != self._world * output.numel():
             raise ValueError(
                 f"{fn}: input has {input.numel()} elements, expected world_size "
                 f"x output = {self._world} x {output.numel()}"
             )
         sizes = [output.numel()] * self._world
-        res = self._reduce_scatter(fn, input.reshape(-1), sizes, 0, op, reason)
+        res = self._reduce_scatter(fn, input.reshape(-1), sizes, 0, op)
         output.copy_(res.view(output.shape))
         return output
 
     def _reduce_scatter(
-        self, fn: str, tensor: _Tensor, sizes: list[int], d: int, op: Any, reason: Optional[str]
+        self, fn: str, tensor: _Tensor, sizes: list[int], d: int, op: Any
     ) -> _Tensor:
-        if reason or self._all_dist or self._hier is not None or self._engine is None:
+        path = self._route(fn, routing.Call("reduce_scatter", dtype=tensor.dtype, op=op))
+        if path != "shm":
             moved = dense(tensor.movedim(d, 0) if d else tensor)
-            if reason or (self._all_dist and self._hier is None):
-                res = self._via_dist(
-                    fn, reason, lambda p: p.reduce_scatterv(moved, sizes, op), moved.clone
-                )
-            elif self._hier is not None:
+            if path == "dist":
+                res = self._dist.reduce_scatterv(moved, sizes, op)
+            elif path == "hier":
                 res = self._hier.reduce_scatterv(moved, sizes, op, self._rank)
-            else:
+            else:  # local: the reduction over one rank
                 res = moved.clone()
             return res.movedim(0, d).contiguous() if d else res
         # along d where the data is: `rows` rows (one per index of the dims
         # before d), each the ranks' blocks side by side (reduce_scatterv's rows)
         x = dense(tensor)
         shape = tuple(x.shape)
-        rows = _prod(shape[:d])
-        inner = _prod(shape[d + 1 :]) if rows else 0  # no rows: nothing to move
+        rows = layout.prod(shape[:d])
+        inner = layout.prod(shape[d + 1 :]) if rows else 0  # no rows: nothing to move
         res = torch.empty((*shape[:d], sizes[self._rank], *shape[d + 1 :]), dtype=tensor.dtype)
         key = protocols.layout_key(shape[:d] + shape[d + 1 :], d, tuple(sizes))
         protocols.reduce_scatterv(
@@ -974,19 +933,22 @@ class Communicator:
             return compiled.broadcast(self, tensor, src)
         eng = self._engine
         if eng is not None:  # a plain tensor: one C call (None: the general path below)
-            status = eng._native.fast_broadcast(tensor, src, KIND_BROADCAST)
+            status = eng.fast_broadcast(tensor, src, KIND_BROADCAST)
             if status is not None:
                 if status:
                     eng.raise_status(status, "broadcast")
                 return tensor
         fn = "broadcast"
         self._check_open(fn)
-        self._check_any(fn, tensor)
-        self._check_written(fn, tensor)
-        src = self._check_rank(fn, "src", src)
-        if self._hier is not None:
+        checks.tensor(fn, tensor)
+        checks.writable(fn, tensor)
+        src = checks.rank(fn, "src", src, self._world)
+        path = self._route(fn, routing.Call("broadcast"))
+        if path == "hier":
             return self._hier.broadcast(tensor, src)
-        if self._engine is None:
+        if path == "dist":
+            return self._dist.broadcast(tensor, src)
+        if path == "local":
             return tensor
         work = dense(tensor)
         protocols.broadcast(
@@ -1022,25 +984,27 @@ class Communicator:
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"{fn}: dtype must be a torch.dtype, got {type(dtype).__name__}")
         shape = tuple(int(s) for s in shape)
-        if self._engine is None:  # world size 1 or across hosts: ordinary memory
+        if self._route(fn, routing.Call("empty")) != "shm":  # ordinary memory
             return torch.empty(shape, dtype=dtype)
         key = protocols.layout_key("empty", shape, str(dtype))
         return symmetric.allocate(
             self._engine, fn, shape, dtype, protocols.dtype_code_any(dtype), key
         )
 
-    # -- point to point --------------------------------------------------------
+    def peer_buffers(self, tensor: _Tensor) -> list[_Tensor]:
+        """For a tensor made by ``empty()``: every rank's copy of its shared buffer,
+        as uint8 tensors mapped in this process (rank order), which this process
+        may read and write (symmetric memory: a kernel can address any rank's
+        copy).  Not collective.  World size 1 or across hosts: ``[buffer]``, this
+        rank's own memory only."""
+        fn = "peer_buffers"
+        self._check_open(fn)
+        checks.tensor(fn, tensor)
+        if self._engine is None:
+            return [tensor.reshape(-1).view(torch.uint8)]
+        return symmetric.peer_views(self._engine, tensor)
 
-    def _check_list(self, fn: str, tensors: Any, written: bool = False) -> list[_Tensor]:
-        if not isinstance(tensors, (list, tuple)):
-            raise TypeError(
-                f"{fn}: tensors must be a list or tuple of tensors, got {type(tensors).__name__}"
-            )
-        for i, t in enumerate(tensors):
-            self._check_any(fn, t, f"tensors[{i}]")
-            if written:
-                self._check_written(fn, t, f"tensors[{i}]")
-        return list(tensors)
+    # -- point to point --------------------------------------------------------
 
     def send(self, tensors: Sequence[_Tensor], dst: int) -> None:
         """Send a list of tensors (any count, shapes and dtypes) to rank ``dst``.
@@ -1053,15 +1017,15 @@ class Communicator:
         """
         eng = self._engine
         if eng is not None:  # plain tensors: one C call (None: the general path below)
-            status = eng._native.p2p_send_tensors(dst, tensors)
+            status = eng.p2p_send_tensors(dst, tensors)
             if status is not None:
                 if status:
                     eng.raise_status(status, "send")
                 return
         fn = "send"
         self._check_open(fn)
-        tensors = self._check_list(fn, tensors)
-        dst = self._check_rank(fn, "dst", dst, allow_self=False)
+        tensors = checks.tensor_list(fn, tensors)
+        dst = checks.rank(fn, "dst", dst, self._world, not_rank=self._rank)
         self._send(fn, dst, tensors, None)
 
     def recv(self, src: int, out: Optional[Sequence[_Tensor]] = None) -> list[_Tensor]:
@@ -1081,7 +1045,7 @@ class Communicator:
             if got is not None:
                 return got[0]
         elif eng is not None:  # into new tensors, one C call
-            new = eng._native.p2p_recv_new(src)
+            new = eng.p2p_recv_new(src)
             if type(new) is list:
                 return new
             if type(new) is int:
@@ -1089,9 +1053,9 @@ class Communicator:
             if new is not None:  # a header C leaves to Python (pickled)
                 return protocols.recv_rest(eng, fn, src, None, new)[0]
         self._check_open(fn)
-        src = self._check_rank(fn, "src", src, allow_self=False)
+        src = checks.rank(fn, "src", src, self._world, not_rank=self._rank)
         if out is not None:
-            out = self._check_list(fn, out, written=True)
+            out = checks.tensor_list(fn, out, written=True)
             for i, o in enumerate(out):
                 if not is_dense(o):
                     raise ValueError(
@@ -1121,12 +1085,12 @@ class Communicator:
         """
         fn = "all_to_all_single"
         self._check_open(fn)
-        self._check_any(fn, output, "output")
-        self._check_written(fn, output, "output")
-        self._check_any(fn, input, "input")
-        outs = self._check_splits(fn, "output_split_sizes", output_split_sizes)
-        ins = self._check_splits(fn, "input_split_sizes", input_split_sizes)
-        if self._engine is None:  # one rank, or across hosts
+        checks.tensor(fn, output, "output")
+        checks.writable(fn, output, "output")
+        checks.tensor(fn, input, "input")
+        outs = checks.splits(fn, "output_split_sizes", output_split_sizes)
+        ins = checks.splits(fn, "input_split_sizes", input_split_sizes)
+        if self._route(fn, routing.Call("all_to_all")) != "shm":  # through all_gathers
             self._all_to_all_gathered(fn, output, input, outs, ins)
             return output
         eng = self._engine
@@ -1137,20 +1101,6 @@ class Communicator:
             eng.release()
         return output
 
-    def _check_splits(self, fn: str, name: str, sizes: Any) -> list[int]:
-        if sizes is None:
-            return []
-        if not isinstance(sizes, (list, tuple)) or any(
-            isinstance(v, bool) or not isinstance(v, int) for v in sizes
-        ):
-            raise TypeError(f"{fn}: {name} must be a list of ints, got {sizes!r}")
-        return [int(v) for v in sizes]
-
-    @staticmethod
-    def _rows(t: _Tensor) -> tuple[int, int]:
-        """(rows, bytes per row) of an all_to_all tensor (a 0-d one is one row)."""
-        return (t.shape[0] if t.dim() else 1), _prod(t.shape[1:]) * t.element_size()
-
     def _all_to_all_table(
         self, fn: str, output: _Tensor, input: _Tensor, outs: list, ins: list
     ) -> list:
@@ -1159,8 +1109,8 @@ class Communicator:
         and all run the same rounds.  Returns the row counts sends[q][j] from
         rank q to rank j (what rank j receives, once checked)."""
         w = self._world
-        rows_in, row = self._rows(input)
-        rows_out, out_row = self._rows(output)
+        rows_in, row = layout.rows(input)
+        rows_out, out_row = layout.rows(output)
         ins = ins or [rows_in // w] * w
         outs = outs or [rows_out // w] * w
         ok = len(ins) == len(outs) == w
@@ -1202,8 +1152,8 @@ class Communicator:
         self, fn: str, output: _Tensor, input: _Tensor, outs: list, ins: list
     ) -> None:
         w, me = self._world, self._rank
-        rows_in, row = self._rows(input)
-        rows_out, out_row = self._rows(output)
+        rows_in, row = layout.rows(input)
+        rows_out, out_row = layout.rows(output)
         # no splits: even blocks, checked by the rounds' metadata (the block size);
         # any split sizes, even uniform ones (they depend on data, as in MoE
         # dispatch, so ranks may differ): every rank's checked first
@@ -1223,11 +1173,11 @@ class Communicator:
             most = max(max(s) for s in sends) * row
         x = dense(input)
         res = output if is_dense(output) else torch.empty(output.shape, dtype=output.dtype)
-        if most and _any_overlap([x], [res]):
+        if most and layout.any_overlap([x], [res]):
             x = x.clone()
         protocols.alltoallv(
-            self._engine, x.data_ptr(), sb, _offsets(sb), res.data_ptr(), rb, _offsets(rb),
-            most, protocols.dtype_code_any(input.dtype),
+            self._engine, x.data_ptr(), sb, layout.offsets(sb), res.data_ptr(), rb,
+            layout.offsets(rb), most, protocols.dtype_code_any(input.dtype),
         )  # fmt: skip
         if res is not output:
             output.copy_(res)
@@ -1240,11 +1190,11 @@ class Communicator:
         rank's blocks picked out (memory: the world's inputs, a fallback)."""
         w, me = self._world, self._rank
         sends = self._all_to_all_table(fn, output, input, outs, ins)
-        per_row = _prod(input.shape[1:])  # elements
+        per_row = layout.prod(input.shape[1:])  # elements
         flat = dense(input).reshape(-1)
         sizes = [sum(sends[q]) * per_row for q in range(w)]
         everyone = self.all_gatherv(flat, sizes) if w > 1 else flat
-        starts = _offsets(sizes)
+        starts = layout.offsets(sizes)
         parts = []
         for q in range(w):
             at = starts[q] + sum(sends[q][:me]) * per_row
@@ -1274,7 +1224,7 @@ class Communicator:
         fn = "sendrecv"
         eng = self._engine
         if eng is not None:  # plain tensors: one C call (see send)
-            got = eng._native.p2p_sendrecv(dst, tensors, src, out)
+            got = eng.p2p_sendrecv(dst, tensors, src, out)
             if type(got) is int:
                 if got:
                     eng.raise_status(got, fn)
@@ -1282,13 +1232,13 @@ class Communicator:
             if got is not None:  # no out, or it did not match: received aside
                 return self._sendrecv_rest(fn, src, out, *got)
         self._check_open(fn)
-        tensors = self._check_list(fn, tensors)
-        dst = self._check_rank(fn, "dst", dst, allow_self=False)
-        src = self._check_rank(fn, "src", src, allow_self=False)
+        tensors = checks.tensor_list(fn, tensors)
+        dst = checks.rank(fn, "dst", dst, self._world, not_rank=self._rank)
+        src = checks.rank(fn, "src", src, self._world, not_rank=self._rank)
         if out is not None:
-            out = self._check_list(fn, out, written=True)
-        if self._all_dist:  # across hosts: torch.distributed, sends posted first
-            got, extra = self._via_dist(fn, None, lambda p: p.sendrecv(tensors, dst, src), None)
+            out = checks.tensor_list(fn, out, written=True)
+        if self._route(fn, routing.Call("p2p")) == "dist":  # torch.distributed, sends posted first
+            got, extra = self._dist.sendrecv(tensors, dst, src)
             if extra is not None:
                 raise CommError(f"{fn}: rank {src} sent a dict, not a tensor list")
             if out is None:
@@ -1297,7 +1247,7 @@ class Communicator:
                 o.copy_(t)
             return list(out)
         datas = [dense(t) for t in tensors]  # alive until the call is done: pieces point in
-        if out is not None and _any_overlap(datas, out):
+        if out is not None and layout.any_overlap(datas, out):
             # receiving into what is being sent (a shift in place): the send and
             # the receive progress together, so the data is sent from a copy
             datas = [t.clone() for t in datas]
@@ -1340,11 +1290,11 @@ class Communicator:
         self._check_open(fn)
         if not isinstance(data, dict):
             raise TypeError(f"{fn}: data must be a dict, got {type(data).__name__}")
-        dst = self._check_rank(fn, "dst", dst, allow_self=False)
+        dst = checks.rank(fn, "dst", dst, self._world, not_rank=self._rank)
         tensors, layout = [], []
         for key, value in data.items():
             if isinstance(value, _Tensor):
-                self._check_any(fn, value, f"data[{key!r}]")
+                checks.tensor(fn, value, f"data[{key!r}]")
                 layout.append((key, len(tensors), None))
                 tensors.append(value)
             else:
@@ -1358,21 +1308,146 @@ class Communicator:
         """Receive the next dict sent with send_tensor_dict by rank ``src``."""
         fn = "recv_tensor_dict"
         self._check_open(fn)
-        src = self._check_rank(fn, "src", src, allow_self=False)
+        src = checks.rank(fn, "src", src, self._world, not_rank=self._rank)
         tensors, layout = self._recv(fn, src)
         if not isinstance(layout, list):
             raise CommError(f"{fn}: rank {src} sent a tensor list, not a dict (use recv)")
         return {key: tensors[i] if i is not None else value for key, i, value in layout}
 
+    def scatter(
+        self, tensor: _Tensor, parts: Optional[Sequence[_Tensor]] = None, src: int = 0
+    ) -> _Tensor:
+        """``tensor`` gets ``parts[rank]`` of rank ``src`` (each part has
+        ``tensor``'s dtype and element count); ``parts`` is read on ``src`` only.
+        Returns ``tensor``.  Collective."""
+        fn = "scatter"
+        self._check_open(fn)
+        checks.tensor(fn, tensor)
+        checks.writable(fn, tensor)
+        src = checks.rank(fn, "src", src, self._world)
+        if self._rank == src:
+            parts = checks.tensor_list(fn, parts)
+            if len(parts) != self._world:
+                raise ValueError(f"{fn}: expected {self._world} input tensors, got {len(parts)}")
+            for r in range(self._world):
+                if r != src:
+                    self._send(fn, r, [dense(parts[r].reshape(-1))], _SCATTER)
+            return tensor.copy_(parts[src].view(tensor.shape))
+        got, tag = self._recv(fn, src)
+        if tag != _SCATTER:
+            raise CommError(
+                f"{fn}: rank {src} sent this rank a point-to-point message that was "
+                f"not received yet; receive it before the scatter"
+            )
+        return tensor.copy_(got[0].view(tensor.shape))
+
+    def try_send(self, tensors: Sequence[_Tensor], dst: int) -> bool:
+        """Send ``tensors`` to ``dst`` only if that takes no waiting (the channel
+        holds the whole message now): True when sent, False when nothing was
+        (then ``send`` or ``batch_isend_irecv`` it).  Plain CPU tensors through
+        shared memory only; anything else is never sent here."""
+        fn = "try_send"
+        self._check_open(fn)
+        eng = self._engine
+        if eng is None:
+            return False
+        tensors = checks.tensor_list(fn, tensors)
+        dst = checks.rank(fn, "dst", dst, self._world, not_rank=self._rank)
+        datas = [dense(t) for t in tensors]
+        status = eng.send_if_room(dst, protocols.message_pieces(datas, None))
+        if status:
+            eng.raise_status(status, "send")
+        return status is not None
+
+    def batch_isend_irecv(self, ops: Sequence[tuple]) -> list:
+        """Sends and receives progressed together, so that no order of them can
+        deadlock (torch's ``batch_isend_irecv``): each op is ``("send", tensors,
+        dst)`` or ``("recv", tensors, src)``.  A receive lands in its tensors when
+        the message has their count and, tensor by tensor, their dtype and element
+        count (shapes may differ, as with gloo).
+
+        Returns:
+            One entry per op: None, or the exception of a receive whose message did
+            not fit (it was received and dropped; the channel stays in step).  A
+            failure of the communicator itself (a dead peer) raises.
+        """
+        fn = "batch_isend_irecv"
+        self._check_open(fn)
+        checked = []
+        for i, op in enumerate(ops):
+            if not (isinstance(op, tuple) and len(op) == 3 and op[0] in ("send", "recv")):
+                raise TypeError(f"{fn}: ops[{i}] must be ('send' | 'recv', tensors, peer)")
+            what, tensors, peer = op
+            tensors = checks.tensor_list(fn, tensors, written=what == "recv")
+            name = "dst" if what == "send" else "src"
+            checked.append(
+                (what, tensors, checks.rank(fn, name, peer, self._world, not_rank=self._rank))
+            )
+        if self._route(fn, routing.Call("p2p")) == "dist":  # sends posted first, then receives
+            errors: list = []
+            for what, tensors, peer in checked:
+                if what == "send":
+                    self._send(fn, peer, tensors, None)
+            for what, tensors, peer in checked:
+                errors.append(
+                    None if what == "send" else self._take(fn, tensors, peer, *self._recv(fn, peer))
+                )
+            return errors
+        keep, native = [], []
+        for what, tensors, peer in checked:
+            if what == "send":
+                datas = [dense(t) for t in tensors]
+                keep.append(datas)
+                native.append((1, peer, protocols.message_pieces(datas, None)))
+            elif (
+                all(is_dense(t) for t in tensors)
+                and (header := protocols.expected_header(tensors)) is not None
+            ):
+                dests = [(t.data_ptr(), n) for t in tensors if (n := t.numel() * t.element_size())]
+                native.append((0, peer, header, dests))
+            else:  # matches no message: it lands aside, and is copied in below
+                native.append((0, peer, b"", []))
+        odd = protocols.batch(self._engine, fn, native)
+        del keep
+        errors = [None] * len(checked)
+        for i, header, data in odd:  # a message that is not exactly what the recv expected
+            specs, extra = protocols.decode_header(header)
+            got = protocols.tensors_from_bytes(specs, data)
+            errors[i] = self._take(fn, checked[i][1], checked[i][2], got, extra)
+        return errors
+
+    @staticmethod
+    def _take(fn: str, tensors: list, src: int, got: list, extra: Any) -> Optional[BaseException]:
+        """Put a received message into a receive's tensors (count, and per tensor
+        dtype and element count must agree; shapes may differ, as with gloo); the
+        error when it does not fit."""
+        if extra is not None:
+            return CommError(
+                f"recv: rank {src} is in a scatter, not a send (the ranks called "
+                f"collectives in different orders)"
+            )
+        if len(got) != len(tensors):
+            return ValueError(f"recv: rank {src} sent {len(got)} tensors, expected {len(tensors)}")
+        for t, g in zip(tensors, got):
+            if t.numel() != g.numel() or t.dtype != g.dtype:
+                return ValueError(
+                    f"recv: rank {src} sent {g.dtype} x {g.numel()}, "
+                    f"the receive buffer is {t.dtype} x {t.numel()}"
+                )
+        for t, g in zip(tensors, got):
+            if g is not t:
+                t.copy_(g.view(t.shape))
+        return None
+
     def _send(self, fn: str, dst: int, tensors: list, extra: Any) -> None:
-        if self._all_dist:
-            self._via_dist(fn, None, lambda p: p.send(tensors, dst, extra), None)
+        if self._route(fn, routing.Call("p2p")) == "dist":
+            self._dist.send(tensors, dst, extra)
         else:
             protocols.send(self._engine, fn, dst, tensors, extra)
 
     def _recv(self, fn: str, src: int, out: Optional[list] = None) -> tuple[list, Any]:
-        if self._all_dist:
-            got = self._via_dist(fn, None, lambda p: p.recv(src), None)
+        if self._route(fn, routing.Call("p2p")) == "dist":
+            got = self._dist.recv(src)
             if out is not None:
                 for o, t in zip(out, got[0]):
                     o.copy_(t)
@@ -1383,12 +1458,16 @@ class Communicator:
     def barrier(self) -> None:
         """Return once every rank has called barrier()."""
         self._check_open("barrier")
-        if self._hier is not None:
+        path = self._route("barrier", routing.Call("barrier"))
+        if path == "hier":
             self._hier.barrier()
             return
-        if self._engine is None:
+        if path == "dist":
+            self._dist.barrier()
             return
-        status = self._engine._native.sync(KIND_BARRIER, 0, 0, 0, 0)
+        if path == "local":
+            return
+        status = self._engine.sync(KIND_BARRIER, 0, 0, 0, 0)
         if status:
             self._raise(status, "barrier")
 
@@ -1396,14 +1475,3 @@ class Communicator:
         if self._engine is None:
             self._check_open(fn)
         self._engine.raise_status(status, fn)
-
-
-# what the C checks (plain) return, by dtype code of a message (ops.ALL_DTYPES)
-_ANY_SIZE = tuple(dt.itemsize for dt in ALL_DTYPES)
-
-
-def _prod(shape: Any) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from . import _native
 from .errors import CommError
 from .ops import ReduceOp
+from .shm.engine import NativeEngine
 
 __all__ = ["register", "unregister"]
 
@@ -40,14 +40,14 @@ def register(comm: Any) -> str:
     name = f"c{next(_ids)}"
     _comms[name] = weakref.ref(comm)
     if comm._engine is not None:
-        _engines[id(comm._engine._native)] = name
+        _engines[comm._engine.ident] = name
     return name
 
 
 def unregister(comm: Any) -> None:
     _comms.pop(getattr(comm, "_op_name", ""), None)
     if comm._engine is not None:
-        _engines.pop(id(comm._engine._native), None)
+        _engines.pop(comm._engine.ident, None)
 
 
 def _comm(name: str) -> Any:
@@ -173,7 +173,7 @@ def _polyfill() -> None:
     except ImportError:  # a torch without dynamo: nothing to trace
         return
 
-    @substitute_in_graph(_native.Engine.fast_all_reduce, skip_signature_check=True)
+    @substitute_in_graph(NativeEngine.fast_all_reduce, skip_signature_check=True)
     def fast_all_reduce(engine: Any, tensor: torch.Tensor, op: Any = ReduceOp.SUM) -> Any:
         torch.ops.tpcomm.all_reduce_(tensor, _op(op), _engines[id(engine)])
         return tensor

@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 
 from . import _env
 from .bootstrap import local_cpu_count
-from .shm.segment import PREFIX, _space_message
+from .shm.segment import PREFIX, space_message
 
 __all__ = ["add_arguments", "run", "stale_segments", "segment_owners", "Report"]
 
@@ -76,7 +76,7 @@ def segment_owners(path: str) -> Optional[tuple[int, int]]:
     (the kernel drops it when the process dies, however it dies).  A file whose
     header is not written yet counts as one rank (rank 0 is creating it).
     """
-    from . import _native
+    from .shm.engine import MAGIC
 
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -87,7 +87,7 @@ def segment_owners(path: str) -> Optional[tuple[int, int]]:
         world = 1
         if len(head) == struct.calcsize(_MAGIC_FMT):
             magic, _version, w = struct.unpack(_MAGIC_FMT, head)
-            if magic == _native.MAGIC and 0 < w <= 4096:
+            if magic == MAGIC and 0 < w <= 4096:
                 world = w
         alive = sum(_lock_held(fd, r) for r in range(world))
         return world, alive
@@ -167,15 +167,15 @@ def _human(n: float) -> str:
 def _check_core(rep: Report) -> Any:
     rep.section("C core")
     try:
-        from . import _native
+        from .shm import engine
     except ImportError as e:
         rep.fail(f"tpcomm._native did not load: {e}; reinstall tpcomm (pip install .)")
         return None
-    rep.ok(f"tpcomm._native loaded; reduce kernels: {_native.isa()}")
+    rep.ok(f"tpcomm._native loaded; reduce kernels: {engine.kernel_isa()}")
     for var in ("TPCOMM_NO_AVX512", "TPCOMM_NO_AVX512BF16"):
         if os.environ.get(var):
             rep.warn(f"{var} is set: a slower kernel path is forced (meant for tests)")
-    return _native
+    return engine
 
 
 def _check_torch(rep: Report) -> None:
@@ -242,7 +242,7 @@ def _check_shm(rep: Report, world: int, clean: bool) -> None:
     need = segment_size(max(world, 2), slot)
     rep.info(f"size {_human(total)}, free {_human(free)}")
     if free < need:
-        rep.fail(_space_message(directory, need, free))
+        rep.fail(space_message(directory, need, free))
     else:
         rep.ok(
             f"a {world}-rank communicator needs {_human(need)} "
@@ -304,12 +304,60 @@ def _check_cpus(rep: Report, world: int) -> None:
         )
 
 
+# routing.route's path names, as the report says them
+_PATH_WORDS = {
+    "local": "local (world size 1: a copy at most)",
+    "cuda": "tpcomm.cuda custom all-reduce, then NCCL",
+    "shm": "shared memory",
+    "hier": "hierarchical (shared memory in each host, gloo between host leaders)",
+    "dist": "torch.distributed (the group's backend, else a private gloo group)",
+}
+
+
+def _route_samples() -> list:
+    """(label, routing.Call) of the calls the report routes."""
+    import torch
+    import torch.distributed as dist
+
+    from .ops import DTYPE_CODES, ReduceOp
+    from .routing import Call
+
+    dts = ", ".join(str(d).replace("torch.", "") for d in DTYPE_CODES)
+    f32, f64, prod, add = torch.float32, torch.float64, dist.ReduceOp.PRODUCT, ReduceOp.SUM
+    return [
+        (f"all_reduce ({dts}; SUM/AVG/MAX/MIN)", Call("all_reduce", dtype=f32, op=add)),
+        ("all_reduce of float64, complex, int8, bool", Call("all_reduce", dtype=f64, op=add)),
+        ("all_reduce with PRODUCT or a bitwise op", Call("all_reduce", dtype=f32, op=prod)),
+        ("all_reduce of a CUDA tensor", Call("all_reduce", cuda=True)),
+        ("all_gather (even sizes), broadcast, barrier", Call("all_gather")),
+        ("all_gatherv with uneven sizes", Call("all_gather", even=False)),
+        ("gather (to a root)", Call("gather", rooted=True)),
+        ("all_to_all_single", Call("all_to_all")),
+        ("send / recv / sendrecv / batch_isend_irecv", Call("p2p")),
+        ("empty() buffers", Call("empty")),
+    ]  # fmt: skip
+
+
+def _print_routes(rep: Report, paths: list) -> None:
+    from .routing import route
+
+    for label, call in _route_samples():
+        r = route(paths, call)
+        why = f" ({r.reason})" if r.reason else ""
+        words = _PATH_WORDS[r.path]
+        if call.kind == "empty" and r.path != "shm":
+            words = "ordinary memory (nothing to share)"
+        rep.info(f"  {label}: {words}{why}")
+
+
 def _check_paths(rep: Report, world: int) -> None:
+    from . import routing
     from .ops import DTYPE_CODES
 
-    rep.section(f"paths for {world} rank(s) on this host")
+    rep.section(f"paths for {world} rank(s) on this host (routing.route decides)")
+    paths = routing.plan(world)
     if world == 1:
-        rep.info("world size 1: every collective is local (a copy at most), no shared memory")
+        _print_routes(rep, paths)
         return
     dts = ", ".join(str(d).replace("torch.", "") for d in DTYPE_CODES)
     algo = _env.allreduce_algo()
@@ -320,22 +368,17 @@ def _check_paths(rep: Report, world: int) -> None:
         ar = "one-shot for every size"
     else:
         ar = f"one-shot below {_human(two)}, two-shot from there (TPCOMM_ALLREDUCE_ALGO)"
-    rep.ok(f"all_reduce: shared memory, {ar}; {dts}; SUM/AVG/MAX/MIN")
+    first = routing.route(paths, _route_samples()[0][1]).path
+    rep.ok(f"all_reduce: {_PATH_WORDS[first]}, {ar}; {dts}; SUM/AVG/MAX/MIN")
     rep.info(f"  threads per rank: {_env.threads(world)} (TPCOMM_THREADS)")
-    rep.info("  other dtypes (float64, complex, int8, bool) and ops (PRODUCT, bitwise):")
-    rep.info("  torch.distributed (the group's backend, else a private gloo group)")
-    rep.ok("reduce_scatter: shared memory (same dtypes and ops as all_reduce)")
-    rep.ok("all_gather, gather, broadcast, all_to_all_single, send/recv, sendrecv, barrier:")
-    rep.info("  shared memory, any dtype")
+    _print_routes(rep, paths)
     _check_cma(rep, world)
     rep.ok("all_reduce of a comm.empty() tensor: zero-copy")
     rep.info("dist backend 'tpcomm': the same, plus scatter; isend/irecv and batch_isend_irecv")
     rep.info("run together when waited on (never deadlocked); recv without a source is not")
     rep.info("supported")
-    rep.info("groups spanning hosts (hostname + boot id, TPCOMM_HOST_ID): shared memory in each")
-    rep.info("host, gloo between one leader per host (all_reduce, all_gather, reduce_scatter,")
-    rep.info("broadcast, barrier); gather, uneven all_gather, all_to_all and send/recv: flat")
-    rep.info("torch.distributed")
+    rep.info("the same ranks spread over 2 hosts (hostname + boot id, TPCOMM_HOST_ID):")
+    _print_routes(rep, routing.plan(world, 2))
     spin = 0.0 if world > local_cpu_count() else _env.spin_us()
     rep.info(
         f"waits: spin {spin:g} us, then yield up to {_env.yield_us():g} us, then sleep; "
@@ -411,8 +454,7 @@ def _selftest_rank(comm: Any) -> list:
 
     x = torch.full((4,), float(comm.rank + 1))
     comm.all_reduce(x)
-    eng = comm._engine
-    return x.tolist(), bool(eng is not None and eng.cma)
+    return x.tolist(), comm.single_copy
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

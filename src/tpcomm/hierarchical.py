@@ -134,11 +134,9 @@ class Hierarchy:
         return out
 
     def _abort_local(self) -> None:
-        from . import _native
-
         eng = self.local._engine
-        if eng is not None and eng._native is not None and not eng.failed:
-            eng._native.abort(_native.ST_PEER_DEAD)
+        if eng is not None:
+            eng.abort()
 
     # -- collectives (arguments already checked by the Communicator) ----------
 

@@ -23,7 +23,8 @@ class ReduceOp(enum.Enum):
     MIN = 3
 
 
-# dtype -> code understood by the C core (see _native.c DT_*)
+# dtype -> code understood by the C core (its DT_* in _native/tpcomm.h;
+# tests/test_core_abi.py checks the two agree)
 DTYPE_CODES = {
     torch.float32: 0,
     torch.bfloat16: 1,

@@ -25,12 +25,13 @@ __all__ = ["Group", "Shared", "share", "open_handle"]
 
 
 class Group:
-    """Set-up traffic over a ProcessGroup (CPU-capable) or a tpcomm Communicator."""
+    """Set-up traffic over a ProcessGroup (CPU-capable) or anything with a
+    Communicator's collectives (all_gather, all_gatherv, empty, peer_buffers)."""
 
     def __init__(self, group: Any):
-        from ..communicator import Communicator
-
-        self.comm = group if isinstance(group, Communicator) else None
+        self.comm = (
+            group if hasattr(group, "all_gatherv") and hasattr(group, "peer_buffers") else None
+        )
         if self.comm is not None:
             self.rank, self.world = self.comm.rank, self.comm.world_size
             self.pg = None
@@ -101,12 +102,10 @@ def open_handle(handle: tuple, device: torch.device) -> torch.Tensor:
 def _share_cpu(nbytes: int, comm: Any) -> Shared:
     local = comm.empty((nbytes,), torch.uint8)
     local.zero_()
-    eng = comm._engine
-    if eng is None:  # world size 1
+    if not comm.shared_memory:  # world size 1
         return Shared(local, torch.tensor([local.data_ptr()], dtype=torch.int64), [])
     comm.barrier()  # every rank zeroed its buffer before anyone reads it
-    maps = eng.symmetric[-1]  # this process's mapping of every rank's buffer
-    views = [torch.frombuffer(m, dtype=torch.uint8) for m in maps]
+    views = comm.peer_buffers(local)  # this process's mapping of every rank's buffer
     addrs = [v.data_ptr() for v in views]
     addrs[comm.rank] = local.data_ptr()
     return Shared(local, torch.tensor(addrs, dtype=torch.int64), views)

@@ -13,10 +13,46 @@ from typing import Any, Optional
 from .. import _env, _native
 from ..bootstrap import broadcast_from_rank0, local_cpu_count
 from ..errors import CommError, CommTimeoutError, PeerFailedError
-from ..ops import ANY_CODE_DTYPES, CODE_DTYPES, ReduceOp
+from ..ops import ALL_DTYPES, ANY_CODE_DTYPES, CODE_DTYPES, ReduceOp
 from . import segment
 
-__all__ = ["ShmEngine", "KIND_NAMES", "KIND_ALL_REDUCE", "KIND_BARRIER"]
+__all__ = [
+    "KIND_ALL_REDUCE",
+    "KIND_BARRIER",
+    "KIND_NAMES",
+    "MAGIC",
+    "NativeEngine",
+    "ShmEngine",
+    "kernel_isa",
+    "reduce_kernel",
+    "time_memcpy",
+    "touch",
+]
+
+# The core's engine type (compiled.py traces its fast_all_reduce) and segment magic.
+NativeEngine = _native.Engine
+MAGIC = _native.MAGIC
+
+
+def kernel_isa() -> str:
+    """The reduce kernels the core dispatches to on this CPU, and why."""
+    return _native.isa()
+
+
+def reduce_kernel(dtype: int, op: int, dst: int, srcs: list, count: int, nthreads: int = 1):
+    """The reduce kernel alone: dst = srcs[0] op ... op srcs[w-1] (tests)."""
+    _native.reduce(dtype, op, dst, srcs, count, nthreads)
+
+
+def touch(addr: int, nbytes: int) -> None:
+    """Store back one byte of every cache line, values unchanged (perf --fresh)."""
+    _native.touch(addr, nbytes)
+
+
+def time_memcpy(dst: int, src: int, nbytes: int, iters: int) -> float:
+    """Seconds per memcpy of nbytes (the physical bound perf prints)."""
+    return _native.time_memcpy(dst, src, nbytes, iters)
+
 
 # op kinds, published with every round so that ranks calling different
 # collectives are told so instead of corrupting each other (owned by the core:
@@ -161,17 +197,90 @@ class ShmEngine:
         self.p2p_bytes = lay["p2p_bytes"]
         self.p2p_ring = lay["p2p_ring"]  # chunks per point-to-point channel
         self.symmetric: list = []  # mappings of Communicator.empty buffers, kept alive
-        # the pre-bound hot path
-        self.all_reduce = self._native.all_reduce
+        self._bind()
         # exchange nothing more through the store: drop the reference
         del store
         # single-copy all_gather: on when every rank can read every other one
         self.cma = False
         if world > 1:
-            status, self.cma = self._native.cma_init(KIND_BARRIER, cma_want, cma_least)
+            status, _ = self.cma_init(cma_want, cma_least)
             if status:
                 self.close()
                 self.raise_status(status, "Communicator")
+
+    def _bind(self) -> None:
+        """Bind the core's calls the callers make per collective: bound C methods,
+        no Python frame in between (the hot path)."""
+        n = self._native
+        self.ident = id(n)  # compiled.py finds the communicator of a traced call by it
+        self.all_reduce = n.all_reduce
+        self.fast_all_reduce = n.fast_all_reduce
+        self.fast_all_gather = n.fast_all_gather
+        self.fast_gather = n.fast_gather
+        self.fast_reduce_scatter = n.fast_reduce_scatter
+        self.fast_broadcast = n.fast_broadcast
+        self.plain = n.plain
+        self.sync = n.sync
+        self.p2p_send_tensors = n.p2p_send_tensors
+        self.p2p_recv_new = n.p2p_recv_new
+        self.p2p_sendrecv = n.p2p_sendrecv
+
+    def install_fast_paths(self, fallback: Any) -> None:
+        """Arm the one-call paths: the torch types they accept, and Python's general
+        path (``fallback(tensor, op, status)``, a WeakMethod) for the rest."""
+        import torch
+
+        self._native.set_fast_path(
+            torch.Tensor,
+            tuple(ReduceOp),
+            tuple(CODE_DTYPES[i] for i in range(len(CODE_DTYPES))),
+            KIND_ALL_REDUCE,
+            fallback,
+        )
+        self._native.set_p2p_dtypes(
+            tuple(ALL_DTYPES), tuple(dt.itemsize for dt in ALL_DTYPES), torch.empty
+        )
+
+    def cma_init(self, want: bool, min_bytes: int) -> tuple[int, bool]:
+        """Agree, collectively, whether single-copy reads are on: every rank can
+        read every peer and wants them.  (status, on)."""
+        status, self.cma = self._native.cma_init(KIND_BARRIER, want, min_bytes)
+        return status, self.cma
+
+    def send_if_room(self, dst: int, pieces: list) -> Optional[int]:
+        """Stream a message to dst only if the channel's ring takes it whole now:
+        its status, or None (nothing sent)."""
+        return self._native.p2p_send(dst, pieces, True)
+
+    def abort(self) -> None:
+        """Tell the peers this rank is gone (they raise PeerFailedError)."""
+        if self._native is not None and not self.failed:
+            self._native.abort(ST_PEER_DEAD)
+
+    # -- knobs and views for tests (tpcomm._testing) -------------------------
+
+    @property
+    def round(self) -> int:
+        return self._native.round if self._native is not None else 0
+
+    @property
+    def threads(self) -> int:
+        return self._native.threads
+
+    def set_twoshot_min(self, nbytes: int) -> None:
+        self._native.set_twoshot_min(nbytes)
+
+    def fault_check_delay(self, us: float) -> None:
+        self._native.fault_check_delay(us)
+
+    def fault_cma_addr(self, on: bool) -> None:
+        self._native.fault_cma_addr(on)
+
+    def layout(self) -> dict:
+        return self._native.layout()
+
+    def peer_pids(self) -> list:
+        return self._native.peer_pids()
 
     def _map(
         self,

@@ -226,7 +226,7 @@ def expected_header(tensors: Sequence[torch.Tensor]) -> bytes | None:
 
 def decode_header(header: bytes) -> tuple[list[tuple[torch.dtype, tuple]], Any]:
     """A message header as ([(dtype, shape), ...], extra)."""
-    if header[:1] == b"\xb1":
+    if header[:1] == bytes((_BINARY,)):
         return _parse_binary(header), None
     named, extra = pickle.loads(header)
     return [(getattr(torch, name), tuple(shape)) for name, shape in named], extra

@@ -37,7 +37,7 @@ def host_tag() -> str:
     return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())[:32] or "host"
 
 
-def _space_message(directory: str, need: int, free: int) -> str:
+def space_message(directory: str, need: int, free: int) -> str:
     return (
         f"tpcomm: the shared-memory directory {directory} has {free} bytes free but this "
         f"communicator needs {need} bytes ({need / 2**20:.1f} MiB). Make it larger: "
@@ -68,7 +68,7 @@ def create(world: int, slot_bytes: int, group_tag: str, size: int | None = None)
         ) from None
     free = st.f_bavail * st.f_frsize
     if free < need:
-        raise CommError(_space_message(directory, need, free))
+        raise CommError(space_message(directory, need, free))
     name = f"{PREFIX}{host_tag()}-{group_tag}-{secrets.token_hex(8)}"
     path = os.path.join(directory, name)
     try:
@@ -81,7 +81,7 @@ def create(world: int, slot_bytes: int, group_tag: str, size: int | None = None)
         os.close(fd)
         unlink_quietly(path)
         if e.errno in (errno.ENOSPC, errno.ENOMEM):
-            raise CommError(_space_message(directory, need, free)) from None
+            raise CommError(space_message(directory, need, free)) from None
         if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
             raise CommError(
                 f"tpcomm: cannot reserve {need} bytes in {path}: {e.strerror}"

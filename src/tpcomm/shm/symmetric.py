@@ -7,7 +7,7 @@ second round (everyone mapped everything) each unlinks its own name, so, as
 with the segment, nothing is left behind.  The engine learns every rank's
 address of the buffer: an all_reduce whose tensor lies in it reads the peers'
 tensors in place instead of copying them in first (see
-``zero_copy_all_reduce`` in ``_native.c``).  The mappings live as long as the
+``zero_copy_all_reduce`` in ``_native/allreduce.c``).  The mappings live as long as the
 communicator or any tensor viewing them.
 """
 
@@ -29,7 +29,7 @@ from .engine import KIND_EMPTY
 if TYPE_CHECKING:
     from .engine import ShmEngine
 
-__all__ = ["allocate"]
+__all__ = ["allocate", "peer_views"]
 
 _LEN = struct.Struct("<Q")
 _PAGE = mmap.PAGESIZE
@@ -132,3 +132,17 @@ def _allocate(
     eng.symmetric.append(maps)
     flat = torch.frombuffer(own, dtype=torch.uint8)[:nbytes]
     return flat.view(dtype).view(shape) if nbytes else torch.empty(shape, dtype=dtype)
+
+
+def peer_views(eng: ShmEngine, t: torch.Tensor) -> list:
+    """Every rank's copy of the symmetric buffer ``t`` lies in, as uint8 tensors
+    over this process's mappings (rank order); ValueError if ``t`` lies in none."""
+    at = t.data_ptr()
+    for maps in eng.symmetric:
+        views = [torch.frombuffer(m, dtype=torch.uint8) for m in maps]
+        mine = views[eng.rank]
+        if mine.data_ptr() <= at < mine.data_ptr() + max(mine.numel(), 1):
+            return views
+    raise ValueError(
+        "peer_buffers: the tensor is not in a buffer made by this Communicator's empty()"
+    )

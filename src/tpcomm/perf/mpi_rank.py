@@ -17,8 +17,10 @@ import sys
 
 import torch
 
-from .ops import ReduceOp
-from .perf import COLLECTIVES, MPI_DTYPES, MPI_OPS, _concat, _fresh_timed, _timed, in_place
+from ..ops import ReduceOp
+from .mpi import MPI_DTYPES, MPI_OPS
+from .table import COLLECTIVES, concat, in_place
+from .timing import fresh_timed, timed
 
 
 def supported(dtype: torch.dtype, op: str) -> bool:
@@ -72,7 +74,7 @@ def _calls(MPI, comm, name: str, mpi_op, inplace: bool = False):
             comm.Gather(st["np"]["x"], st["np"]["y"] if rank == 0 else None, root=0)
 
     elif name == "sendrecv":
-        # as tpcomm's side (perf._sendrecv): to the next rank, from the previous
+        # as tpcomm's side (table._sendrecv): to the next rank, from the previous
         def run(st):
             comm.Sendrecv(
                 st["np"]["x"], (rank + 1) % world, recvbuf=st["np"]["y"], source=(rank - 1) % world
@@ -89,7 +91,7 @@ def _calls(MPI, comm, name: str, mpi_op, inplace: bool = False):
 
 def _expect(name, world, count, dtype, op, salt, rank):
     if name == "gather":
-        return _concat(world, count, dtype, salt) if rank == 0 else None
+        return concat(world, count, dtype, salt) if rank == 0 else None
     return COLLECTIVES[name].expect(world, count, dtype, ReduceOp[op], salt, rank)
 
 
@@ -120,21 +122,21 @@ def main(cfg: dict) -> None:
             for _ in range(cfg["warmup"]):
                 run(st)
             if i == 0:  # as tpcomm.perf: ~0.2 s more of calls absorb start-up
-                probe = _timed(lambda st=st: run(st), 5)
+                probe = timed(lambda st=st: run(st), 5)
                 for _ in range(
                     comm.allreduce(int(min(100000, 0.2 / max(probe, 1e-7))), op=MPI.MAX)
                 ):
                     run(st)
             iters = cfg["iters"]
             if iters <= 0:
-                probe = _timed(lambda st=st: run(st), 5)
+                probe = timed(lambda st=st: run(st), 5)
                 iters = int(min(200000, max(20, cfg["target"] / max(probe, 1e-7))))
                 iters = comm.allreduce(iters, op=MPI.MAX)
             if cfg["fresh"]:
-                mine = _fresh_timed(run, st, iters, comm.Barrier)
+                mine = fresh_timed(run, st, iters, comm.Barrier)
             else:
                 comm.Barrier()
-                mine = _timed(lambda st=st: run(st), iters)
+                mine = timed(lambda st=st: run(st), iters)
             elapsed = comm.allreduce(mine, op=MPI.MAX)
             wrong = 0
             for salt in range(1, cfg["check"] + 1):

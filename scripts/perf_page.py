@@ -1,0 +1,230 @@
+"""Write docs/PERFORMANCE.md from one `make bench` run.
+
+Usage: python scripts/perf_page.py BENCH_DIR > docs/PERFORMANCE.md
+
+BENCH_DIR holds what `make bench` left there: the JSON of every `tpcomm perf
+-J` run (one file per command, named after it) and the text output of the
+other benchmarks (*.txt).  The page says which machine, which command, and
+shows the tables of that one run: nothing is picked from several runs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+
+# (file stem, heading, the command that wrote it) in the order of `make bench`
+RUNS = [
+    (
+        "all_reduce_float32",
+        "all_reduce, float32",
+        "tpcomm perf all_reduce -b 1K -e 64M -f 4 --compare gloo,mpi",
+    ),
+    (
+        "all_reduce_bfloat16",
+        "all_reduce, bfloat16",
+        "tpcomm perf all_reduce -b 1K -e 64M -f 4 --compare gloo,mpi -d bfloat16",
+    ),
+    (
+        "all_reduce_float16",
+        "all_reduce, float16",
+        "tpcomm perf all_reduce -b 1K -e 64M -f 4 --compare gloo,mpi -d float16",
+    ),
+    (
+        "all_gather",
+        "all_gather",
+        "tpcomm perf all_gather -b 1K -e 16M -f 4 --compare gloo,mpi --fresh",
+    ),
+    (
+        "all_gather_in_place",
+        "all_gather, in place",
+        "tpcomm perf all_gather -b 1K -e 16M -f 4 --compare gloo,mpi --fresh --in-place",
+    ),
+    (
+        "reduce_scatter",
+        "reduce_scatter",
+        "tpcomm perf reduce_scatter -b 1K -e 16M -f 4 --compare gloo,mpi --fresh",
+    ),
+    (
+        "broadcast",
+        "broadcast",
+        "tpcomm perf broadcast -b 1K -e 16M -f 4 --compare gloo,mpi --fresh",
+    ),
+    ("gather", "gather", "tpcomm perf gather -b 1K -e 16M -f 4 --compare gloo,mpi --fresh"),
+    (
+        "sendrecv",
+        "sendrecv (every rank sends to the next, receives from the previous)",
+        "tpcomm perf sendrecv -b 1K -e 16M -f 4 --compare gloo,mpi --fresh",
+    ),
+    (
+        "dist_all_reduce",
+        "dist.all_reduce on a cpu:tpcomm group",
+        "tpcomm perf all_reduce -b 1K -e 1M -f 4 --backend dist --compare gloo",
+    ),
+]
+TEXTS = [
+    ("pg_floor", "ProcessGroup layer alone (`benchmarks/pg_floor.py`)"),
+    ("gather_dims", "Gathers along the last dim (`benchmarks/gather_dims.py`)"),
+    ("p2p_batch", "batch_isend_irecv (`benchmarks/p2p_batch.py`)"),
+    ("handoff", "The bound: handing bytes from one core to the other (`benchmarks/handoff.c`)"),
+    (
+        "tp_decode",
+        "End to end: tensor-parallel decode "
+        "(`examples/tp_decode.py --ranks 2 --layers 4 --steps 16`)",
+    ),
+]
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return platform.processor() or "unknown CPU"
+    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    name = fields.get("Model name", "unknown CPU").strip()
+    fam, model = fields.get("CPU family", "").strip(), fields.get("Model", "").strip()
+    flags = fields.get("Flags", "").split()
+    isa = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16") if f in flags]
+    cpus = fields.get("CPU(s)", "?").strip()
+    return f"{name} (family {fam}, model {model}; {cpus} CPUs; {', '.join(isa) or 'no AVX'})"
+
+
+def human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:g} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def fmt(v, digits=2) -> str:
+    return "n/a" if v is None else f"{v:.{digits}f}"
+
+
+def ratio(other, mine) -> str:
+    return "" if other is None or not mine else f"{other / mine:.2f}x"
+
+
+def table(data: dict) -> list[str]:
+    rs = data["results"]
+    has_gloo = any(r.get("gloo_time") is not None for r in rs)
+    has_mpi = any(r.get("mpi_time") is not None for r in rs) or any(
+        "mpi_time" in r and r.get("mpi_wrong") is not None for r in rs
+    )
+    has_pg = any(r.get("pg_time") is not None for r in rs)
+    head = ["size", "tpcomm (us)", "busbw (GB/s)"]
+    if has_pg:
+        head += ["pg (us)", "comm (us)", "pg - comm (us)"]
+    if has_gloo:
+        head += ["gloo (us)", "gloo / tpcomm"]
+    if has_mpi:
+        head += ["Open MPI (us)", "MPI / tpcomm"]
+    head += ["memcpy (us)", "#wrong"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for r in rs:
+        row = [human(r["size"]), fmt(r["time"]), fmt(r["busbw"])]
+        if has_pg:
+            row += [fmt(r.get("pg_time")), fmt(r.get("comm_time")), fmt(r.get("pg_layer_time"))]
+        if has_gloo:
+            row += [fmt(r.get("gloo_time"), 1), ratio(r.get("gloo_time"), r["time"])]
+        if has_mpi:
+            row += [fmt(r.get("mpi_time")), ratio(r.get("mpi_time"), r["time"])]
+        row += [fmt(r.get("memcpy_time")), str(r.get("wrong", ""))]
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+def dtype_table(runs: dict) -> list[str]:
+    """all_reduce per dtype side by side: time, and the ratio to float32."""
+    names = [n for n in ("float32", "bfloat16", "float16") if f"all_reduce_{n}" in runs]
+    if len(names) < 2:
+        return []
+    base = {r["size"]: r["time"] for r in runs["all_reduce_float32"]["results"]}
+    head = ["size"] + [f"{n} (us)" for n in names] + [f"{n} / float32" for n in names[1:]]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for size in sorted(base):
+        t = {n: {r["size"]: r["time"] for r in runs[f"all_reduce_{n}"]["results"]}.get(size)
+             for n in names}  # fmt: skip
+        row = [human(size)] + [fmt(t[n]) for n in names]
+        row += [ratio(t[n], base[size]) for n in names[1:]]
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+def main(bench_dir: str) -> None:
+    runs = {}
+    for stem, _, _ in RUNS:
+        path = os.path.join(bench_dir, stem + ".json")
+        if os.path.exists(path):
+            with open(path) as f:
+                runs[stem] = json.load(f)
+    when = datetime.datetime.fromtimestamp(
+        max(os.path.getmtime(os.path.join(bench_dir, f)) for f in os.listdir(bench_dir)),
+        datetime.timezone.utc,
+    )
+    first = next(iter(runs.values()), {})
+    out = [
+        "# Performance",
+        "",
+        "<!-- written by scripts/perf_page.py from one `make bench` run; do not edit by hand -->",
+        "",
+        f"- **CPU**: {cpu_model()}",
+        f"- **reduce kernels** (`tpcomm doctor`): {first.get('kernels', '?')}",
+        f"- **software**: torch {first.get('torch', '?')}, Python {platform.python_version()}, "
+        f"Linux {platform.release()}",
+        f"- **when**: {when:%Y-%m-%d %H:%M} UTC, one run of `make bench`; every table below "
+        "comes from that run",
+        "",
+        "## How to read it",
+        "",
+        "- Two ranks, one per core, pinned (`-N 2`): the honest setting on a 2-core machine.",
+        "  Time is per call, the slowest rank's average; busbw follows nccl-tests "
+        "(all_reduce x 2(n-1)/n, all_gather and reduce_scatter x (n-1)/n, others x 1).",
+        "- gloo and Open MPI (mpi4py, its default tuning) ran on the same ranks, data and sizes "
+        "in the same command; `gloo / tpcomm` above 1 means tpcomm is faster.",
+        "- memcpy is one thread copying the same bytes on this machine: the physical bound for "
+        "a collective that must move them once.",
+        "- The data-moving collectives run with `--fresh`: every library's input is rewritten "
+        "before every call (as new activations are in inference) and that rewrite's time is "
+        "subtracted.",
+        "- This machine is a shared VM: repeated runs differ by 10-30 %, sometimes more. Compare "
+        "columns of one row, not rows of different runs.",
+        "",
+    ]
+    dt = dtype_table(runs)
+    if dt:
+        out += ["## all_reduce by dtype (time per call, same bytes)", ""] + dt + [""]
+    for stem, heading, cmd in RUNS:
+        if stem not in runs:
+            continue
+        cmd = runs[stem].get("command", cmd)
+        out += [f"## {heading}", "", f"`{cmd}`", ""] + table(runs[stem]) + [""]
+    for stem, heading in TEXTS:
+        path = os.path.join(bench_dir, stem + ".txt")
+        if os.path.exists(path):
+            with open(path) as f:
+                text = f.read().rstrip()
+            out += [f"## {heading}", "", "```", text, "```", ""]
+    out += [
+        "## Known limits",
+        "",
+        "- At 4 MiB and up every library is bound by this VM's memory bandwidth: compare the "
+        "tpcomm and memcpy columns above (a two-shot all-reduce moves about five times the "
+        "tensor through memory per rank).",
+        "- Worlds larger than the core count run oversubscribed: the engine stops spinning and "
+        'yields at once (docs/ENGINE.md, "Waiting"); they are tested, not benchmarked here.',
+        "- What was tried and not kept, and why the switch points are where they are: "
+        'docs/ENGINE.md ("Measured decisions") and docs/COLLECTIVES.md.',
+        "",
+    ]
+    sys.stdout.write("\n".join(out))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
+    main(sys.argv[1])

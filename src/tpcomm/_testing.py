@@ -1,0 +1,84 @@
+"""Hooks for tpcomm's own tests: what a test needs to see or force inside a
+Communicator, without reaching into its engine.
+
+Nothing here is public API or stable; every hook goes through the shared-memory
+path's engine (``shm/engine.py``), the only Python that calls the C core.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from .shm import engine as _engine
+from .shm.segment import segment_size
+
+__all__ = [
+    "MAGIC",
+    "cma_init",
+    "fault_check_delay",
+    "fault_cma_addr",
+    "kernel_isa",
+    "layout",
+    "peer_pids",
+    "reduce_kernel",
+    "rounds",
+    "segment_size",
+    "set_twoshot_min",
+    "threads",
+    "touch",
+]
+
+MAGIC = _engine.MAGIC
+kernel_isa = _engine.kernel_isa
+reduce_kernel = _engine.reduce_kernel
+touch = _engine.touch
+
+
+def _eng(comm: Any) -> _engine.ShmEngine:
+    eng = comm._engine
+    if eng is None:
+        raise ValueError("this Communicator has no shared-memory engine (world size 1?)")
+    return eng
+
+
+def rounds(comm: Any) -> int:
+    """Collective rounds this rank has published so far (0 without an engine)."""
+    return comm._engine.round if comm._engine is not None else 0
+
+
+def threads(comm: Any) -> int:
+    """Threads a large copy or reduction of this rank uses."""
+    return _eng(comm).threads
+
+
+def set_twoshot_min(comm: Any, nbytes: Optional[int]) -> None:
+    """Force this rank's all-reduce switch point (-1: never two-shot; None: back
+    to the agreed setting)."""
+    eng = _eng(comm)
+    eng.set_twoshot_min(eng.twoshot_min if nbytes is None else nbytes)
+
+
+def cma_init(comm: Any, want: bool, min_bytes: int) -> tuple[int, bool]:
+    """Agree again, collectively, on single-copy reads: (status, on)."""
+    return _eng(comm).cma_init(want, min_bytes)
+
+
+def fault_check_delay(comm: Any, us: float) -> None:
+    """Sleep this long where a race with a dying peer can be widened."""
+    _eng(comm).fault_check_delay(us)
+
+
+def fault_cma_addr(comm: Any, on: bool) -> None:
+    """Publish an input address the peers cannot read (single-copy paths)."""
+    _eng(comm).fault_cma_addr(on)
+
+
+def layout(comm: Any) -> dict:
+    """The segment's offsets and sizes as the core computed them."""
+    return _eng(comm).layout()
+
+
+def peer_pids(comm_or_engine: Any) -> list:
+    """Every rank's pid as written in the segment."""
+    eng = getattr(comm_or_engine, "_engine", comm_or_engine)
+    return eng.peer_pids()

@@ -1,0 +1,158 @@
+"""Argument checks of the public collectives, in one place.
+
+Each check raises before anything is touched: ``TypeError`` for an argument
+of the wrong kind, ``ValueError`` for a wrong value; the message starts with
+the function's name and says what was seen and what is accepted.  The
+Communicator's methods call these first, then route the call.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any, Optional, Union
+
+import torch
+
+from . import _env
+from .ops import FLOAT_DTYPES, ReduceOp, as_reduce_op
+
+__all__ = [
+    "Timeout",
+    "dim",
+    "rank",
+    "reduce_op",
+    "same_dtype",
+    "sizes",
+    "splits",
+    "tensor",
+    "tensor_list",
+    "timeout_seconds",
+    "writable",
+]
+
+_Tensor = torch.Tensor
+_STRIDED = torch.strided
+# torch's own check of a tensor whose elements share memory (what copy_ refuses)
+_OVERLAP = getattr(torch, "_debug_has_internal_overlap", None)
+
+Timeout = Union[None, float, int, datetime.timedelta]
+
+
+def timeout_seconds(fn: str, timeout: Timeout) -> float:
+    """A timeout argument in seconds (None: TPCOMM_TIMEOUT)."""
+    if timeout is None:
+        return _env.timeout()
+    if isinstance(timeout, datetime.timedelta):
+        timeout = timeout.total_seconds()
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(
+            f"{fn}: timeout must be seconds or a timedelta, got {type(timeout).__name__}"
+        )
+    if not timeout > 0:
+        raise ValueError(f"{fn}: timeout must be positive, got {timeout}")
+    return float(timeout)
+
+
+def tensor(fn: str, t: Any, name: str = "tensor") -> None:
+    """A tensor a collective moves (any dtype, no arithmetic)."""
+    if not isinstance(t, _Tensor):
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_cpu:
+        raise ValueError(f"{fn}: {name} must be a CPU tensor, got one on {t.device}")
+    if t.layout is not _STRIDED:
+        raise ValueError(f"{fn}: {name} must be dense (strided), got layout {t.layout}")
+    if t.is_quantized:  # its data without its scale and zero point means nothing
+        raise ValueError(
+            f"{fn}: {name} is quantized ({t.dtype}); collectives move plain tensors: "
+            f"pass t.int_repr() (and the scale and zero point), or t.dequantize()"
+        )
+
+
+def reduce_op(fn: str, t: Any, op: Any) -> Any:
+    """A reducing call's tensor and op; the op as a ReduceOp (or the
+    torch.distributed op the engine lacks: routing sends that call on)."""
+    tensor(fn, t)
+    op = as_reduce_op(fn, op)
+    if op is ReduceOp.AVG and not (t.is_floating_point() or t.is_complex()):
+        raise TypeError(
+            f"{fn}: ReduceOp.AVG needs a floating dtype ({', '.join(map(str, FLOAT_DTYPES))}),"
+            f" got {t.dtype}; use ReduceOp.SUM and divide"
+        )
+    return op
+
+
+def writable(fn: str, t: _Tensor, name: str = "tensor") -> None:
+    """A tensor a call writes into must own its elements: an expand()ed view
+    (or any whose elements share memory) cannot hold a result."""
+    if _OVERLAP is not None and _OVERLAP(t) == 1:  # MemOverlap::Yes
+        raise ValueError(
+            f"{fn}: {name} has elements that share memory (an expand()ed or overlapping "
+            f"view, strides {tuple(t.stride())}), so the result cannot be written "
+            f"into it; pass a tensor that owns its elements (e.g. .clone())"
+        )
+
+
+def same_dtype(fn: str, output: _Tensor, input: _Tensor) -> None:
+    if output.dtype != input.dtype:
+        raise TypeError(f"{fn}: output dtype {output.dtype} differs from input dtype {input.dtype}")
+
+
+def rank(fn: str, name: str, value: Any, world: int, not_rank: Optional[int] = None) -> int:
+    """A rank in [0, world); ``not_rank``: this rank, which a send or recv may not name."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{fn}: {name} must be an int rank, got {type(value).__name__}")
+    if not 0 <= value < world:
+        raise ValueError(f"{fn}: {name}={value} is out of range [0, {world})")
+    if value == not_rank:
+        raise ValueError(f"{fn}: {name}={value} is this rank; send to another rank")
+    return value
+
+
+def dim(fn: str, t: _Tensor, d: Any) -> int:
+    """A dim of ``t``, as a non-negative int."""
+    if isinstance(d, bool) or not isinstance(d, int):
+        raise TypeError(f"{fn}: dim must be an int, got {type(d).__name__}")
+    nd = t.dim()
+    if not -nd <= d < nd:
+        raise ValueError(
+            f"{fn}: dim {d} is out of range for a {nd}-d tensor (expected {-nd} <= dim < {nd})"
+            if nd
+            else f"{fn}: a 0-d tensor has no dim {d}"
+        )
+    return d % nd
+
+
+def sizes(fn: str, value: Any, world: int) -> list[int]:
+    """One non-negative size per rank."""
+    if not isinstance(value, (list, tuple)) or len(value) != world:
+        raise ValueError(
+            f"{fn}: sizes must be a list of {world} ints (one per rank), got {value!r}"
+        )
+    if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in value):
+        raise ValueError(f"{fn}: sizes must be non-negative ints, got {list(value)}")
+    return [int(s) for s in value]
+
+
+def tensor_list(fn: str, tensors: Any, written: bool = False) -> list[_Tensor]:
+    """A list or tuple of tensors (``written``: a call writes into them)."""
+    if not isinstance(tensors, (list, tuple)):
+        raise TypeError(
+            f"{fn}: tensors must be a list or tuple of tensors, got {type(tensors).__name__}"
+        )
+    for i, t in enumerate(tensors):
+        tensor(fn, t, f"tensors[{i}]")
+        if written:
+            writable(fn, t, f"tensors[{i}]")
+    return list(tensors)
+
+
+def splits(fn: str, name: str, value: Any) -> list[int]:
+    """all_to_all split sizes: None (even), or a list of ints (checked against
+    the peers' by the collective itself)."""
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)) or any(
+        isinstance(v, bool) or not isinstance(v, int) for v in value
+    ):
+        raise TypeError(f"{fn}: {name} must be a list of ints, got {value!r}")
+    return [int(v) for v in value]

@@ -1,0 +1,176 @@
+"""One rank of ``tpcomm perf``: every size timed (tpcomm, then gloo on the same
+data), checked on fresh data outside the timed loop, and memcpy's bound."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+import torch
+
+from ..ops import ReduceOp
+from ..shm.engine import time_memcpy
+from .table import COLLECTIVES, GROUP, dist_op, in_place, torch_dist
+from .timing import agree, fresh_timed, timed
+
+__all__ = ["worker"]
+
+
+def _connect(comm: Any, cfg: dict) -> tuple:
+    """The call under test (a Communicator method, or a plain dist.* call on a
+    cpu:tpcomm default group with --backend dist), and the gloo group to compare
+    on (None: the default group, or no gloo)."""
+    coll, op = COLLECTIVES[cfg["collective"]], ReduceOp[cfg["op"]]
+    rank, world = comm.rank, comm.world_size
+    gloo = "gloo" in cfg["compare"]
+    init = f"tcp://127.0.0.1:{cfg['port']}"
+    if cfg.get("backend") == "dist":
+        dist = torch_dist()
+        dist.init_process_group("cpu:tpcomm", init_method=init, rank=rank, world_size=world)
+        return (lambda st: coll.run_dist(st, op)), (
+            dist.new_group(backend="gloo") if gloo else None
+        )
+    if gloo:
+        torch_dist().init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    return (lambda st: coll.run(comm, st, op)), None
+
+
+def _iterations(comm: Any, cfg: dict, call: Any, st: dict, first: bool) -> int:
+    """Warm up, then the timed iterations every rank agrees on (-n, or about
+    --target seconds)."""
+    for _ in range(cfg["warmup"]):
+        call(st)
+    if first:  # the first size also absorbs start-up: ~0.2 s more of calls
+        probe = timed(lambda: call(st), 5)
+        for _ in range(agree(comm, int(min(100000, 0.2 / max(probe, 1e-7))))):
+            call(st)
+    iters = cfg["iters"]
+    if iters <= 0:  # auto: about target seconds per size, at least 20
+        probe = timed(lambda: call(st), 5)
+        iters = agree(comm, int(min(200000, max(20, cfg["target"] / max(probe, 1e-7)))))
+    return iters
+
+
+def _wrong(comm: Any, cfg: dict, call: Any, count: int, zbuf: Any) -> int:
+    """Values that differ from the reference, over --check fresh inputs."""
+    coll, dtype, op = COLLECTIVES[cfg["collective"]], cfg["dtype"], ReduceOp[cfg["op"]]
+    rank, world = comm.rank, comm.world_size
+    wrong = 0
+    for salt in range(1, cfg["check"] + 1):
+        chk = coll.make(rank, world, count, dtype, op, salt)
+        if cfg["in_place"]:
+            chk = in_place(coll.name, chk, rank)
+        if zbuf is not None:
+            zbuf.copy_(chk["x"])
+            chk["x"] = zbuf
+        call(chk)
+        want = coll.expect(world, count, dtype, op, salt, rank)
+        if want is not None:
+            wrong += int((coll.out(chk).reshape(-1) != want.reshape(-1)).sum())
+    return wrong
+
+
+def _gloo_time(comm: Any, cfg: dict, count: int, iters: int, mine: float, group: Any) -> float:
+    """The same call through torch.distributed gloo, on the same ranks and data."""
+    coll, op = COLLECTIVES[cfg["collective"]], ReduceOp[cfg["op"]]
+    g = coll.make(comm.rank, comm.world_size, count, cfg["dtype"], op, 0)
+    if cfg["in_place"]:
+        g = in_place(coll.name, g, comm.rank)
+    coll.run_dist(g, op)
+    giters = agree(comm, max(3, min(iters, int(cfg["target"] / 2 / max(mine * 50, 1e-6)))))
+    torch_dist().barrier()
+    GROUP[0] = group
+    try:
+        if cfg["fresh"]:
+            return fresh_timed(lambda g: coll.run_dist(g, op), g, giters, torch_dist().barrier)
+        return timed(lambda: coll.run_dist(g, op), giters)
+    finally:
+        GROUP[0] = None
+
+
+def worker(comm: Any, cfg: dict) -> list[dict]:
+    """One rank: a row per size (time, iterations, wrong values, gloo's time,
+    and on rank 0 memcpy's time for the same bytes)."""
+    torch.set_num_threads(1)
+    coll = COLLECTIVES[cfg["collective"]]
+    dtype, op = cfg["dtype"], ReduceOp[cfg["op"]]
+    es = torch.empty(0, dtype=dtype).element_size()
+    rank, world = comm.rank, comm.world_size
+    call, gloo_group = _connect(comm, cfg)
+    rows = []
+    try:
+        for i, size in enumerate(cfg["sizes"]):
+            count = max(1, size // es)
+            if coll.parts:
+                count = max(world, count // world * world)
+            row = {"size": count * es, "count": count}
+            st = coll.make(rank, world, count, dtype, op, 0)
+            if cfg["in_place"]:
+                st = in_place(coll.name, st, rank)
+            zbuf = None
+            if cfg["zero_copy"]:  # all_reduce of a tensor that lives in shared memory
+                zbuf = comm.empty((count,), dtype)
+                zbuf.copy_(st["x"])
+                st["x"] = zbuf
+            iters = _iterations(comm, cfg, call, st, i == 0)
+            comm.barrier()
+            if cfg["fresh"]:
+                row["time"] = fresh_timed(call, st, iters, comm.barrier)
+            else:
+                row["time"] = timed(lambda st=st: call(st), iters)
+            row["iters"] = iters
+            if cfg.get("backend") == "dist" and coll.name == "all_reduce":
+                _overheads(row, st["x"], op, iters, comm)
+            if cfg["check"]:
+                row["wrong"] = _wrong(comm, cfg, call, count, zbuf)
+            if "gloo" in cfg["compare"]:
+                row["gloo"] = _gloo_time(comm, cfg, count, iters, row["time"], gloo_group)
+            comm.barrier()
+            if rank == 0:
+                src = torch.ones(count, dtype=dtype)
+                dst = torch.empty_like(src)
+                miters = max(10, min(100000, int(0.05 / max(row["time"], 1e-7))))
+                row["memcpy"] = time_memcpy(dst.data_ptr(), src.data_ptr(), row["size"], miters)
+            comm.barrier()
+            rows.append(row)
+    finally:
+        if "gloo" in cfg["compare"] or cfg.get("backend") == "dist":
+            torch_dist().destroy_process_group()
+    return rows
+
+
+def _overheads(row: dict, x: torch.Tensor, op: ReduceOp, iters: int, comm: Any) -> None:
+    """--backend dist: the same all_reduce as the ProcessGroup method and as the
+    Communicator it wraps, to show what each layer costs."""
+    from torch.distributed.distributed_c10d import AllreduceOptions
+
+    dist = torch_dist()
+    pg = dist.group.WORLD
+    opts = AllreduceOptions()
+    opts.reduceOp = dist_op(op)
+    opts.asyncOp = False
+    direct = pg.communicator
+
+    def via_pg() -> None:
+        pg.allreduce([x], opts)
+
+    def via_comm() -> None:
+        direct.all_reduce(x, op)
+
+    # The two are timed in alternating blocks and compared block by block: on a
+    # shared machine the speed of every Python step drifts by 2-4x within
+    # minutes, so two loops run one after the other can differ by more than
+    # the layer being measured.  The medians over the blocks are reported.
+    block = max(20, min(iters, 500))
+    rounds = max(5, min(41, iters * 4 // block))
+    pgs, comms, diffs = [], [], []
+    comm.barrier()
+    for _ in range(rounds):
+        a = timed(via_pg, block)
+        b = timed(via_comm, block)
+        pgs.append(a)
+        comms.append(b)
+        diffs.append(a - b)
+    row["pg"] = statistics.median(pgs)
+    row["direct"] = statistics.median(comms)
+    row["layer"] = statistics.median(diffs)

@@ -1,0 +1,155 @@
+"""Which path serves a call: one function (``route``), in one order.
+
+A Communicator holds its paths in the order they are tried (``plan``); a call
+goes to the first whose ``should_use`` has no objection, and the objections of
+the ones before it say why (logged once when the call leaves shared memory).
+The order:
+
+1. ``local``: world size 1, every result is this rank's own (a copy at most);
+2. ``cuda``: a CUDA tensor: the custom all-reduce over CUDA IPC, then NCCL;
+3. ``shm``: the shared-memory engine (every rank on this host), for the
+   dtypes and ops it does;
+4. ``hier``: a group spanning hosts: shared memory inside each host, gloo
+   between the host leaders, for the calls it serves;
+5. ``dist``: torch.distributed (the group's backend, or a private gloo group):
+   everything else.
+
+``tpcomm doctor`` prints what ``route`` decides for a group of its size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+
+from .ops import DTYPE_CODES, ReduceOp
+
+__all__ = ["Call", "Route", "plan", "route"]
+
+# the calls that reduce (the engine's dtypes and ops matter)
+REDUCING = frozenset({"all_reduce", "reduce_scatter"})
+_ENGINE_DTYPES = ", ".join(str(d) for d in DTYPE_CODES)
+_ENGINE_OPS = ", ".join("ReduceOp." + o.name for o in ReduceOp)
+
+
+@dataclass(frozen=True)
+class Call:
+    """What routing needs to know of a call.
+
+    Attributes:
+        kind: the collective (``all_reduce``, ``all_gather``, ``gather``,
+            ``reduce_scatter``, ``broadcast``, ``barrier``, ``all_to_all``,
+            ``p2p``, ``empty``).
+        cuda: the tensor is on a CUDA device.
+        dtype: the tensor's dtype (reducing calls).
+        op: the reduce op (a ReduceOp, or another torch.distributed op).
+        rooted: a gather with a root.
+        even: every rank contributes the same size (gathers).
+    """
+
+    kind: str
+    cuda: bool = False
+    dtype: Optional[torch.dtype] = None
+    op: Any = None
+    rooted: bool = False
+    even: bool = True
+
+
+@dataclass(frozen=True)
+class Route:
+    """The path a call takes, and why it is not shared memory when it is not."""
+
+    path: str
+    reason: str = ""
+
+
+class _Local:
+    name = "local"
+
+    @staticmethod
+    def should_use(call: Call) -> Optional[str]:
+        return None
+
+
+class _Cuda:
+    name = "cuda"
+
+    @staticmethod
+    def should_use(call: Call) -> Optional[str]:
+        return None if call.cuda else "not a CUDA tensor"
+
+
+def _engine_objection(call: Call) -> Optional[str]:
+    """Why the shared-memory engine does not do this call, or None."""
+    if call.kind not in REDUCING:
+        return None
+    if call.dtype is not None and call.dtype not in DTYPE_CODES:
+        return f"unsupported dtype {call.dtype} (the engine reduces {_ENGINE_DTYPES})"
+    if call.op is not None and not isinstance(call.op, ReduceOp):
+        name = str(call.op).rsplit(".", 1)[-1]
+        return f"op {name} is not supported by the engine (it does {_ENGINE_OPS})"
+    return None
+
+
+class _Shm:
+    name = "shm"
+
+    @staticmethod
+    def should_use(call: Call) -> Optional[str]:
+        return _engine_objection(call)
+
+
+# what a hierarchy serves (all_to_all through its all_gathers; empty as ordinary
+# memory): the rest of a multi-host group's calls go to dist
+_HIER_KINDS = frozenset(
+    {"all_reduce", "reduce_scatter", "broadcast", "barrier", "all_gather", "all_to_all", "empty"}
+)
+
+
+class _Hier:
+    name = "hier"
+
+    def __init__(self, why: str):
+        self.why = why  # "the group spans N hosts (...)"
+
+    def should_use(self, call: Call) -> Optional[str]:
+        engine = _engine_objection(call)
+        if engine is not None:
+            return engine
+        if call.kind not in _HIER_KINDS:
+            return self.why
+        if call.kind == "all_gather" and (call.rooted or not call.even):
+            return self.why
+        return None
+
+
+class _Dist:
+    name = "dist"
+
+    @staticmethod
+    def should_use(call: Call) -> Optional[str]:
+        return None
+
+
+def plan(world: int, hosts: int = 1, why_hosts: str = "") -> list:
+    """The paths of a group of ``world`` ranks on ``hosts`` hosts, in the order
+    they are tried (``why_hosts``: how a multi-host group is described)."""
+    if world == 1:
+        return [_Local()]
+    middle = _Shm() if hosts == 1 else _Hier(why_hosts or f"the group spans {hosts} hosts")
+    return [_Cuda(), middle, _Dist()]
+
+
+def route(paths: Sequence[Any], call: Call) -> Route:
+    """The first of ``paths`` that takes ``call``; the reason is the objection
+    of the shared-memory or hierarchical path it passed over (if any)."""
+    reason = ""
+    for p in paths:
+        why = p.should_use(call)
+        if why is None:
+            return Route(p.name, reason)
+        if p.name != "cuda":
+            reason = why
+    raise AssertionError("routing: no path takes the call; the last path must take all")

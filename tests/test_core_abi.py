@@ -1,0 +1,84 @@
+"""Python's view of the C core's codes is the core's own.
+
+Guards: the codes both languages use (dtype, op, collective kind, status, the
+binary message header, the layout key of a flat layout) are defined once, in
+``_native/tpcomm.h``; the Python tables that map torch's objects onto them
+must give the same numbers, or every rank would describe its calls to its
+peers wrongly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tpcomm import ReduceOp, _native
+from tpcomm.ops import ANY_DTYPE_CODES, DTYPE_CODES
+from tpcomm.shm import engine, protocols
+
+
+def test_reduce_codes_are_the_cores():
+    by_name = {
+        torch.float32: "DT_F32",
+        torch.bfloat16: "DT_BF16",
+        torch.float16: "DT_F16",
+        torch.int32: "DT_I32",
+        torch.int64: "DT_I64",
+    }
+    assert {dt: getattr(_native, name) for dt, name in by_name.items()} == DTYPE_CODES
+    assert {op.value for op in ReduceOp} == {getattr(_native, f"OP_{op.name}") for op in ReduceOp}
+    for op in ReduceOp:
+        assert op.value == getattr(_native, f"OP_{op.name}")
+
+
+def test_kinds_and_statuses_are_the_cores():
+    for name in ("ALL_REDUCE", "BARRIER", "ALL_GATHER", "REDUCE_SCATTER", "BROADCAST",
+                 "GATHER", "EMPTY", "ALL_TO_ALL"):  # fmt: skip
+        assert getattr(engine, f"KIND_{name}") == getattr(_native, f"KIND_{name}")
+    assert len(engine.KIND_NAMES) == 8 and len(set(engine.KIND_NAMES)) == 8
+    codes = [getattr(engine, n) for n in dir(engine) if n.startswith("ST_")]
+    assert len(codes) == len(set(codes)) == 10
+
+
+def test_message_header_is_what_the_core_reads():
+    ts = [torch.zeros(2, 3), torch.ones(5, dtype=torch.int64), torch.empty(0, 4, 1)]
+    head = protocols._binary_header(ts)
+    assert head[0] == _native.P2P_BINARY and head[1] == len(ts)
+    assert protocols._parse_binary(head) == [(t.dtype, tuple(t.shape)) for t in ts]
+    assert protocols._binary_header([torch.zeros(1)] * (_native.P2P_MAX_TENSORS + 1)) is None
+    deep = torch.zeros((1,) * (_native.P2P_MAX_DIMS + 1))
+    assert protocols._binary_header([deep]) is None
+    assert len(ANY_DTYPE_CODES) <= 32  # the core's table of message dtypes (torch.c MAX_ANY)
+
+
+def test_flat_layout_key_is_the_cores():
+    for kind, n, w in ((engine.KIND_ALL_GATHER, 7, 2), (engine.KIND_GATHER, 1 << 40, 8)):
+        assert protocols.layout_key(kind, (), 0, (n,) * w, None) == _native.flat_key(kind, n, w)
+        tag = (3 + 1) << 32
+        assert protocols.layout_key(kind, (), 0, (n,) * w, 3) == _native.flat_key(kind + tag, n, w)
+    key = protocols.layout_key((), 0, (5, 5, 5))
+    assert key == _native.flat_key(_native.RS_FLAT, 5, 3)
+    # the definition, written out once more here, as the reference
+    x = (engine.KIND_ALL_GATHER * 0x100000001B3) & (2**64 - 1)
+    x ^= (7 * 0x9E3779B97F4A7C15) & (2**64 - 1)
+    x ^= 2 << 48
+    assert _native.flat_key(engine.KIND_ALL_GATHER, 7, 2) == x & 0x7FFFFFFFFFFFFFFF
+
+
+def test_only_the_shm_package_calls_the_core():
+    """One Python<->C boundary: outside ``tpcomm/shm`` no module imports the
+    core, so a reader finds every call into C there."""
+    import pathlib
+    import re
+
+    import tpcomm
+
+    root = pathlib.Path(tpcomm.__file__).parent
+    pattern = re.compile(
+        r"^\s*(from\s+\.+\s+import\s+.*\b_native\b|import\s+tpcomm\._native)", re.M
+    )
+    outside = [
+        str(p.relative_to(root))
+        for p in root.rglob("*.py")
+        if p.parts[-2] != "shm" and pattern.search(p.read_text())
+    ]
+    assert outside == []
