@@ -50,3 +50,22 @@ def test_reasons_name_what_the_engine_lacks():
     r = route(TWO_HOSTS, Call("p2p"))
     assert r.reason == "the group spans 2 hosts (a, b)"
     assert route(ONE_HOST, Call("all_reduce", dtype=torch.float16, op=ReduceOp.MIN)).reason == ""
+
+
+def test_real_paths_have_the_same_predicates():
+    """The Communicator routes over its real paths (ShmEngine, DistPath, ...);
+    doctor over plan()'s stand-ins: both must decide alike."""
+    from tpcomm.dist_fallback import DistPath
+    from tpcomm.shm.engine import ShmEngine
+
+    calls = [
+        Call("all_reduce", dtype=torch.float64, op=ReduceOp.SUM),
+        Call("all_reduce", dtype=torch.int32, op=dist.ReduceOp.PRODUCT),
+        Call("reduce_scatter", dtype=torch.bfloat16, op=ReduceOp.AVG),
+        Call("gather", rooted=True),
+        Call("p2p"),
+    ]
+    for call in calls:
+        assert ShmEngine.should_use(call) == ONE_HOST[1].should_use(call)
+        assert DistPath.should_use(call) is None and ONE_HOST[2].should_use(call) is None
+    assert [p.name for p in ONE_HOST] == ["cuda", ShmEngine.name, DistPath.name]

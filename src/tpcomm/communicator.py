@@ -33,7 +33,6 @@ from .ops import (
 from .shm import protocols, symmetric
 from .shm.engine import (
     KIND_ALL_GATHER,
-    KIND_ALL_REDUCE,
     KIND_BARRIER,
     KIND_BROADCAST,
     KIND_GATHER,
@@ -256,7 +255,7 @@ class Communicator:
                     label="gloo, tpcomm's own",
                 )
         # the paths a call may take, in the order routing.route tries them
-        self._paths = routing.plan(1)
+        self._paths: list = [routing.LOCAL]
         if world == 1:
             return
         hosts = exchange(store, prefix, rank, world, "host", host_identity(), timeout)
@@ -267,11 +266,10 @@ class Communicator:
                 return cls._from_store(store, r, w, p, f"{tag}h", timeout)
 
             self._hier = Hierarchy(make_local, store, prefix, rank, world, hosts, timeout)
-            why = f"the group spans {self._hier.hosts} hosts ({self._hier.describe()})"
-            self._paths = routing.plan(world, self._hier.hosts, why)
+            self._paths = [routing.CUDA, self._hier, self._dist]
             return
         self._engine = ShmEngine(store, rank, world, prefix, tag, timeout)
-        self._paths = routing.plan(world)
+        self._paths = [routing.CUDA, self._engine, self._dist]
         # send/recv's common case in C too (p2p_send_tensors, p2p_recv_into)
         self._engine.install_fast_paths(weakref.WeakMethod(self._all_reduce_fallback))
         # The instance attribute shadows the method below: one C call per
@@ -405,12 +403,16 @@ class Communicator:
     # -- the choice of path ----------------------------------------------------
 
     def _route(self, fn: str, call: routing.Call) -> str:
+        """The name of this call's path (``_path``)."""
+        return self._path(fn, call).path
+
+    def _path(self, fn: str, call: routing.Call) -> routing.Route:
         """The path of this call (routing.route over this communicator's paths);
         a call leaving for torch.distributed is logged once, with why."""
         r = routing.route(self._paths, call)
         if r.path == "dist":
             self._dist.note(fn, r.reason)
-        return r.path
+        return r
 
     # -- collectives ----------------------------------------------------------
 
@@ -446,22 +448,9 @@ class Communicator:
             return self._cuda_all_reduce(tensor, op)
         op = checks.reduce_op(fn, tensor, op)
         checks.writable(fn, tensor)
-        path = self._route(fn, routing.Call("all_reduce", dtype=tensor.dtype, op=op))
-        if path == "dist":
-            return self._dist.all_reduce(tensor, op)
-        if path == "hier":
-            return self._hier.all_reduce(tensor, op)
-        if path == "local":
-            return tensor
-        work = dense(tensor)
-        status = self._engine.all_reduce(
-            work.data_ptr(), work.numel(), DTYPE_CODES[tensor.dtype], op.value, KIND_ALL_REDUCE
-        )
-        if status:
-            self._raise(status, fn)
-        if work is not tensor:
-            tensor.copy_(work)
-        return tensor
+        # every path has the same all_reduce(tensor, op)
+        path = self._path(fn, routing.Call("all_reduce", dtype=tensor.dtype, op=op))
+        return path.via.all_reduce(tensor, op)
 
     def _cuda_all_reduce(self, tensor: _Tensor, op: Any) -> _Tensor:
         """CUDA tensors: tpcomm.cuda.CustomAllreduce first (SUM, its sizes and

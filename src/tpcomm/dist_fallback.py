@@ -124,6 +124,13 @@ class DistPath:
                 reason,
             )
 
+    # as a path of the Communicator (routing.py): the last one, it takes anything
+    name = "dist"
+
+    @staticmethod
+    def should_use(call: Any) -> Optional[str]:
+        return None
+
     def all_reduce(self, t: torch.Tensor, op: Any) -> torch.Tensor:
         work = dense(t)
         opts = c10d.AllreduceOptions()

@@ -36,6 +36,7 @@ from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import torch
 
+from . import routing
 from .dist_fallback import DistPath, private_gloo
 from .errors import CommError, CommTimeoutError, PeerFailedError
 from .ops import ReduceOp, dense
@@ -112,6 +113,17 @@ class Hierarchy:
         self.perm: Optional[torch.Tensor] = None
         if host_major != list(range(world)):
             self.perm = torch.tensor([host_major.index(r) for r in range(world)])
+
+    # as a path of the Communicator (routing.py)
+    name = "hier"
+
+    @property
+    def why(self) -> str:
+        """Why a call it does not serve leaves for torch.distributed."""
+        return f"the group spans {self.hosts} hosts ({self.describe()})"
+
+    def should_use(self, call: Any) -> Optional[str]:
+        return routing.hier_objection(call, self.why)
 
     def describe(self) -> str:
         return "; ".join(f"host {h}: ranks {m}" for h, m in enumerate(self.members))

@@ -1,8 +1,12 @@
 """Which path serves a call: one function (``route``), in one order.
 
-A Communicator holds its paths in the order they are tried (``plan``); a call
-goes to the first whose ``should_use`` has no objection, and the objections of
-the ones before it say why (logged once when the call leaves shared memory).
+A Communicator holds its paths in the order they are tried; a call goes to the
+first whose ``should_use(call)`` has no objection, and the objection of the one
+it passed over says why (logged once when the call leaves shared memory).  The
+paths are the real ones (``ShmEngine``, ``Hierarchy``, ``DistPath``, and
+``LOCAL`` / ``CUDA`` here), each with ``name``, ``should_use(call)`` and
+``all_reduce(tensor, op) -> tensor``; ``plan`` gives stand-ins with the same
+predicates for a group that does not exist (``tpcomm doctor``).
 The order:
 
 1. ``local``: world size 1, every result is this rank's own (a copy at most);
@@ -26,7 +30,7 @@ import torch
 
 from .ops import DTYPE_CODES, ReduceOp
 
-__all__ = ["Call", "Route", "plan", "route"]
+__all__ = ["CUDA", "LOCAL", "Call", "Route", "engine_objection", "hier_objection", "plan", "route"]
 
 # the calls that reduce (the engine's dtypes and ops matter)
 REDUCING = frozenset({"all_reduce", "reduce_scatter"})
@@ -59,21 +63,32 @@ class Call:
 
 @dataclass(frozen=True)
 class Route:
-    """The path a call takes, and why it is not shared memory when it is not."""
+    """The path a call takes (its name, and the path object), and why it is not
+    shared memory when it is not."""
 
     path: str
     reason: str = ""
+    via: Any = None
 
 
 class _Local:
+    """World size 1: every result is this rank's own."""
+
     name = "local"
 
     @staticmethod
     def should_use(call: Call) -> Optional[str]:
         return None
 
+    @staticmethod
+    def all_reduce(tensor: torch.Tensor, op: Any) -> torch.Tensor:
+        return tensor  # the reduction over one rank
+
 
 class _Cuda:
+    """CUDA tensors: the Communicator's CUDA path (the custom all-reduce over
+    CUDA IPC, then NCCL) takes them before any CPU check."""
+
     name = "cuda"
 
     @staticmethod
@@ -81,7 +96,10 @@ class _Cuda:
         return None if call.cuda else "not a CUDA tensor"
 
 
-def _engine_objection(call: Call) -> Optional[str]:
+LOCAL, CUDA = _Local(), _Cuda()
+
+
+def engine_objection(call: Call) -> Optional[str]:
     """Why the shared-memory engine does not do this call, or None."""
     if call.kind not in REDUCING:
         return None
@@ -98,7 +116,7 @@ class _Shm:
 
     @staticmethod
     def should_use(call: Call) -> Optional[str]:
-        return _engine_objection(call)
+        return engine_objection(call)
 
 
 # what a hierarchy serves (all_to_all through its all_gathers; empty as ordinary
@@ -108,6 +126,18 @@ _HIER_KINDS = frozenset(
 )
 
 
+def hier_objection(call: Call, why: str) -> Optional[str]:
+    """Why a hierarchy (``why``: how it spans hosts) does not serve this call, or None."""
+    engine = engine_objection(call)
+    if engine is not None:
+        return engine
+    if call.kind not in _HIER_KINDS:
+        return why
+    if call.kind == "all_gather" and (call.rooted or not call.even):
+        return why
+    return None
+
+
 class _Hier:
     name = "hier"
 
@@ -115,14 +145,7 @@ class _Hier:
         self.why = why  # "the group spans N hosts (...)"
 
     def should_use(self, call: Call) -> Optional[str]:
-        engine = _engine_objection(call)
-        if engine is not None:
-            return engine
-        if call.kind not in _HIER_KINDS:
-            return self.why
-        if call.kind == "all_gather" and (call.rooted or not call.even):
-            return self.why
-        return None
+        return hier_objection(call, self.why)
 
 
 class _Dist:
@@ -137,9 +160,9 @@ def plan(world: int, hosts: int = 1, why_hosts: str = "") -> list:
     """The paths of a group of ``world`` ranks on ``hosts`` hosts, in the order
     they are tried (``why_hosts``: how a multi-host group is described)."""
     if world == 1:
-        return [_Local()]
+        return [LOCAL]
     middle = _Shm() if hosts == 1 else _Hier(why_hosts or f"the group spans {hosts} hosts")
-    return [_Cuda(), middle, _Dist()]
+    return [CUDA, middle, _Dist()]
 
 
 def route(paths: Sequence[Any], call: Call) -> Route:
@@ -149,7 +172,7 @@ def route(paths: Sequence[Any], call: Call) -> Route:
     for p in paths:
         why = p.should_use(call)
         if why is None:
-            return Route(p.name, reason)
+            return Route(p.name, reason, p)
         if p.name != "cuda":
             reason = why
     raise AssertionError("routing: no path takes the call; the last path must take all")

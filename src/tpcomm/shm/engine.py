@@ -10,10 +10,10 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-from .. import _env, _native
+from .. import _env, _native, routing
 from ..bootstrap import broadcast_from_rank0, local_cpu_count
 from ..errors import CommError, CommTimeoutError, PeerFailedError
-from ..ops import ALL_DTYPES, ANY_CODE_DTYPES, CODE_DTYPES, ReduceOp
+from ..ops import ALL_DTYPES, ANY_CODE_DTYPES, CODE_DTYPES, DTYPE_CODES, ReduceOp, dense
 from . import segment
 
 __all__ = [
@@ -213,7 +213,7 @@ class ShmEngine:
         no Python frame in between (the hot path)."""
         n = self._native
         self.ident = id(n)  # compiled.py finds the communicator of a traced call by it
-        self.all_reduce = n.all_reduce
+        self.all_reduce_raw = n.all_reduce
         self.fast_all_reduce = n.fast_all_reduce
         self.fast_all_gather = n.fast_all_gather
         self.fast_gather = n.fast_gather
@@ -224,6 +224,28 @@ class ShmEngine:
         self.p2p_send_tensors = n.p2p_send_tensors
         self.p2p_recv_new = n.p2p_recv_new
         self.p2p_sendrecv = n.p2p_sendrecv
+
+    # -- as a path of the Communicator (routing.py) ---------------------------
+
+    name = "shm"
+
+    @staticmethod
+    def should_use(call: routing.Call) -> Optional[str]:
+        """Shared memory takes every call but the reductions it lacks."""
+        return routing.engine_objection(call)
+
+    def all_reduce(self, tensor: Any, op: ReduceOp) -> Any:
+        """``tensor`` (checked: a CPU tensor of a dtype and op the engine does)
+        reduced in place; a view goes through a dense copy."""
+        work = dense(tensor)
+        status = self.all_reduce_raw(
+            work.data_ptr(), work.numel(), DTYPE_CODES[tensor.dtype], op.value, KIND_ALL_REDUCE
+        )
+        if status:
+            self.raise_status(status, "all_reduce")
+        if work is not tensor:
+            tensor.copy_(work)
+        return tensor
 
     def install_fast_paths(self, fallback: Any) -> None:
         """Arm the one-call paths: the torch types they accept, and Python's general
@@ -459,4 +481,4 @@ class ShmEngine:
         if self._native is not None:
             self._native.close(CLOSE_WAIT_S)
             self._native = None
-            self.all_reduce = None
+            self.all_reduce_raw = None
