@@ -380,12 +380,7 @@ static int eng_init(Engine *e, PyObject *args, PyObject *kw)
         return -1;
     }
     /* Every rank opened the file itself: OFD locks of different ranks conflict. */
-    struct flock fl;
-    memset(&fl, 0, sizeof fl);
-    fl.l_type = F_WRLCK;
-    fl.l_whence = SEEK_SET;
-    fl.l_start = rank;
-    fl.l_len = 1;
+    struct flock fl = rank_lock(rank);
     if (fcntl(myfd, F_OFD_SETLK, &fl) != 0) {
         PyErr_SetFromErrno(PyExc_OSError);
         munmap(p, (size_t)size);

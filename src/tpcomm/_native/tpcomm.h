@@ -275,6 +275,19 @@ static inline line_t *ctrl_line(Engine *e, int owner, long line)
     return (line_t *)(ctrl_of(e, owner) + LINE * (size_t)line);
 }
 
+/* The liveness lock of rank r: a write lock on byte r of the segment file
+ * (wait.c peer_alive tests it, engine.c eng_init takes it). */
+static inline struct flock rank_lock(int r)
+{
+    struct flock fl;
+    memset(&fl, 0, sizeof fl);
+    fl.l_type = F_WRLCK;
+    fl.l_whence = SEEK_SET;
+    fl.l_start = r;
+    fl.l_len = 1;
+    return fl;
+}
+
 static inline int peer_pid(Engine *e, int r) { return (int)*(uint64_t *)ctrl_of(e, r); }
 
 static inline char *slot_of(Engine *e, int r, int parity)

@@ -13,12 +13,7 @@ void futex_wake_all(_Atomic uint64_t *p)
 /* Is the peer's liveness lock still held?  1 alive, 0 dead. */
 int peer_alive(Engine *e, int r)
 {
-    struct flock fl;
-    memset(&fl, 0, sizeof fl);
-    fl.l_type = F_WRLCK;
-    fl.l_whence = SEEK_SET;
-    fl.l_start = r;
-    fl.l_len = 1;
+    struct flock fl = rank_lock(r);
     if (fcntl(e->fd, F_OFD_GETLK, &fl) != 0)
         return 1; /* cannot tell: assume alive, the deadline still holds */
     return fl.l_type != F_UNLCK;
