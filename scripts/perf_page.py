@@ -67,6 +67,7 @@ RUNS = [
     ),
 ]
 TEXTS = [
+    ("kernels", "The reduce kernels alone, every variant this CPU runs (`benchmarks/kernels.py`)"),
     ("pg_floor", "ProcessGroup layer alone (`benchmarks/pg_floor.py`)"),
     ("gather_dims", "Gathers along the last dim (`benchmarks/gather_dims.py`)"),
     ("p2p_batch", "batch_isend_irecv (`benchmarks/p2p_batch.py`)"),

@@ -345,12 +345,14 @@ if os.environ["RANK"] == "0":
 """
 
 
-@pytest.mark.parametrize("name, value", [("TPCOMM_ALLREDUCE_ALGO", "bogus"), ("TPCOMM_CMA", "yes")])
+@pytest.mark.parametrize(
+    "name, value",
+    [("TPCOMM_ALLREDUCE_ALGO", "bogus"), ("TPCOMM_CMA", "yes"), ("TPCOMM_ISA", "sse9")],
+)
 def test_a_bad_setting_fails_every_rank_at_once(name, value):
     """A bad TPCOMM_* value is read before the segment exists: every rank raises
     the same ValueError at once; none waits for a rank that will never come
     (rank 1 used to wait for rank 0's segment until the rendezvous timeout)."""
-    name, value = "TPCOMM_ALLREDUCE_ALGO", "bogus"
     port = free_port()
     procs = []
     for r in range(2):

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
+import pathlib
 
 import pytest
 import torch
@@ -118,15 +120,22 @@ def test_special_values_like_torch(dtype, world):
         assert torch.equal(out[~nan], ref[~nan]), (dtype, op)
 
 
-@pytest.mark.parametrize("switch", ["TPCOMM_NO_AVX512", "TPCOMM_NO_AVX512BF16"])
-def test_other_kernel_paths(switch):
-    """The portable kernels (and AVX-512 without the BF16 instruction) pass the same
-    tests; the dispatch is fixed per process, so each runs in a fresh one."""
+_VARIANTS = [("TPCOMM_ISA", isa) for isa in _testing.isa_variants()]
+
+
+@pytest.mark.parametrize(
+    "switch, value",
+    [("TPCOMM_NO_AVX512", "1"), ("TPCOMM_NO_AVX512BF16", "1"), *_VARIANTS],
+)
+def test_other_kernel_paths(switch, value):
+    """Every kernel variant this CPU runs (TPCOMM_ISA=scalar, avx2, avx512, neon;
+    AVX-512 without the BF16 instruction) passes the same tests; each runs in a
+    fresh process, as a user's setting would."""
     import os
     import subprocess
     import sys
 
-    env = dict(os.environ, **{switch: "1"})
+    env = dict(os.environ, **{switch: value})
     r = subprocess.run(
         [
             sys.executable,
@@ -166,3 +175,44 @@ def test_one_rank_two_threads(dtype):
                     threads,
                 )
                 assert torch.equal(out, ref), (dtype, op, n, threads)
+
+
+def test_a_variant_the_cpu_lacks_is_refused():
+    """TPCOMM_ISA naming a variant this CPU cannot run: a ValueError that says
+    which it can, before anything runs (the Communicator reads it with the other
+    settings, so every rank refuses at once)."""
+    import os
+    import subprocess
+    import sys
+
+    lacking = next(v for v in ("neon", "avx2", "avx512") if v not in _testing.isa_variants())
+    code = "from tpcomm import _testing; _testing.kernel_isa()"
+    env = dict(os.environ, TPCOMM_ISA=lacking)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert r.returncode != 0
+    assert f"ValueError: TPCOMM_ISA={lacking!r}: this CPU (or build) cannot run it" in r.stderr
+    env["TPCOMM_ISA"] = "sse9"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert "TPCOMM_ISA='sse9': no such kernel variant" in r.stderr
+
+
+@pytest.mark.skipif(not os.path.exists("tests/c/test_kernels.c"), reason="run from the repo root")
+def test_c_kernel_test_runs_every_variant():
+    """tests/c/test_kernels.c (make test-kernels): every variant this CPU runs is
+    bitwise the portable kernels on random bit patterns, ties, zeros, NaN."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    srcs = sorted(str(p) for p in pathlib.Path("src/tpcomm/_native").glob("kernels*.c"))
+    with tempfile.TemporaryDirectory() as d:
+        exe = os.path.join(d, "test_kernels")
+        flags = ["-std=gnu11", "-O2", "-ffp-contract=off", "-fno-fast-math"]
+        subprocess.run([cc, *flags, "-o", exe, "tests/c/test_kernels.c", *srcs, "-lm"], check=True)
+        r = subprocess.run([exe], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-2000:]
+    variants = [v for v in _testing.isa_variants() if v != "scalar"]
+    assert f"# kernels: {len(variants)} variant(s)" in r.stdout and " 0 failed" in r.stdout

@@ -2,9 +2,9 @@
 
 Values are read when a Communicator is created, so tests and users can change
 them between communicators.  Two more switches are read by the C core itself,
-once per process, and exist for tests: TPCOMM_NO_AVX512=1 (use the portable
-kernels) and TPCOMM_NO_AVX512BF16=1 (round bfloat16 without the AVX512_BF16
-instruction).
+once per process, and exist for tests: TPCOMM_NO_AVX512=1 (no AVX-512 kernels:
+the next best variant runs) and TPCOMM_NO_AVX512BF16=1 (round bfloat16 without
+the AVX512_BF16 instruction).  TPCOMM_ISA (isa below) picks a variant outright.
 """
 
 from __future__ import annotations
@@ -198,6 +198,12 @@ def threads(world: int) -> int:
     if mine < total:
         return max(1, min(mine, torch.get_num_threads()))
     return max(1, total // max(world, 1))
+
+
+def isa() -> str:
+    """TPCOMM_ISA: the reduce kernels' variant, auto (default: the best the CPU
+    has), scalar, avx2, avx512 or neon; the core refuses one the CPU lacks."""
+    return (os.environ.get("TPCOMM_ISA") or "auto").strip().lower()
 
 
 def host_id_override() -> str | None:

@@ -17,6 +17,7 @@ __all__ = [
     "cma_init",
     "fault_check_delay",
     "fault_cma_addr",
+    "isa_variants",
     "kernel_isa",
     "layout",
     "peer_pids",
@@ -30,6 +31,7 @@ __all__ = [
 
 MAGIC = _engine.MAGIC
 kernel_isa = _engine.kernel_isa
+isa_variants = _engine.isa_variants
 reduce_kernel = _engine.reduce_kernel
 touch = _engine.touch
 

@@ -171,7 +171,12 @@ def _check_core(rep: Report) -> Any:
     except ImportError as e:
         rep.fail(f"tpcomm._native did not load: {e}; reinstall tpcomm (pip install .)")
         return None
-    rep.ok(f"tpcomm._native loaded; reduce kernels: {engine.kernel_isa()}")
+    try:
+        rep.ok(f"tpcomm._native loaded; reduce kernels: {engine.kernel_isa()}")
+    except ValueError as e:  # TPCOMM_ISA names a variant this CPU lacks
+        rep.fail(f"{e}; every Communicator would refuse to start")
+        return engine
+    rep.info(f"  kernel variants this CPU runs: {', '.join(engine.isa_variants())} (TPCOMM_ISA)")
     for var in ("TPCOMM_NO_AVX512", "TPCOMM_NO_AVX512BF16"):
         if os.environ.get(var):
             rep.warn(f"{var} is set: a slower kernel path is forced (meant for tests)")

@@ -2,9 +2,13 @@
  * Reduce kernels: load every source as float32 (or the integer type), combine in
  * rank order, store once; the portable C versions (compiler-vectorised per ISA
  * level), the two-source fused form, the copy into a slot, and do_reduce, the
- * one entry that picks a kernel.
+ * one entry, which runs the variant chosen (kernel_set_isa, TPCOMM_ISA) or the
+ * best the CPU has.  Plain C: no Python (kernels.h).
  */
-#include "tpcomm.h"
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "kernels.h"
 
 /* ------------------------------------------------------------------------ */
 /* reduce kernels                                                            */
@@ -207,10 +211,9 @@ void copy_in(char *dst, const char *src, size_t n)
     memcpy(dst, src, n);
 }
 
-void do_reduce(int dtype, int op, void *dst, void *const *srcs, int w, size_t n)
+/* The portable kernels: the reference every variant matches bit for bit. */
+void reduce_portable(int dtype, int op, void *dst, void *const *srcs, int w, size_t n)
 {
-    if (reduce_avx512(dtype, op, dst, srcs, w, n))
-        return;
     if (w == 2 && op == OP_SUM) {
         if (dtype == DT_F32) {
             sum2_f32(dst, srcs[0], srcs[1], n);
@@ -224,26 +227,91 @@ void do_reduce(int dtype, int op, void *dst, void *const *srcs, int w, size_t n)
     reducers[dtype](dst, srcs, w, n, op);
 }
 
-/* What do_reduce dispatches to, switches (TPCOMM_NO_AVX512...) included. */
+int kernel_has_isa(int isa)
+{
+    switch (isa) {
+    case ISA_SCALAR:
+        return 1;
+    case ISA_AVX2:
+        return avx2_present();
+    case ISA_AVX512:
+        return avx512_level() > 0;
+    case ISA_NEON:
+#if defined(__aarch64__)
+        return 1;
+#else
+        return 0;
+#endif
+    default:
+        return 0;
+    }
+}
+
+static int isa_best(void)
+{
+    for (int isa = ISA_COUNT - 1; isa > ISA_SCALAR; isa--)
+        if (kernel_has_isa(isa))
+            return isa;
+    return ISA_SCALAR;
+}
+
+static int isa_forced = ISA_AUTO; /* kernel_set_isa (TPCOMM_ISA) */
+static int isa_current = -2;      /* resolved on first use */
+
+int kernel_set_isa(int isa)
+{
+    if (isa != ISA_AUTO && !kernel_has_isa(isa))
+        return -1;
+    isa_forced = isa;
+    isa_current = isa == ISA_AUTO ? isa_best() : isa;
+    return 0;
+}
+
+int kernel_isa_in_use(void)
+{
+    if (isa_current < 0)
+        isa_current = isa_forced == ISA_AUTO ? isa_best() : isa_forced;
+    return isa_current;
+}
+
+const char *kernel_isa_name(int isa)
+{
+    static const char *names[ISA_COUNT] = {"scalar", "avx2", "avx512", "neon"};
+    return isa >= 0 && isa < ISA_COUNT ? names[isa] : "auto";
+}
+
+void do_reduce(int dtype, int op, void *dst, void *const *srcs, int w, size_t n)
+{
+    switch (kernel_isa_in_use()) {
+    case ISA_AVX512:
+        if (reduce_avx512(dtype, op, dst, srcs, w, n))
+            return;
+        break;
+    case ISA_AVX2:
+        if (reduce_avx2(dtype, op, dst, srcs, w, n))
+            return;
+        break;
+    case ISA_NEON:
+        if (reduce_neon(dtype, op, dst, srcs, w, n))
+            return;
+        break;
+    }
+    reduce_portable(dtype, op, dst, srcs, w, n);
+}
+
+/* The variant in use and why: "avx2 (AVX2 + F16C; chosen: the best this CPU
+ * has)", for tpcomm doctor and the perf header. */
 const char *kernel_isa(void)
 {
-#if defined(__x86_64__)
-    __builtin_cpu_init();
-    int v4 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
-    int v3 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    switch (avx512_level()) {
-    case 2:
-        return "x86-64-v4 (avx512; bfloat16 avx512_bf16)";
-    case 1:
-        return "x86-64-v4 (avx512; bfloat16 integer rounding)";
-    default:
-        return v4 ? "x86-64-v4 (compiler-vectorised)"
-               : v3 ? "x86-64-v3 (compiler-vectorised)"
-                    : "x86-64 (compiler-vectorised)";
-    }
-#elif defined(__aarch64__)
-    return "aarch64 (neon)";
-#else
-    return "generic (scalar)";
-#endif
+    static char text[160];
+    int isa = kernel_isa_in_use();
+    const char *what[ISA_COUNT] = {
+        "portable C, compiler-vectorised",
+        "AVX2 + F16C",
+        avx512_level() == 2 ? "AVX-512, bfloat16 by AVX512_BF16" : "AVX-512, bfloat16 by integer rounding",
+        "NEON",
+    };
+    const char *why = isa_forced != ISA_AUTO ? "forced by TPCOMM_ISA" : "the best this CPU has";
+    snprintf(text, sizeof text, "%s (%s; %s)", kernel_isa_name(isa), what[isa], why);
+    return text;
 }

@@ -2,7 +2,9 @@
  * The AVX-512 kernels of the float family, and reduce_avx512, which runs them
  * where they may run (the CPU has them, TPCOMM_NO_AVX512 is unset).
  */
-#include "tpcomm.h"
+#include <stdlib.h>
+
+#include "kernels.h"
 
 #if defined(__x86_64__)
 /*

@@ -165,7 +165,55 @@ static PyObject *mod_flat_key(PyObject *self, PyObject *args)
     return PyLong_FromUnsignedLongLong(flat_key(kind, n, world));
 }
 
+/* set_isa(name): run the kernel variant `name` ("auto", "scalar", "avx2",
+ * "avx512", "neon"); ValueError naming what this CPU has if it lacks it */
+static PyObject *mod_set_isa(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    const char *name = PyUnicode_AsUTF8(arg);
+    if (!name)
+        return NULL;
+    int isa = ISA_COUNT;
+    if (strcmp(name, "auto") == 0)
+        isa = ISA_AUTO;
+    for (int i = 0; i < ISA_COUNT; i++)
+        if (strcmp(name, kernel_isa_name(i)) == 0)
+            isa = i;
+    if (isa != ISA_COUNT && kernel_set_isa(isa) == 0)
+        Py_RETURN_NONE;
+    char have[64] = "auto";
+    for (int i = 0; i < ISA_COUNT; i++)
+        if (kernel_has_isa(i)) {
+            strcat(have, ", ");
+            strcat(have, kernel_isa_name(i));
+        }
+    PyErr_Format(PyExc_ValueError,
+                 isa == ISA_COUNT ? "TPCOMM_ISA=%R: no such kernel variant (expected one of %s)"
+                                  : "TPCOMM_ISA=%R: this CPU (or build) cannot run it (it can: %s)",
+                 arg, have);
+    return NULL;
+}
+
+/* isa_variants() -> the variants this CPU can run */
+static PyObject *mod_isa_variants(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    PyObject *l = PyList_New(0);
+    for (int i = 0; l && i < ISA_COUNT; i++) {
+        if (!kernel_has_isa(i))
+            continue;
+        PyObject *s = PyUnicode_FromString(kernel_isa_name(i));
+        if (!s || PyList_Append(l, s) < 0)
+            Py_CLEAR(l);
+        Py_XDECREF(s);
+    }
+    return l;
+}
+
 static PyMethodDef mod_methods[] = {
+    {"set_isa", mod_set_isa, METH_O, NULL},
+    {"isa_variants", mod_isa_variants, METH_NOARGS, NULL},
     {"flat_key", mod_flat_key, METH_VARARGS, NULL},
     {"segment_size", mod_segment_size, METH_VARARGS, NULL},
     {"reduce", eng_reduce_kernel, METH_VARARGS, NULL},

@@ -7,8 +7,11 @@
  * one file of the core offers another.  One file per concern (docs/ENGINE.md
  * has the map):
  *
- *   kernels.c         reduce kernels (portable C, compiler-vectorised), copy-in
- *   kernels_avx512.c  the AVX-512 float-family kernels and their dispatch test
+ *   kernels.h         the kernels' interface (plain C: they compile and test alone)
+ *   kernels.c         portable reduce kernels, the choice of variant, copy-in
+ *   kernels_avx2.c    the AVX2 + F16C float-family kernels
+ *   kernels_avx512.c  the AVX-512 float-family kernels
+ *   kernels_neon.c    the aarch64 NEON float-family kernels
  *   pool.c            a rank's helper threads for large copies and reductions
  *   wait.c            waits, futexes, liveness, aborts, the collective round
  *   allreduce.c       one-shot, two-shot and zero-copy all-reduce
@@ -88,18 +91,14 @@
 #include <unistd.h>
 #include <linux/futex.h>
 
+#include "kernels.h"
+
 #if defined(__x86_64__)
-#include <immintrin.h>
 #define cpu_relax() _mm_pause()
-/* Runtime dispatch: gcc builds one clone per ISA level and picks at load time
- * (ifunc).  x86-64-v4 = AVX-512, v3 = AVX2 + FMA + F16C. */
-#define KERNEL __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #elif defined(__aarch64__)
 #define cpu_relax() __asm__ __volatile__("yield" ::: "memory")
-#define KERNEL
 #else
 #define cpu_relax() ((void)0)
-#define KERNEL
 #endif
 
 #define MAGIC 0x314d4d4f43505454ULL /* "TTPCOMM1" little endian */
@@ -128,10 +127,6 @@ enum { ST_OK = 0, ST_TIMEOUT = 1, ST_PEER_DEAD = 2, ST_MISMATCH = 3, ST_ABORTED 
        ST_INTERRUPTED = 5, ST_CROSSED = 6, ST_BUSY = 7, ST_CLOSED = 8,
        ST_CMA = 9 };
 
-/* dtype and op codes of the reductions */
-enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_I32 = 3, DT_I64 = 4, DT_COUNT };
-enum { OP_SUM = 0, OP_AVG = 1, OP_MAX = 2, OP_MIN = 3, OP_COUNT };
-static const size_t dt_size[DT_COUNT] = {4, 2, 2, 4, 8};
 
 /* Collective kinds, published with every round so that ranks calling
  * different collectives are told so instead of corrupting each other. */

@@ -23,8 +23,10 @@ __all__ = [
     "MAGIC",
     "NativeEngine",
     "ShmEngine",
+    "isa_variants",
     "kernel_isa",
     "reduce_kernel",
+    "select_kernels",
     "time_memcpy",
     "touch",
 ]
@@ -34,13 +36,27 @@ NativeEngine = _native.Engine
 MAGIC = _native.MAGIC
 
 
+def select_kernels() -> None:
+    """Run the kernel variant TPCOMM_ISA names (auto: the best this CPU has);
+    ValueError if the CPU lacks it.  Every variant gives the same bits, so
+    ranks need not agree on it."""
+    _native.set_isa(_env.isa())
+
+
 def kernel_isa() -> str:
-    """The reduce kernels the core dispatches to on this CPU, and why."""
+    """The reduce kernels' variant in use, and why (TPCOMM_ISA, or the CPU)."""
+    select_kernels()
     return _native.isa()
 
 
+def isa_variants() -> list:
+    """The kernel variants this CPU can run."""
+    return _native.isa_variants()
+
+
 def reduce_kernel(dtype: int, op: int, dst: int, srcs: list, count: int, nthreads: int = 1):
-    """The reduce kernel alone: dst = srcs[0] op ... op srcs[w-1] (tests)."""
+    """The reduce kernel alone: dst = srcs[0] op ... op srcs[w-1] (tests, benchmarks)."""
+    select_kernels()
     _native.reduce(dtype, op, dst, srcs, count, nthreads)
 
 
@@ -144,6 +160,7 @@ class ShmEngine:
         # raises the same error on every rank at once, none waits for another.
         slot_bytes = _env.slot_bytes()
         cma_want, cma_least = _env.cma_plan(world)
+        select_kernels()
         tuning = _tuning(world)
         # Ranks that outnumber the cores gain nothing by spinning: the peer they
         # wait for needs the core.  (Pinned ranks see one CPU; count the host's.)

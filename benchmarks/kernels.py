@@ -1,0 +1,50 @@
+"""The reduce kernels alone: GB/s of each variant this CPU runs, per dtype.
+
+Two sources of 1 MiB each (hot in L2), dst = a + b, the best of 7 loops of 200
+calls (one Python call each, ~1 us of the time).  GB/s counts the bytes of one
+source; "x f32" is the dtype's GB/s over float32's in the same variant (the
+issue's target: >= 0.8).  Run by `make bench`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from tpcomm.ops import DTYPE_CODES, ReduceOp
+from tpcomm.shm.engine import isa_variants, kernel_isa, reduce_kernel
+
+NBYTES = 1 << 20
+
+
+def gbps(dtype: torch.dtype) -> float:
+    n = NBYTES // torch.empty(0, dtype=dtype).element_size()
+    a, b = (torch.randn(n).to(dtype) for _ in range(2))
+    out = torch.empty_like(a)
+    args = (DTYPE_CODES[dtype], ReduceOp.SUM.value, out.data_ptr(), [a.data_ptr(), b.data_ptr()], n)
+    best = float("inf")
+    for _ in range(7):
+        t0 = time.perf_counter()
+        for _ in range(200):
+            reduce_kernel(*args)
+        best = min(best, (time.perf_counter() - t0) / 200)
+    return NBYTES / best / 1e9
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    print("# reduce kernel alone, 2 sources x 1 MiB, SUM, one thread (GB/s of one source)")
+    print(f"# {'variant':>8} " + " ".join(f"{str(d)[6:]:>9} {'x f32':>6}" for d in dtypes))
+    for isa in isa_variants():
+        os.environ["TPCOMM_ISA"] = isa
+        rates = [gbps(d) for d in dtypes]
+        cols = " ".join(f"{r:>9.1f} {r / rates[0]:>6.2f}" for r in rates)
+        print(f"  {isa:>8} {cols}   # {kernel_isa()}")
+    os.environ.pop("TPCOMM_ISA", None)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,250 @@
+/*
+ * The float family on AVX2 + F16C (x86-64-v3: AMD Zen 1-3, Intel Haswell on),
+ * 8 values per vector, with intrinsics: gcc vectorises neither the _Float16
+ * conversions nor the bfloat16 rounding of the portable kernels.  Same
+ * arithmetic as them, lane by lane: widen to float32 exactly (bfloat16: a
+ * 16-bit shift; float16: vcvtph2ps), combine in rank order, round once
+ * (bfloat16: integer round to nearest even, NaN quieted with its sign, the
+ * same rule as f32_to_bf16; float16: vcvtps2ph to nearest even).  No FMA,
+ * and AVG divides, as the portable kernels do: results are bitwise theirs.
+ * The last n % 16 values go to the portable kernels, so no load or store
+ * passes the end of a buffer.
+ */
+#include "kernels.h"
+
+#if defined(__x86_64__)
+#define AVX2 __attribute__((target("avx2,f16c")))
+
+AVX2 static inline __m256 ld8(int dtype, const void *p, size_t i)
+{
+    if (dtype == DT_F32)
+        return _mm256_loadu_ps((const float *)p + i);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
+    if (dtype == DT_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return _mm256_cvtph_ps(h);
+}
+
+/* bfloat16 of 8 floats, in the low 16 bits of each 32-bit lane */
+AVX2 static inline __m256i bf16_round8(__m256 x)
+{
+    __m256i u = _mm256_castps_si256(x);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    __m256i nan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    __m256i isnan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    return _mm256_blendv_epi8(r, nan, isnan);
+}
+
+/* 16 values (a: the first 8, b: the next 8) stored as dtype at p + i */
+AVX2 static inline void st16(int dtype, void *p, size_t i, __m256 a, __m256 b)
+{
+    if (dtype == DT_F32) {
+        _mm256_storeu_ps((float *)p + i, a);
+        _mm256_storeu_ps((float *)p + i + 8, b);
+        return;
+    }
+    __m256i h;
+    if (dtype == DT_BF16) /* packus works per 128-bit lane: one vpermq puts them back */
+        h = _mm256_permute4x64_epi64(_mm256_packus_epi32(bf16_round8(a), bf16_round8(b)), 0xD8);
+    else
+        h = _mm256_set_m128i(_mm256_cvtps_ph(b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                             _mm256_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), h);
+}
+
+/* NaN-propagating max/min (torch.maximum / torch.minimum, FMAX / FMIN) */
+AVX2 static inline __m256 vmax8(__m256 a, __m256 b)
+{
+    __m256 take_b = _mm256_or_ps(_mm256_cmp_ps(b, a, _CMP_GT_OQ), _mm256_cmp_ps(b, b, _CMP_UNORD_Q));
+    __m256 r = _mm256_blendv_ps(a, b, take_b);
+    return _mm256_blendv_ps(r, a, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+}
+
+AVX2 static inline __m256 vmin8(__m256 a, __m256 b)
+{
+    __m256 take_b = _mm256_or_ps(_mm256_cmp_ps(b, a, _CMP_LT_OQ), _mm256_cmp_ps(b, b, _CMP_UNORD_Q));
+    __m256 r = _mm256_blendv_ps(a, b, take_b);
+    return _mm256_blendv_ps(r, a, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+}
+
+AVX2 static inline __m256 op8(int op, __m256 a, __m256 b)
+{
+    if (op == OP_SUM || op == OP_AVG)
+        return _mm256_add_ps(a, b);
+    return op == OP_MAX ? vmax8(a, b) : vmin8(a, b);
+}
+
+/* One instance per (dtype, op) so the branches fold away: 16 values a step,
+ * two independent vectors for the adds to overlap. */
+#define DEF_AVX2(NAME, DT, OP)                                                                   \
+    AVX2 static size_t NAME(void *dst, void *const *srcs, int w, size_t n)                      \
+    {                                                                                           \
+        size_t i = 0;                                                                           \
+        for (; i + 16 <= n; i += 16) {                                                          \
+            __m256 a = ld8(DT, srcs[0], i), b = ld8(DT, srcs[0], i + 8);                        \
+            for (int r = 1; r < w; r++) {                                                       \
+                a = op8(OP, a, ld8(DT, srcs[r], i));                                            \
+                b = op8(OP, b, ld8(DT, srcs[r], i + 8));                                        \
+            }                                                                                   \
+            if (OP == OP_AVG) {                                                                 \
+                a = _mm256_div_ps(a, _mm256_set1_ps((float)w));                                 \
+                b = _mm256_div_ps(b, _mm256_set1_ps((float)w));                                 \
+            }                                                                                   \
+            st16(DT, dst, i, a, b);                                                             \
+        }                                                                                       \
+        return i;                                                                               \
+    }
+#define DEF_AVX2_OPS(D, DT)                                                                     \
+    DEF_AVX2(avx2_##D##_sum, DT, OP_SUM)                                                        \
+    DEF_AVX2(avx2_##D##_avg, DT, OP_AVG)                                                        \
+    DEF_AVX2(avx2_##D##_max, DT, OP_MAX)                                                        \
+    DEF_AVX2(avx2_##D##_min, DT, OP_MIN)
+DEF_AVX2_OPS(f32, DT_F32)
+DEF_AVX2(avx2_f16_sumw, DT_F16, OP_SUM)
+DEF_AVX2(avx2_f16_avg, DT_F16, OP_AVG)
+DEF_AVX2(avx2_f16_max, DT_F16, OP_MAX)
+DEF_AVX2(avx2_f16_min, DT_F16, OP_MIN)
+
+/* two sources, SUM: 32 values a step, four independent conversions in flight */
+AVX2 static size_t avx2_f16_sum(void *dst, void *const *srcs, int w, size_t n)
+{
+    if (w != 2)
+        return avx2_f16_sumw(dst, srcs, w, n);
+    size_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        __m256 a0 = ld8(DT_F16, srcs[0], i), a1 = ld8(DT_F16, srcs[0], i + 8);
+        __m256 a2 = ld8(DT_F16, srcs[0], i + 16), a3 = ld8(DT_F16, srcs[0], i + 24);
+        a0 = _mm256_add_ps(a0, ld8(DT_F16, srcs[1], i));
+        a1 = _mm256_add_ps(a1, ld8(DT_F16, srcs[1], i + 8));
+        a2 = _mm256_add_ps(a2, ld8(DT_F16, srcs[1], i + 16));
+        a3 = _mm256_add_ps(a3, ld8(DT_F16, srcs[1], i + 24));
+        st16(DT_F16, dst, i, a0, a1);
+        st16(DT_F16, dst, i + 16, a2, a3);
+    }
+    return i;
+}
+
+/*
+ * bfloat16, 16 values a step from one 256-bit load per source: as float32 the
+ * even ones are the low halves shifted up, the odd ones the high halves
+ * masked (two single-cycle operations for 16 values, where widening costs two
+ * shuffles and two shifts).  The even and odd results round with the same
+ * integer rule, the odd ones straight into the high halves, and one OR puts
+ * the 16 back in order.  NaN needs the quieting rule instead of the carry: a
+ * step holding one (rare) takes the blended path.
+ */
+AVX2 static inline __m256 bf16_even(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
+
+AVX2 static inline __m256 bf16_odd(__m256i v)
+{
+    return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
+}
+
+/* round to nearest even, the result in the high halves (low halves garbage) */
+AVX2 static inline __m256i bf16_high(__m256 x)
+{
+    __m256i u = _mm256_castps_si256(x);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    return _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+}
+
+/* 16 bfloat16 back in order from the even and odd float32 results: the even
+ * ones' rounded high halves shifted down, the odd ones' taken in place (one
+ * word blend).  A step with a NaN (e and o unordered: either holds one) takes
+ * the quieting rule. */
+AVX2 static inline __m256i bf16_pair(__m256 e, __m256 o)
+{
+    if (!_mm256_testz_ps(_mm256_cmp_ps(e, o, _CMP_UNORD_Q), _mm256_cmp_ps(e, o, _CMP_UNORD_Q)))
+        return _mm256_or_si256(bf16_round8(e), _mm256_slli_epi32(bf16_round8(o), 16));
+    return _mm256_blend_epi16(_mm256_srli_epi32(bf16_high(e), 16), bf16_high(o), 0xAA);
+}
+
+#define DEF_AVX2_BF16(NAME, OP)                                                                  \
+    AVX2 static size_t NAME(void *dst, void *const *srcs, int w, size_t n)                      \
+    {                                                                                           \
+        size_t i = 0;                                                                           \
+        for (; i + 16 <= n; i += 16) {                                                          \
+            __m256i v = _mm256_loadu_si256((const __m256i *)((const uint16_t *)srcs[0] + i));   \
+            __m256 e = bf16_even(v), o = bf16_odd(v);                                           \
+            for (int r = 1; r < w; r++) {                                                       \
+                v = _mm256_loadu_si256((const __m256i *)((const uint16_t *)srcs[r] + i));       \
+                e = op8(OP, e, bf16_even(v));                                                   \
+                o = op8(OP, o, bf16_odd(v));                                                    \
+            }                                                                                   \
+            if (OP == OP_AVG) {                                                                 \
+                e = _mm256_div_ps(e, _mm256_set1_ps((float)w));                                 \
+                o = _mm256_div_ps(o, _mm256_set1_ps((float)w));                                 \
+            }                                                                                   \
+            _mm256_storeu_si256((__m256i *)((uint16_t *)dst + i), bf16_pair(e, o));             \
+        }                                                                                       \
+        return i;                                                                               \
+    }
+DEF_AVX2_BF16(avx2_bf16p_sumw, OP_SUM)
+
+/* two sources, SUM: the hot case at world size 2, 32 values a step */
+AVX2 static size_t avx2_bf16p_sum(void *dst, void *const *srcs, int w, size_t n)
+{
+    if (w != 2)
+        return avx2_bf16p_sumw(dst, srcs, w, n);
+    const uint16_t *a = srcs[0], *b = srcs[1];
+    uint16_t *d = dst;
+    size_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        __m256i va = _mm256_loadu_si256((const __m256i *)(a + i));
+        __m256i vb = _mm256_loadu_si256((const __m256i *)(b + i));
+        __m256i wa = _mm256_loadu_si256((const __m256i *)(a + i + 16));
+        __m256i wb = _mm256_loadu_si256((const __m256i *)(b + i + 16));
+        __m256 e0 = _mm256_add_ps(bf16_even(va), bf16_even(vb));
+        __m256 o0 = _mm256_add_ps(bf16_odd(va), bf16_odd(vb));
+        __m256 e1 = _mm256_add_ps(bf16_even(wa), bf16_even(wb));
+        __m256 o1 = _mm256_add_ps(bf16_odd(wa), bf16_odd(wb));
+        _mm256_storeu_si256((__m256i *)(d + i), bf16_pair(e0, o0));
+        _mm256_storeu_si256((__m256i *)(d + i + 16), bf16_pair(e1, o1));
+    }
+    return i;
+}
+DEF_AVX2_BF16(avx2_bf16p_avg, OP_AVG)
+DEF_AVX2_BF16(avx2_bf16p_max, OP_MAX)
+DEF_AVX2_BF16(avx2_bf16p_min, OP_MIN)
+
+typedef size_t (*avx2_fn)(void *, void *const *, int, size_t);
+static const avx2_fn avx2_kernels[3][OP_COUNT] = {
+    {avx2_f32_sum, avx2_f32_avg, avx2_f32_max, avx2_f32_min},
+    {avx2_bf16p_sum, avx2_bf16p_avg, avx2_bf16p_max, avx2_bf16p_min},
+    {avx2_f16_sum, avx2_f16_avg, avx2_f16_max, avx2_f16_min},
+};
+
+int avx2_present(void)
+{
+    static int v = -1;
+    if (v < 0) {
+        __builtin_cpu_init();
+        v = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    }
+    return v;
+}
+
+int reduce_avx2(int dtype, int op, void *dst, void *const *srcs, int w, size_t n)
+{
+    if (dtype > DT_F16 || !avx2_present())
+        return 0;
+    size_t done = avx2_kernels[dtype][op](dst, srcs, w, n);
+    if (done < n) { /* the tail: the portable kernels, same arithmetic */
+        const size_t es = dt_size[dtype];
+        void *tail[w];
+        for (int r = 0; r < w; r++)
+            tail[r] = (char *)srcs[r] + done * es;
+        reduce_portable(dtype, op, (char *)dst + done * es, tail, w, n - done);
+    }
+    return 1;
+}
+#else
+int avx2_present(void) { return 0; }
+
+int reduce_avx2(int dtype, int op, void *dst, void *const *srcs, int w, size_t n)
+{
+    (void)dtype, (void)op, (void)dst, (void)srcs, (void)w, (void)n;
+    return 0;
+}
+#endif
