@@ -347,7 +347,13 @@ if os.environ["RANK"] == "0":
 
 @pytest.mark.parametrize(
     "name, value",
-    [("TPCOMM_ALLREDUCE_ALGO", "bogus"), ("TPCOMM_CMA", "yes"), ("TPCOMM_ISA", "sse9")],
+    [
+        ("TPCOMM_ALLREDUCE_ALGO", "bogus"),
+        ("TPCOMM_CMA", "yes"),
+        ("TPCOMM_ISA", "sse9"),
+        ("TPCOMM_SLOT_BYTES", "9223372036854775808"),  # was SIGSEGV on every rank
+        ("TPCOMM_THREADS", "300"),  # was a ValueError on one rank, a timeout on the other
+    ],
 )
 def test_a_bad_setting_fails_every_rank_at_once(name, value):
     """A bad TPCOMM_* value is read before the segment exists: every rank raises
@@ -374,3 +380,60 @@ def test_a_bad_setting_fails_every_rank_at_once(name, value):
         kind, _, rest = line.partition(" ")
         assert kind == "ValueError" and f"{name}={value!r}" in rest, line
         assert float(rest.rsplit(" ", 1)[1]) < 5.0, line
+
+
+@pytest.mark.parametrize(
+    "name, value, words",
+    [
+        ("TPCOMM_SLOT_BYTES", "9223372036854775808", "expected at most 1.07374e+09"),
+        ("TPCOMM_SLOT_BYTES", "inf", "expected at most"),
+        ("TPCOMM_TIMEOUT", "1e30", "expected at most 1e+09, or inf for no limit"),
+        ("TPCOMM_TIMEOUT", "nan", "must be a non-negative number"),
+        ("TPCOMM_NT_MIN_BYTES", str(2**63), "expected an int in [-1, 281474976710656]"),
+        ("TPCOMM_THREADS", str(2**63), "expected an int in [1, 256]"),
+        ("TPCOMM_SPIN_US", "1e8", "expected at most 2000"),
+        ("TPCOMM_YIELD_US", "inf", "expected at most 1e+06"),
+        ("TPCOMM_CMA_MIN_BYTES", str(2**63), "expected an int in [-1, 281474976710656]"),
+    ],
+)
+def test_every_setting_has_a_documented_range(monkeypatch, name, value, words):
+    """Out-of-range settings are a ValueError naming the setting, the value and the
+    range (they were OverflowErrors, SIGSEGVs, or an endless spin); they are read
+    before a segment exists (the test above shows every rank refusing at once)."""
+    from tpcomm import _env
+
+    monkeypatch.setenv(name, value)
+    read = {
+        "TPCOMM_SLOT_BYTES": _env.slot_bytes,
+        "TPCOMM_TIMEOUT": _env.timeout,
+        "TPCOMM_NT_MIN_BYTES": _env.nt_min_bytes,
+        "TPCOMM_THREADS": lambda: _env.threads(2),
+        "TPCOMM_SPIN_US": _env.spin_us,
+        "TPCOMM_YIELD_US": _env.yield_us,
+        "TPCOMM_CMA_MIN_BYTES": lambda: _env.cma_min_bytes(2),
+    }[name]
+    with pytest.raises(ValueError) as e:
+        read()
+    assert f"{name}={value!r}" in str(e.value) and words in str(e.value), str(e.value)
+
+
+def no_limit(comm):
+    x = torch.ones(8)
+    comm.all_reduce(x)
+    return x.tolist()
+
+
+@pytest.mark.parametrize("how", ["TPCOMM_TIMEOUT=inf", "timeout=1e11"])
+def test_no_limit_is_a_timeout_too(monkeypatch, how):
+    """An infinite timeout (TPCOMM_TIMEOUT=inf) and a huge one (timeout=1e11, meant
+    as never) are waits without a deadline; 1e11 s used to become 0 ns in the
+    core and every wait failed at once."""
+    from tpcomm.launch import LocalGroup
+
+    if how.startswith("TPCOMM"):
+        monkeypatch.setenv("TPCOMM_TIMEOUT", "inf")
+        group = LocalGroup(2)
+    else:
+        group = LocalGroup(2, timeout=1e11)
+    with group as g:
+        assert g.run(no_limit, timeout=60) == [[2.0] * 8] * 2

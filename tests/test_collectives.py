@@ -571,3 +571,22 @@ def aliased_in_place(comm):
 @pytest.mark.parametrize("world", [2, 3])
 def test_aliased_in_place_forms(pools, world):
     assert pools.run(world, aliased_in_place) == [[]] * world
+
+
+def world_one_gather(comm):
+    buf = torch.arange(10, dtype=torch.float32)
+    comm.all_gather_into_tensor(buf[:5], buf[:5])  # in place
+    same = buf[:5].tolist()
+    want = buf[1:6].clone()
+    comm.all_gather_into_tensor(buf[:5], buf[1:6])  # shifted by one
+    return same, buf[:5].tolist() == want.tolist()
+
+
+def test_world_one_all_gather_into_overlapping_output():
+    """World size 1 gives what the other sizes give: all_gather_into_tensor whose
+    output overlaps its input (in place, or shifted) is the input, as if they did
+    not overlap (it raised torch's own RuntimeError from copy_)."""
+    from tpcomm.launch import LocalGroup
+
+    with LocalGroup(1) as g:
+        assert g.run(world_one_gather) == [([0.0, 1.0, 2.0, 3.0, 4.0], True)]

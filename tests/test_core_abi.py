@@ -31,12 +31,13 @@ def test_reduce_codes_are_the_cores():
 
 
 def test_kinds_and_statuses_are_the_cores():
-    for name in ("ALL_REDUCE", "BARRIER", "ALL_GATHER", "REDUCE_SCATTER", "BROADCAST",
-                 "GATHER", "EMPTY", "ALL_TO_ALL"):  # fmt: skip
+    names = ("ALL_REDUCE", "BARRIER", "ALL_GATHER", "REDUCE_SCATTER", "BROADCAST", "GATHER",
+             "EMPTY", "ALL_TO_ALL", "DUP")  # fmt: skip
+    for name in names:
         assert getattr(engine, f"KIND_{name}") == getattr(_native, f"KIND_{name}")
-    assert len(engine.KIND_NAMES) == 8 and len(set(engine.KIND_NAMES)) == 8
+    assert len(engine.KIND_NAMES) == len(names) == len(set(engine.KIND_NAMES))
     codes = [getattr(engine, n) for n in dir(engine) if n.startswith("ST_")]
-    assert len(codes) == len(set(codes)) == 10
+    assert len(codes) == len(set(codes)) == 11
 
 
 def test_message_header_is_what_the_core_reads():

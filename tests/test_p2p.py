@@ -458,3 +458,38 @@ def test_sendrecv_cannot_deadlock(pools, world):
         err = res.pop("wrong out")
         assert err.startswith("sendrecv: rank") and "(4,)" in err and "(3,)" in err, err
         assert all(res.values()), res
+
+
+def crafted_lengths(comm, which):
+    """Rank 0 writes a message whose lengths wrap around 2**64; rank 1 receives."""
+    import struct
+
+    t0 = time.monotonic()
+    if comm.rank == 0:
+        if which == "header":
+            stream = struct.pack("<QQ", 0xFFFFFFF0, 16)  # a 4 GiB header
+        else:
+            stream = struct.pack("<QQ", 2, 2**64 - 8) + b"\xb1\x00"  # data wraps the total
+        _testing.send_raw(comm, 1, stream)
+        try:
+            comm.barrier()
+            return "no error", time.monotonic() - t0
+        except tpcomm.CommError as e:
+            return str(e), time.monotonic() - t0
+    try:
+        comm.recv(0)
+        return "no error", time.monotonic() - t0
+    except tpcomm.CommError as e:
+        return str(e), time.monotonic() - t0
+
+
+@pytest.mark.parametrize("which", ["header", "data"])
+def test_a_malformed_message_is_an_error_on_both_sides(which):
+    """Lengths read from shared memory are checked before use: a message whose
+    header or data length cannot be right (it made recv hang past its timeout)
+    is a CommError naming the sender, at once, on the receiver and the sender."""
+    with LocalGroup(2, timeout=20) as g:
+        (sent, t_send), (got, t_recv) = g.run(crafted_lengths, which, timeout=60)
+    assert "rank 0 sent rank 1 a point-to-point message whose lengths" in got, got
+    assert "rank 0 sent a point-to-point message whose lengths" in sent, sent
+    assert t_recv < 5.0 and t_send < 5.0

@@ -9,6 +9,7 @@ the AVX512_BF16 instruction).  TPCOMM_ISA (isa below) picks a variant outright.
 
 from __future__ import annotations
 
+import datetime
 import os
 
 __all__ = [
@@ -44,8 +45,19 @@ DEFAULT_SPIN_US = 5.0
 # Then sched_yield until this long, then sleep on a futex (wake-up ~70 us).
 DEFAULT_YIELD_US = 1000.0
 
+# The largest value each setting takes (a larger one is a ValueError on every
+# rank, before anything is made).  TPCOMM_TIMEOUT also takes inf: no limit.
+MAX_TIMEOUT_S = 1e9  # 31 years: the core treats this and more as no limit
+MAX_SLOT_BYTES = 1 << 30  # the segment holds 2 slots per rank: 16 GiB at world 8
+MAX_SPIN_US = 2000.0  # a spin holds the GIL and checks nothing: one liveness period
+MAX_YIELD_US = 1e6
+MAX_BYTES = 1 << 48  # switch points in bytes: larger means never anyway
+MAX_THREADS = 256  # helper threads per rank (the core's limit)
 
-def _float(name: str, default: float) -> float:
+
+def _float(name: str, default: float, maximum: float, infinite: bool = False) -> float:
+    """A non-negative number of at most ``maximum`` (``infinite``: "inf" too,
+    meaning no limit)."""
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
@@ -53,12 +65,16 @@ def _float(name: str, default: float) -> float:
         value = float(raw)
     except ValueError:
         raise ValueError(f"{name}={raw!r} is not a number") from None
-    if value < 0:
-        raise ValueError(f"{name}={raw!r} must be non-negative")
+    if value != value or value < 0:
+        raise ValueError(f"{name}={raw!r} must be a non-negative number")
+    if value > maximum and not (infinite and value == float("inf")):
+        limit = f"at most {maximum:g}" + (", or inf for no limit" if infinite else "")
+        raise ValueError(f"{name}={raw!r}: expected {limit}")
     return value
 
 
-def _int(name: str, default: int, minimum: int, hint: str = "") -> int:
+def _int(name: str, default: int, minimum: int, maximum: int, hint: str = "") -> int:
+    """An int in [minimum, maximum]."""
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
@@ -66,17 +82,23 @@ def _int(name: str, default: int, minimum: int, hint: str = "") -> int:
         value = int(raw)
     except ValueError:
         value = minimum - 1
-    if value < minimum:
-        raise ValueError(f"{name}={raw!r}: expected an int >= {minimum}{hint}")
+    if not minimum <= value <= maximum:
+        raise ValueError(f"{name}={raw!r}: expected an int in [{minimum}, {maximum}]{hint}")
     return value
 
 
 def timeout() -> float:
     """TPCOMM_TIMEOUT, seconds (default 300)."""
-    value = _float("TPCOMM_TIMEOUT", DEFAULT_TIMEOUT_S)
+    value = _float("TPCOMM_TIMEOUT", DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S, infinite=True)
     if value == 0:
         raise ValueError("TPCOMM_TIMEOUT must be positive")
     return value
+
+
+def timedelta(seconds: float) -> datetime.timedelta:
+    """A timeout for torch's stores and groups: ``seconds``, where inf (no
+    limit) and anything past MAX_TIMEOUT_S become MAX_TIMEOUT_S."""
+    return datetime.timedelta(seconds=min(seconds, MAX_TIMEOUT_S))
 
 
 def timeout_is_set() -> bool:
@@ -92,7 +114,7 @@ def shm_dir() -> str:
 
 def slot_bytes() -> int:
     """TPCOMM_SLOT_BYTES, rounded up to a 4 KiB page (default 1 MiB)."""
-    value = int(_float("TPCOMM_SLOT_BYTES", DEFAULT_SLOT_BYTES))
+    value = int(_float("TPCOMM_SLOT_BYTES", DEFAULT_SLOT_BYTES, MAX_SLOT_BYTES))
     if value < 4096:
         raise ValueError(f"TPCOMM_SLOT_BYTES={value} is below the minimum 4096")
     return (value + 4095) // 4096 * 4096
@@ -100,17 +122,17 @@ def slot_bytes() -> int:
 
 def spin_us() -> float:
     """TPCOMM_SPIN_US (default 5)."""
-    return _float("TPCOMM_SPIN_US", DEFAULT_SPIN_US)
+    return _float("TPCOMM_SPIN_US", DEFAULT_SPIN_US, MAX_SPIN_US)
 
 
 def yield_us() -> float:
     """TPCOMM_YIELD_US (default 1000)."""
-    return _float("TPCOMM_YIELD_US", DEFAULT_YIELD_US)
+    return _float("TPCOMM_YIELD_US", DEFAULT_YIELD_US, MAX_YIELD_US)
 
 
 def nt_min_bytes() -> int:
     """TPCOMM_NT_MIN_BYTES (default -1: never)."""
-    return _int("TPCOMM_NT_MIN_BYTES", DEFAULT_NT_MIN_BYTES, -1, " (-1: never)")
+    return _int("TPCOMM_NT_MIN_BYTES", DEFAULT_NT_MIN_BYTES, -1, MAX_BYTES, " (-1: never)")
 
 
 # all_gathers that move at least this many bytes in all read the peers' inputs
@@ -136,7 +158,7 @@ def cma_min_bytes(world: int) -> int:
     """TPCOMM_CMA_MIN_BYTES: the smallest all_gather (total bytes) read single-copy
     (default: CMA_MIN_BYTES for this world size; -1: never)."""
     key = max(k for k in CMA_MIN_BYTES if k <= max(world, 2))
-    return _int("TPCOMM_CMA_MIN_BYTES", CMA_MIN_BYTES[key], -1, " (-1: never)")
+    return _int("TPCOMM_CMA_MIN_BYTES", CMA_MIN_BYTES[key], -1, MAX_BYTES, " (-1: never)")
 
 
 def cma_plan(world: int) -> tuple[bool, int]:
@@ -187,7 +209,7 @@ def threads(world: int) -> int:
     CPUs // ranks.  Never more threads than CPUs, so never oversubscribed.
     """
     if os.environ.get("TPCOMM_THREADS", "auto") != "auto":
-        return _int("TPCOMM_THREADS", 1, 1, " or auto")
+        return _int("TPCOMM_THREADS", 1, 1, MAX_THREADS, " or auto")
     import torch
 
     total = os.cpu_count() or 1

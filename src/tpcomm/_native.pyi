@@ -14,6 +14,7 @@ ST_CROSSED: int
 ST_BUSY: int
 ST_CLOSED: int
 ST_CMA: int
+ST_PROTO: int
 DT_F32: int
 DT_BF16: int
 DT_F16: int
@@ -31,6 +32,7 @@ KIND_BROADCAST: int
 KIND_GATHER: int
 KIND_EMPTY: int
 KIND_ALL_TO_ALL: int
+KIND_DUP: int
 ARG_ZERO_COPY: int
 RS_FLAT: int
 P2P_BINARY: int

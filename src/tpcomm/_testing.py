@@ -21,6 +21,7 @@ __all__ = [
     "kernel_isa",
     "layout",
     "peer_pids",
+    "send_raw",
     "reduce_kernel",
     "rounds",
     "segment_size",
@@ -78,6 +79,12 @@ def fault_cma_addr(comm: Any, on: bool) -> None:
 def layout(comm: Any) -> dict:
     """The segment's offsets and sizes as the core computed them."""
     return _eng(comm).layout()
+
+
+def send_raw(comm: Any, dst: int, stream: bytes) -> Any:
+    """Put ``stream`` into the channel to ``dst`` as a message's bytes, lengths
+    and all, unchecked (what a buggy or hostile peer could write)."""
+    return _eng(comm).send_raw(dst, stream)
 
 
 def peer_pids(comm_or_engine: Any) -> list:

@@ -9,7 +9,6 @@ may be the one that dies).
 
 from __future__ import annotations
 
-import datetime
 import functools
 import os
 import socket
@@ -19,7 +18,42 @@ from typing import Any
 from . import _env
 from .errors import CommError, CommTimeoutError
 
-__all__ = ["host_identity", "exchange", "broadcast_from_rank0"]
+__all__ = ["host_identity", "exchange", "broadcast_from_rank0", "master_store"]
+
+
+def master_store(host: str, port: int, world: Any, timeout: float) -> Any:
+    """The TCPStore a rank hosts for the set-up, listening on ``host`` only
+    (torch's own listens on every interface: anyone who reaches the port could
+    write set-up keys).  Falls back to torch's when ``host`` is not an address
+    of this machine (the store is then reachable as before)."""
+    import errno
+
+    from torch.distributed import TCPStore
+
+    fd = None
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(addr)
+            sock.listen(1024)
+        except BaseException:
+            sock.close()
+            raise
+        fd = sock.detach()  # the store owns it from here on (and closes it)
+    except OSError as e:
+        if e.errno not in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+            raise
+    return TCPStore(
+        host,
+        port,
+        world,
+        is_master=True,
+        timeout=_env.timedelta(timeout),
+        wait_for_workers=False,
+        master_listen_fd=fd,
+    )
 
 
 @functools.cache
@@ -41,7 +75,7 @@ def host_identity() -> str:
 
 def _wait(store: Any, keys: list[str], timeout: float, what: str) -> None:
     try:
-        store.wait(keys, datetime.timedelta(seconds=timeout))
+        store.wait(keys, _env.timedelta(timeout))
     except Exception as e:  # torch raises DistStoreError / RuntimeError on timeout
         raise CommTimeoutError(
             f"tpcomm: rendezvous timed out after {timeout:g}s waiting for {what} ({e})"

@@ -9,7 +9,6 @@ which raise before anything is touched.
 from __future__ import annotations
 
 import collections
-import datetime
 import hashlib
 import os
 import pickle
@@ -18,8 +17,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from . import checks, compiled, layout, routing
-from .bootstrap import exchange, host_identity
+from . import _env, checks, compiled, layout, routing
+from .bootstrap import exchange, host_identity, master_store
 from .dist_fallback import DistPath, private_gloo, private_nccl
 from .errors import CommError
 from .hierarchical import Hierarchy
@@ -35,6 +34,7 @@ from .shm.engine import (
     KIND_ALL_GATHER,
     KIND_BARRIER,
     KIND_BROADCAST,
+    KIND_DUP,
     KIND_GATHER,
     KIND_REDUCE_SCATTER,
     ShmEngine,
@@ -52,6 +52,9 @@ _STRIDED = torch.strided
 _created: collections.Counter = collections.Counter()
 
 Timeout = checks.Timeout
+
+# the set-up stores this process hosts for from_env, by (MASTER_ADDR, MASTER_PORT)
+_hosted: dict = {}
 
 
 _NOT_PLAIN = object()  # _plain_gather: not its case
@@ -141,13 +144,21 @@ class Communicator:
             raise ValueError(f"{fn}: RANK={rank} must be in [0, WORLD_SIZE={world})")
         agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
         store = None
-        if world > 1:
+        if world > 1 and rank == 0 and not agent:  # listening on MASTER_ADDR only
+            # one per address and port for the life of the process: a communicator
+            # made again after close() uses it again (peers may still be
+            # connected to it; a new one on the same port would cut them off)
+            key = (env["MASTER_ADDR"], port)
+            store = _hosted.get(key)
+            if store is None:
+                store = _hosted[key] = master_store(env["MASTER_ADDR"], port, world, seconds)
+        elif world > 1:
             store = TCPStore(
                 env["MASTER_ADDR"],
                 port,
                 world,
-                is_master=(rank == 0 and not agent),
-                timeout=datetime.timedelta(seconds=seconds),
+                is_master=False,
+                timeout=_env.timedelta(seconds),
                 wait_for_workers=False,
             )
         _created["env"] += 1
@@ -343,6 +354,11 @@ class Communicator:
             car.close()
         self._cuda_ar.clear()
         self._cuda_dist = None  # a caller's (the backend's) path: its owner releases it
+        # the set-up store: no longer needed (one this rank hosts for from_env
+        # stays up for the next from_env of this process: _hosted)
+        self._store = None
+        self._dist = None
+        self._paths = []
         if self._hier is not None:
             self._hier.close()
 
@@ -359,6 +375,13 @@ class Communicator:
         fn = "dup"
         self._check_open(fn)
         seconds = self._timeout if timeout is None else checks.timeout_seconds(fn, timeout)
+        if self._engine is not None:
+            # one round first, like any collective: a rank that called something
+            # else meets a mismatch here at once (on every rank), instead of this
+            # rank waiting in the set-up store for the whole timeout
+            status = self._engine.sync(KIND_DUP, 0, 0, 0, 0)
+            if status:
+                self._raise(status, fn)
         self._dups += 1
         other = type(self).__new__(type(self))
         other._setup(
@@ -808,8 +831,10 @@ class Communicator:
                 got = self._dist.gather(moved, root)
             if got is None:
                 return None
-        else:  # world size 1: a copy, like every other rank count
-            got = moved if out is not None else moved.clone()
+        else:  # world size 1: a copy, like every other rank count (from a
+            # copy when the result overlaps the input, as torch's copy_ refuses)
+            overlaps = out is not None and layout.any_overlap([moved], [out])
+            got = moved if out is not None and not overlaps else moved.clone()
         if out is not None:
             if d:
                 out.copy_(got.movedim(0, d))

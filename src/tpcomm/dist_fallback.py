@@ -17,7 +17,6 @@ are composed from the ones it has, with the same results.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import pickle
 from typing import Any, Callable, Optional, Sequence, Union
@@ -26,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from . import _env
 from .errors import CommError
 from .ops import ReduceOp, dense
 
@@ -46,9 +46,7 @@ def private_gloo(store: Any, prefix: str, rank: int, world: int, timeout: float)
     from torch.distributed import PrefixStore
     from torch.distributed.distributed_c10d import ProcessGroupGloo
 
-    return ProcessGroupGloo(
-        PrefixStore(f"{prefix}/", store), rank, world, datetime.timedelta(seconds=timeout)
-    )
+    return ProcessGroupGloo(PrefixStore(f"{prefix}/", store), rank, world, _env.timedelta(timeout))
 
 
 def _real(t: torch.Tensor) -> torch.Tensor:
@@ -65,7 +63,7 @@ def private_nccl(store: Any, prefix: str, rank: int, world: int, timeout: float)
     except ImportError:
         raise CommError("tpcomm: a CUDA collective needs NCCL, and this torch has none") from None
     opts = ProcessGroupNCCL.Options()
-    opts._timeout = datetime.timedelta(seconds=timeout)
+    opts._timeout = _env.timedelta(timeout)
     return ProcessGroupNCCL(PrefixStore(f"{prefix}/", store), rank, world, opts)
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import datetime
 import itertools
 import multiprocessing as mp
 import multiprocessing.connection as mpc
@@ -21,6 +20,8 @@ import time
 import traceback
 from typing import Any, Callable, Optional, Sequence
 
+from . import _env
+from .bootstrap import master_store
 from .errors import LaunchError, PeerFailedError
 
 __all__ = ["launch", "LocalGroup"]
@@ -82,7 +83,7 @@ def _worker(
                 "127.0.0.1",
                 port,
                 is_master=False,
-                timeout=datetime.timedelta(seconds=timeout or 300),
+                timeout=_env.timedelta(timeout or 300),
             )
         comm = Communicator._from_store(store, rank, world, prefix, "launch", timeout)
         del store
@@ -152,7 +153,6 @@ class LocalGroup:
             raise TypeError(f"launch: world_size must be an int, got {type(world_size).__name__}")
         if world_size < 1:
             raise ValueError(f"launch: world_size must be >= 1, got {world_size}")
-        from torch.distributed import TCPStore
 
         self.world_size = world_size
         self._procs: list[Any] = []
@@ -162,14 +162,8 @@ class LocalGroup:
         self._store = None
         port = 0
         if world_size > 1:
-            self._store = TCPStore(
-                "127.0.0.1",
-                0,
-                None,
-                is_master=True,
-                timeout=datetime.timedelta(seconds=start_timeout),
-                wait_for_workers=False,
-            )
+            # loopback only: the ranks are local, nobody else has a say in set-up
+            self._store = master_store("127.0.0.1", 0, None, start_timeout)
             port = self._store.port
         prefix = f"tpcomm/launch/{os.getpid()}/{next(_ids)}"
         cpus = sorted(os.sched_getaffinity(0))

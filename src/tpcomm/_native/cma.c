@@ -45,7 +45,9 @@ int cma_failed(Engine *e, int r, int err)
         return ST_ABORTED;
     e->err_rank = r;
     e->failed = 1;
-    if (!peer_alive(e, r)) {
+    /* ESRCH: the process is gone or going (a killed rank is exiting and may
+     * still hold its liveness lock for a moment): the peer died */
+    if (err == ESRCH || !peer_alive(e, r)) {
         set_abort(e, ST_PEER_DEAD, r);
         return ST_PEER_DEAD;
     }
@@ -100,6 +102,10 @@ static int cma_copy(Engine *e, int r, const uint64_t *loc, Py_ssize_t nloc, cons
         if (take_abort(e))
             return ST_ABORTED;
         fault_pause(e); /* tests: a peer may die meanwhile */
+        /* never read a dead rank's pid: it may be another process's by now (the
+         * lock is held while the rank lives, and a live pid is not reused) */
+        if (!peer_alive(e, r))
+            return cma_failed(e, r, ESRCH);
         int nl = iov_fill(loc, nloc, li, lo, lv), nr = iov_fill(rem, nrem, ri, ro, rv);
         ssize_t got = process_vm_readv(peer_pid(e, r), lv, (unsigned long)nl, rv,
                                        (unsigned long)nr, 0);

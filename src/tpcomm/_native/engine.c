@@ -139,7 +139,7 @@ static PyObject *eng_wait_attached(Engine *e, PyObject *arg)
         return NULL;
     if (!e->base)
         return eng_closed_error();
-    uint64_t deadline = now_ns() + (uint64_t)(timeout * 1e9);
+    uint64_t deadline = now_ns() + ns_of(timeout);
     int ok = 0;
     Py_BEGIN_ALLOW_THREADS
     for (;;) {
@@ -426,9 +426,11 @@ static int eng_init(Engine *e, PyObject *args, PyObject *kw)
     e->p2p_piece = 2 * e->p2p_bytes / P2P_RING; /* p2p_bytes: a multiple of 4 KiB, >= 64 KiB */
     e->p2p_off = e->slot_off + (size_t)world * 2 * slot_bytes;
     e->round = 0;
-    e->timeout_ns = (uint64_t)(timeout * 1e9);
-    e->spin_ns = (uint64_t)(spin_us * 1e3);
-    e->yield_ns = (uint64_t)(yield_us * 1e3);
+    e->timeout_ns = ns_of(timeout);
+    /* spinning holds the GIL and checks nothing: at most one liveness period
+     * (2 ms), whatever the setting; the waits after it check every 2 ms */
+    e->spin_ns = ns_of(spin_us * 1e-6) < 2000000ull ? ns_of(spin_us * 1e-6) : 2000000ull;
+    e->yield_ns = ns_of(yield_us * 1e-6);
     e->busy = 0;
     e->failed = 0;
     e->twoshot_min = UINT64_MAX;

@@ -224,6 +224,19 @@ static int rx_copy(Engine *e, char *dst, size_t n, PyThreadState **ts)
 /* Wait for the next message from src and read its header: a new bytes
  * object (NULL with an exception set), *st the status (the bytes are empty
  * unless it is ST_OK). */
+/* A message from src whose lengths (header word w0, data bytes dl) cannot be
+ * right: ST_PROTO, and every rank learns that src sent it (the sender's next
+ * wait fails too); else 0. */
+int p2p_malformed(Engine *e, int src, uint64_t w0, uint64_t dl)
+{
+    if (P2P_HL(w0) <= P2P_MAX_HEADER && dl <= P2P_MAX_DATA && P2P_NP(w0) <= P2P_MAX_PIECES)
+        return 0;
+    e->err_rank = src;
+    e->failed = 1;
+    set_abort(e, ST_PROTO, src);
+    return ST_PROTO;
+}
+
 PyObject *recv_head(Engine *e, int src, int *st)
 {
     PyThreadState *ts = NULL;
@@ -241,6 +254,10 @@ PyObject *recv_head(Engine *e, int src, int *st)
     }
     uint64_t lens[2];
     memcpy(lens, p2p_slot_of(e, src, e->rank, e->rx_k), sizeof lens);
+    if ((*st = p2p_malformed(e, src, lens[0], lens[1])) != ST_OK) {
+        e->busy = 0;
+        return PyBytes_FromStringAndSize("", 0);
+    }
     uint64_t hl = P2P_HL(lens[0]);
     e->rx_np = P2P_NP(lens[0]);
     e->rx_dl = lens[1];

@@ -108,6 +108,8 @@ static int brecv_step(Engine *e, bop_t *o, PyThreadState **ts)
             return 0;
         uint64_t lens[2];
         memcpy(lens, p2p_slot_of(e, o->peer, e->rank, o->k), sizeof lens);
+        if ((o->err = p2p_malformed(e, o->peer, lens[0], lens[1])) != ST_OK)
+            return 0;
         o->hl = (size_t)P2P_HL(lens[0]);
         o->np = P2P_NP(lens[0]);
         o->dl = (size_t)lens[1];

@@ -125,13 +125,14 @@
 /* status codes returned to Python (shm/engine.py turns them into exceptions) */
 enum { ST_OK = 0, ST_TIMEOUT = 1, ST_PEER_DEAD = 2, ST_MISMATCH = 3, ST_ABORTED = 4,
        ST_INTERRUPTED = 5, ST_CROSSED = 6, ST_BUSY = 7, ST_CLOSED = 8,
-       ST_CMA = 9 };
+       ST_CMA = 9, ST_PROTO = 10 };
 
 
 /* Collective kinds, published with every round so that ranks calling
  * different collectives are told so instead of corrupting each other. */
 enum { KIND_ALL_REDUCE = 1, KIND_BARRIER = 2, KIND_ALL_GATHER = 3, KIND_REDUCE_SCATTER = 4,
-       KIND_BROADCAST = 5, KIND_GATHER = 6, KIND_EMPTY = 7, KIND_ALL_TO_ALL = 8 };
+       KIND_BROADCAST = 5, KIND_GATHER = 6, KIND_EMPTY = 7, KIND_ALL_TO_ALL = 8,
+       KIND_DUP = 9 };
 
 typedef struct {
     uint64_t magic;
@@ -181,6 +182,17 @@ static inline uint64_t seg_size(uint32_t world, uint64_t slot_bytes)
 {
     return PAGE + (uint64_t)world * ctrl_size(world) + (uint64_t)world * 2 * slot_bytes +
            (uint64_t)world * (world - 1) * 2 * p2p_size(world, slot_bytes);
+}
+
+/* A duration in seconds (or microseconds x 1e-6) as nanoseconds, never past
+ * NS_FOREVER: 10^18 ns (31 years) stands for "no limit" (an infinite timeout,
+ * or a huge one), and adding it to now_ns() cannot overflow. */
+#define NS_FOREVER 1000000000000000000ull
+static inline uint64_t ns_of(double seconds)
+{
+    if (!(seconds > 0)) /* negative, zero or NaN */
+        return 0;
+    return seconds >= 1e9 ? NS_FOREVER : (uint64_t)(seconds * 1e9);
 }
 
 static inline uint64_t now_ns(void)
@@ -373,6 +385,11 @@ typedef struct {
 #define P2P_BYREF_MIN(e) (3 * (e)->p2p_bytes)
 #define P2P_HL(w) ((w) & P2P_BYREF ? (w) & 0xffffffffull : (w))
 #define P2P_NP(w) ((w) & P2P_BYREF ? (Py_ssize_t)(((w) >> 32) & 0x7fffffffull) : 0)
+/* What a message's lengths may say (read from shared memory, so checked
+ * before use: a peer's bug or a hostile write must not wrap a size) */
+#define P2P_MAX_HEADER (1ull << 30)
+#define P2P_MAX_DATA (1ull << 56)
+#define P2P_MAX_PIECES (1ll << 24)
 
 /* One send or receive in progress: a message streamed chunk by chunk
  * (send_pieces in p2p.c, and the batches of p2p_batch.c). */
@@ -466,6 +483,7 @@ int cma_recv(Engine *e, int r, const char *desc, Py_ssize_t np, size_t dl, const
 
 /* p2p.c */
 int check_rank(Engine *e, long r, const char *fn);
+int p2p_malformed(Engine *e, int src, uint64_t w0, uint64_t dl);
 PyObject *eng_layout(Engine *e, PyObject *unused);
 int parse_pieces(PyObject *list, pieces_t *pc);
 int bsend_step(Engine *e, bop_t *o);

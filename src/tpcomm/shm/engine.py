@@ -81,6 +81,7 @@ KIND_BROADCAST = _native.KIND_BROADCAST
 KIND_GATHER = _native.KIND_GATHER
 KIND_EMPTY = _native.KIND_EMPTY
 KIND_ALL_TO_ALL = _native.KIND_ALL_TO_ALL
+KIND_DUP = _native.KIND_DUP
 KIND_NAMES = {
     KIND_EMPTY: "empty",
     KIND_ALL_REDUCE: "all_reduce",
@@ -90,6 +91,7 @@ KIND_NAMES = {
     KIND_BROADCAST: "broadcast",
     KIND_GATHER: "gather",
     KIND_ALL_TO_ALL: "all_to_all",
+    KIND_DUP: "dup",
 }
 _REDUCING = (KIND_ALL_REDUCE, KIND_REDUCE_SCATTER)
 
@@ -103,6 +105,7 @@ ST_CROSSED = _native.ST_CROSSED
 ST_BUSY = _native.ST_BUSY
 ST_CLOSED = _native.ST_CLOSED
 ST_CMA = _native.ST_CMA
+ST_PROTO = _native.ST_PROTO
 
 # How long close() waits for another thread's aborted call to leave the engine.
 CLOSE_WAIT_S = 10.0
@@ -115,6 +118,8 @@ def _describe_call(kind: int, dtype: int, op: int, count: int, arg: int | None =
     name = KIND_NAMES.get(kind, f"op kind {kind}")
     if kind == KIND_BARRIER:
         return "barrier()"
+    if kind == KIND_DUP:
+        return "dup()"
     if kind in _REDUCING:
         dt = CODE_DTYPES.get(dtype, f"dtype code {dtype}")
         try:
@@ -321,6 +326,9 @@ class ShmEngine:
     def peer_pids(self) -> list:
         return self._native.peer_pids()
 
+    def send_raw(self, dst: int, stream: bytes) -> Optional[int]:
+        return self._native.p2p_send(dst, [stream])
+
     def _map(
         self,
         fd: int,
@@ -417,6 +425,12 @@ class ShmEngine:
                 f"(TPCOMM_CMA=0 makes all_gather, all_to_all and large sendrecv messages "
                 f"copy through shared memory)"
             )
+        if status == ST_PROTO:
+            raise CommError(
+                f"{fn}: rank {peer} sent rank {self.rank} a point-to-point message whose "
+                f"lengths cannot be right (header or data size past the limits); nothing "
+                f"was read, and this communicator can no longer be used"
+            )
         if status == ST_INTERRUPTED:
             self._native.reraise()  # KeyboardInterrupt or whatever the handler raised
         if status == ST_ABORTED:
@@ -450,6 +464,12 @@ class ShmEngine:
                     f"(process_vm_readv) during an all_gather, all_to_all or sendrecv; "
                     f"this communicator can no longer be used (TPCOMM_CMA=0 avoids these "
                     f"reads)"
+                )
+            if reason == ST_PROTO:
+                raise CommError(
+                    f"{fn}: rank {peer} sent a point-to-point message whose lengths cannot "
+                    f"be right, and its receiver refused it; this communicator can no "
+                    f"longer be used"
                 )
             if reason == ST_TIMEOUT:
                 raise CommTimeoutError(

@@ -122,6 +122,12 @@ def _allocate(
             eng.raise_status(status, fn)
     except _NotCreated as e:
         raise CommError(str(e)) from None  # every rank raises it; nothing to abort
+    except ValueError:
+        # a mismatched call (a peer called another collective): every rank got
+        # the ValueError from the same round and stays in step, as after any
+        # collective's mismatch; the communicator stays usable
+        segment.unlink_quietly(path)
+        raise
     except BaseException:
         segment.unlink_quietly(path)
         if eng._native is not None and not eng.failed:

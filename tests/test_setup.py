@@ -1,0 +1,92 @@
+"""Set-up: what a communicator exposes while it forms, and forming again.
+
+Guards: the launcher's set-up store listens on loopback only (torch's listens
+on every interface, so anyone who reached the port could write set-up keys);
+a rank that hosted the from_env store can close its communicator and make a
+new one on the same MASTER_PORT in the same process (the next store used to
+fail with EADDRINUSE while the peers timed out); the hosted store serves the
+next from_env too, so peers still connected to it are not cut off.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from .test_dist import free_port
+
+
+def _listening(port: int) -> list:
+    """(file, local address) of every socket listening on ``port``."""
+    found = []
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(name) as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            addr, hexport = fields[1].split(":")
+            if int(hexport, 16) == port and fields[3] == "0A":  # LISTEN
+                found.append((name, addr))
+    return found
+
+
+def _noop(comm):
+    return comm.rank
+
+
+def test_the_launch_store_listens_on_loopback_only():
+    from tpcomm.launch import LocalGroup
+
+    with LocalGroup(2) as g:
+        assert g.run(_noop) == [0, 1]
+        port = g._store.port
+        assert _listening(port) == [("/proc/net/tcp", "0100007F")], _listening(port)
+
+
+AGAIN = r"""
+import os, torch, tpcomm
+out = []
+for round in range(3):
+    with tpcomm.Communicator.from_env(timeout=30) as comm:
+        x = torch.full((4,), float(comm.rank + round))
+        comm.all_reduce(x)
+        out.append(x[0].item())
+print(out, flush=True)
+"""
+
+
+def test_from_env_again_in_the_same_process():
+    port = free_port()
+    procs = []
+    for r in range(2):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
+        env["MASTER_PORT"] = str(port)
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", AGAIN], env=env, stdout=subprocess.PIPE, text=True
+            )
+        )
+    try:
+        outs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert outs == ["[1.0, 3.0, 5.0]"] * 2, outs
+
+
+def test_a_hosted_store_listens_on_its_address_only():
+    """The store rank 0 of from_env hosts (bootstrap.master_store) listens on
+    MASTER_ADDR alone, and its port is free again once it is dropped."""
+    from tpcomm.bootstrap import master_store
+
+    port = free_port()
+    store = master_store("127.0.0.1", port, 2, 10.0)
+    assert _listening(port) == [("/proc/net/tcp", "0100007F")], _listening(port)
+    del store
+    again = master_store("127.0.0.1", port, 2, 10.0)
+    assert again.port == port
