@@ -139,3 +139,77 @@ def test_missing_directory_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("TPCOMM_SHM_DIR", str(tmp_path / "nope"))
     with pytest.raises(tpcomm.CommError, match="TPCOMM_SHM_DIR"):
         segment.create(2, 4096, "gtest")
+
+
+def test_a_peer_names_a_token_never_a_path(shm_dir):
+    """What a peer publishes (the store, or a symmetric buffer's slot) is only the
+    random token of a name; the directory is this rank's setting and the name
+    tpcomm's pattern, so no value can point a rank at another file."""
+    for bad in ("../../etc/passwd", "/tmp/victim", "0123456789abcdeF", "0123456789abcde", ""):
+        with pytest.raises(tpcomm.CommError, match="not 16 hex digits: refused"):
+            segment.derive("g1", bad)
+    path = segment.derive("g1", "0123456789abcdef")
+    assert os.path.dirname(path) == shm_dir
+    assert os.path.basename(path) == f"tpcomm-{segment.host_tag()}-g1-0123456789abcdef"
+    p, fd = segment.create(2, 4096, "g1")
+    os.close(fd)
+    assert segment.derive("g1", segment.token_of(p)) == p
+    os.unlink(p)
+
+
+def test_a_peer_segment_is_checked_before_a_byte_is_written(shm_dir, tmp_path):
+    """A file at a segment's name that tpcomm did not make (a symbolic link to a
+    victim, another mode, no header, a directory) is refused with a CommError
+    before anything is written to it, and is left where it is: a store value used
+    to make a rank write into, then delete, any file of its user."""
+    need = segment.segment_size(2, 4096)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious" * (need // 8))
+
+    def name(token: str) -> str:
+        return segment.derive("g2", token)
+
+    cases = []
+    link = name("00000000000000aa")
+    os.symlink(victim, link)
+    cases.append((link, "symbolic link"))
+    loose = name("00000000000000bb")
+    with open(loose, "wb") as f:
+        f.write(b"\0" * need)
+    os.chmod(loose, 0o644)
+    cases.append((loose, "mode 644"))
+    blank = name("00000000000000cc")
+    with open(blank, "wb") as f:
+        f.write(b"\0" * need)
+    os.chmod(blank, 0o600)
+    cases.append((blank, "not a tpcomm segment"))
+    folder = name("00000000000000dd")
+    os.mkdir(folder)
+    cases.append((folder, "segment"))
+
+    def content(path: str):
+        if not os.path.isfile(path):
+            return None
+        with open(path, "rb") as f:
+            return f.read()
+
+    for path, words in cases:
+        before = content(path)
+        with pytest.raises(tpcomm.CommError, match=words):
+            segment.open_existing(path, 2, 4096)
+        assert os.path.lexists(path), path  # not unlinked
+        assert content(path) == before, path  # not written
+    assert victim.read_bytes() == b"precious" * (need // 8)
+    os.unlink(link)
+    os.unlink(loose)
+    os.unlink(blank)
+    os.rmdir(folder)
+
+
+def test_a_published_slot_size_is_checked():
+    from tpcomm.shm.engine import _published_slot
+
+    assert _published_slot("1048576") == 1 << 20
+    for bad in ("9223372036854775808", "4097", "0", "-4096", "x", ""):
+        with pytest.raises(tpcomm.CommError, match="published slot size"):
+            _published_slot(bad)

@@ -90,3 +90,50 @@ def test_a_hosted_store_listens_on_its_address_only():
     del store
     again = master_store("127.0.0.1", port, 2, 10.0)
     assert again.port == port
+
+
+DIFFER = r"""
+import time, tpcomm
+t0 = time.time()
+try:
+    tpcomm.Communicator.from_env(timeout=30).close()
+    print("no error", flush=True)
+except ValueError as e:
+    print("ValueError", str(e), round(time.time() - t0, 1), flush=True)
+time.sleep(3)  # rank 0 hosts the store: it stays up, so nobody fails by its exit
+"""
+
+
+def _two_ranks_with(envs: list) -> list:
+    port = free_port()
+    procs = []
+    for r, extra in enumerate(envs):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TPCOMM_")}
+        env.update(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env.update(extra)
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", DIFFER], env=env, stdout=subprocess.PIPE, text=True
+            )
+        )
+    try:
+        return [p.communicate(timeout=90)[0].strip() for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def test_switch_points_that_differ_between_ranks_are_refused():
+    """Settings that change what a rank expects of its peers must agree: single-copy
+    reads from 0 bytes on one rank and from 10 MiB on the other gave silently wrong
+    data (one rank read the other's previous input); now the same ValueError on
+    every rank names the setting and both values.  The all-reduce switch point too."""
+    outs = _two_ranks_with([{"TPCOMM_CMA_MIN_BYTES": "0"}, {"TPCOMM_CMA_MIN_BYTES": "10485760"}])
+    for out in outs:
+        assert out.startswith("ValueError") and "TPCOMM_CMA_MIN_BYTES" in out, outs
+        assert "from 0 bytes" in out and "from 10485760 bytes" in out, outs
+    outs = _two_ranks_with([{"TPCOMM_ALLREDUCE_ALGO": "one_shot"}, {}])
+    for out in outs:
+        assert out.startswith("ValueError") and "TPCOMM_ALLREDUCE_ALGO" in out, outs
+        assert "from never" in out and "from 262144 bytes" in out, outs
+    assert _two_ranks_with([{"TPCOMM_CMA": "0"}, {}]) == ["no error"] * 2

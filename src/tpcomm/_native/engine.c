@@ -585,7 +585,9 @@ static PyObject *eng_set_twoshot_min(Engine *e, PyObject *arg)
 }
 
 /*
- * cma_init(kind, want, min_bytes) -> (status, enabled): collective.  Every rank
+ * cma_init(kind, want, min_bytes, twoshot_min) -> (status, enabled): collective.
+ * The round also compares the switch points every rank must share (min_bytes,
+ * twoshot_min: a difference is ST_MISMATCH, both sides in error_info).  Every rank
  * tries to read every peer's check word (cma_tag) with process_vm_readv, then
  * one round (kind: a barrier's) tells every rank what every other found;
  * single-copy all_gathers are on only if every rank can read every peer and
@@ -595,8 +597,8 @@ static PyObject *eng_cma_init(Engine *e, PyObject *args)
 {
     unsigned int kind;
     int want;
-    unsigned long long min_bytes;
-    if (!PyArg_ParseTuple(args, "IpK", &kind, &want, &min_bytes))
+    unsigned long long min_bytes, twoshot;
+    if (!PyArg_ParseTuple(args, "IpKK", &kind, &want, &min_bytes, &twoshot))
         return NULL;
     if (!e->base)
         return eng_closed_error();
@@ -617,7 +619,7 @@ static PyObject *eng_cma_init(Engine *e, PyObject *args)
     int p = (int)((e->round + 1) & 1);
     line_of(e, e->rank, 0, p)->_r = (uint32_t)ok;
     PyThreadState *ts = NULL;
-    int st = round_sync(e, kind, 0, 0, 0, 0, &ts);
+    int st = round_sync(e, kind, 0, 0, twoshot, min_bytes, &ts);
     st = leave_data(e, st, ts); /* ts is set by round_sync: two statements */
     int all = st == ST_OK;
     for (int r = 0; all && r < e->world; r++)

@@ -141,6 +141,47 @@ def _describe_call(kind: int, dtype: int, op: int, count: int, arg: int | None =
     return f"{text}, layout #{arg:016x})"
 
 
+_NEVER = (1 << 64) - 1  # a switch point of -1 (never), as the core compares it
+
+
+def _published_slot(text: str) -> int:
+    """The slot size rank 0 published, checked (the store is not trusted)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not (4096 <= value <= _env.MAX_SLOT_BYTES and value % 4096 == 0):
+        raise CommError(
+            f"tpcomm: rank 0 published slot size {text!r}: refused (not a multiple of "
+            f"4096 in [4096, {_env.MAX_SLOT_BYTES}])"
+        )
+    return value
+
+
+def _settings_differ(info: dict, rank: int) -> str:
+    """The ValueError of ranks whose switch points differ (cma_init's round)."""
+
+    def show(v: int) -> str:
+        return "never" if v == _NEVER else f"{v} bytes"
+
+    peer, parts = info["rank"], []
+    if info["my_count"] != info["count"]:
+        parts.append(
+            f"two-shot all_reduce from {show(info['my_count'])} on rank {rank} but from "
+            f"{show(info['count'])} on rank {peer} (TPCOMM_ALLREDUCE_ALGO)"
+        )
+    if info["my_arg"] != info["arg"]:
+        parts.append(
+            f"single-copy reads from {show(info['my_arg'])} on rank {rank} but from "
+            f"{show(info['arg'])} on rank {peer} (TPCOMM_CMA_MIN_BYTES, TPCOMM_CMA)"
+        )
+    return (
+        "Communicator: the ranks' settings differ where they must agree: "
+        + "; ".join(parts)
+        + "; set them alike on every rank (nothing was made)"
+    )
+
+
 def _tuning(world: int) -> tuple:
     """The engine's settings from the environment (each checked): non-temporal
     copy threshold, yield time, threads per rank, two-shot threshold."""
@@ -184,14 +225,17 @@ class ShmEngine:
                 except CommError as e:
                     broadcast_from_rank0(store, prefix, 0, "segment", "!" + str(e), timeout)
                     raise
-                broadcast_from_rank0(
-                    store, prefix, 0, "segment", f"{slot_bytes}:{self.path}", timeout
-                )
+                # the slot size and the name's random token only: the peers
+                # derive the path themselves (the store is not trusted)
+                token = segment.token_of(self.path)
+                broadcast_from_rank0(store, prefix, 0, "segment", f"{slot_bytes}:{token}", timeout)
             else:
                 value = broadcast_from_rank0(store, prefix, rank, "segment", None, timeout)
-                slot_text, self.path = value.split(":", 1)
-                slot_bytes = int(slot_text)
-                fd = segment.open_existing(self.path, world, slot_bytes)
+                slot_text, _, token = value.partition(":")
+                slot_bytes = _published_slot(slot_text)
+                path = segment.derive(group_tag, token)
+                fd = segment.open_existing(path, world, slot_bytes)
+                self.path = path  # checked: from here on, this rank may unlink it
                 self._map(fd, world, slot_bytes, spin, timeout, tuning)
             os.close(fd)
             fd = -1
@@ -226,6 +270,10 @@ class ShmEngine:
         self.cma = False
         if world > 1:
             status, _ = self.cma_init(cma_want, cma_least)
+            if status == ST_MISMATCH:  # the ranks' settings differ: say which, on every rank
+                info = self._errors.error_info()
+                self.close()
+                raise ValueError(_settings_differ(info, rank))
             if status:
                 self.close()
                 self.raise_status(status, "Communicator")
@@ -288,7 +336,8 @@ class ShmEngine:
     def cma_init(self, want: bool, min_bytes: int) -> tuple[int, bool]:
         """Agree, collectively, whether single-copy reads are on: every rank can
         read every peer and wants them.  (status, on)."""
-        status, self.cma = self._native.cma_init(KIND_BARRIER, want, min_bytes)
+        two = self.twoshot_min if self.twoshot_min >= 0 else _NEVER
+        status, self.cma = self._native.cma_init(KIND_BARRIER, want, min_bytes, two)
         return status, self.cma
 
     def send_if_room(self, dst: int, pieces: list) -> Optional[int]:

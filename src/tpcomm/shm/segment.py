@@ -18,6 +18,8 @@ import os
 import re
 import secrets
 import socket
+import stat
+import struct
 
 from .. import _env, _native
 from ..errors import CommError
@@ -92,29 +94,94 @@ def create(world: int, slot_bytes: int, group_tag: str, size: int | None = None)
     return path, fd
 
 
-def open_existing(path: str, world: int, slot_bytes: int, size: int | None = None) -> int:
-    """Open a segment another rank created; check owner and size.
+_TOKEN = re.compile(r"[0-9a-f]{16}")
+# the start of a segment's header (_native/tpcomm.h hdr_t): magic, version,
+# world, slot_bytes, total_bytes
+_HEADER = struct.Struct("<QIIQQ")
+
+
+def token_of(path: str) -> str:
+    """The random part of a segment's name: what rank 0 tells its peers."""
+    return os.path.basename(path)[-16:]
+
+
+def derive(group_tag: str, token: str) -> str:
+    """The path of a peer's segment from its token: the directory is this rank's
+    own setting and the name tpcomm's pattern; a token from the (untrusted)
+    store that is not 16 hex digits is refused, so it can never name another
+    file."""
+    if not isinstance(token, str) or not _TOKEN.fullmatch(token):
+        raise CommError(
+            f"tpcomm: a peer named segment {token!r}, not 16 hex digits: refused (the "
+            f"set-up store or shared memory holds something tpcomm did not write)"
+        )
+    return os.path.join(_env.shm_dir(), f"{PREFIX}{host_tag()}-{group_tag}-{token}")
+
+
+def open_existing(
+    path: str, world: int, slot_bytes: int, size: int | None = None, header: bool = True
+) -> int:
+    """Open a segment another rank created, and check it before a byte is
+    written: not a symbolic link (O_NOFOLLOW), a regular file of this user with
+    mode 0600 and the layout's size, and (``header``) the header rank 0 wrote.
+    A file that fails is left alone: never written, never unlinked.
 
     Raises:
-        CommError: the file is gone, not ours, or of the wrong size.
+        CommError: the file is gone, or is not what it must be.
     """
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
     except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CommError(
+                f"tpcomm: segment {path} is a symbolic link: refused (something other "
+                f"than tpcomm put it there)"
+            ) from None
+        if e.errno == errno.EACCES:
+            raise CommError(
+                f"tpcomm: cannot open segment {path} created by rank 0: permission denied. "
+                f"The ranks must run as the same user (this one is uid {os.getuid()}); "
+                f"segments are private to their owner (mode 0600)"
+            ) from None
         raise CommError(
             f"tpcomm: cannot open segment {path} created by rank 0: {e.strerror}. If the ranks "
             f"run in different containers or hosts, they do not share {os.path.dirname(path)}."
         ) from None
-    st = os.fstat(fd)
-    need = segment_size(world, slot_bytes) if size is None else size
-    problem = None
-    if st.st_uid != os.getuid():
-        problem = f"owned by uid {st.st_uid}, not {os.getuid()}"
-    elif st.st_size != need:
-        problem = f"{st.st_size} bytes, expected {need}"
+    try:
+        st = os.fstat(fd)
+        need = segment_size(world, slot_bytes) if size is None else size
+        problem = None
+        if not stat.S_ISREG(st.st_mode):
+            problem = "not a regular file"
+        elif st.st_uid != os.getuid():
+            problem = (
+                f"owned by uid {st.st_uid}, not {os.getuid()} (the ranks must run as the same user)"
+            )
+        elif stat.S_IMODE(st.st_mode) != 0o600:
+            problem = f"mode {stat.S_IMODE(st.st_mode):o}, not 600"
+        elif st.st_size != need:
+            problem = f"{st.st_size} bytes, expected {need}"
+        elif header:
+            head = os.pread(fd, _HEADER.size, 0)
+            magic, version, w, slot, total = _HEADER.unpack(head.ljust(_HEADER.size, b"\0"))
+            if (magic, version, w, slot, total) != (
+                _native.MAGIC,
+                _native.VERSION,
+                world,
+                slot_bytes,
+                need,
+            ):
+                problem = (
+                    f"not a tpcomm segment of this layout (header: magic {magic:#x}, version "
+                    f"{version}, world {w}, slot {slot}, size {total}; expected version "
+                    f"{_native.VERSION}, world {world}, slot {slot_bytes}, size {need})"
+                )
+    except BaseException:
+        os.close(fd)
+        raise
     if problem:
         os.close(fd)
-        raise CommError(f"tpcomm: segment {path} is {problem}")
+        raise CommError(f"tpcomm: segment {path} is {problem}: refused, left as it is")
     return fd
 
 

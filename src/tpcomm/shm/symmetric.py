@@ -82,7 +82,8 @@ def _allocate(
         path, problem = "", str(e) or type(e).__name__
     me = eng.rank
     try:
-        word = ("!" + problem if problem else path).encode()[
+        # this rank's name's token (peers derive the path), or "!" and why
+        word = ("!" + problem if problem else segment.token_of(path)).encode()[
             : min(eng.slot_bytes, 4096) - _LEN.size
         ]
         p = (eng._native.round + 1) & 1
@@ -110,7 +111,8 @@ def _allocate(
                 maps.append(own)
                 addrs.append(own_addr)
                 continue
-            pfd = segment.open_existing(words[r], eng.world, eng.slot_bytes, size=size)
+            peer = segment.derive("sym", words[r])  # read from shared memory: checked
+            pfd = segment.open_existing(peer, eng.world, eng.slot_bytes, size=size, header=False)
             try:
                 mm, addr = _map(pfd, size)
             finally:
