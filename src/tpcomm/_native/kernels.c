@@ -227,6 +227,17 @@ void reduce_portable(int dtype, int op, void *dst, void *const *srcs, int w, siz
     reducers[dtype](dst, srcs, w, n, op);
 }
 
+void reduce_tail(int dtype, int op, void *dst, void *const *srcs, int w, size_t n, size_t done)
+{
+    if (done >= n)
+        return;
+    const size_t es = dt_size[dtype];
+    void *tail[w];
+    for (int r = 0; r < w; r++)
+        tail[r] = (char *)srcs[r] + done * es;
+    reduce_portable(dtype, op, (char *)dst + done * es, tail, w, n - done);
+}
+
 int kernel_has_isa(int isa)
 {
     switch (isa) {

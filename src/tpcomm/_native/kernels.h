@@ -37,6 +37,8 @@ enum { ISA_AUTO = -1, ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_NEON = 3
 /* kernels.c: the one entry, and the choice of variant */
 void do_reduce(int dtype, int op, void *dst, void *const *srcs, int w, size_t n);
 void reduce_portable(int dtype, int op, void *dst, void *const *srcs, int w, size_t n);
+/* the values from `done` on, by the portable kernels (a vector variant's tail) */
+void reduce_tail(int dtype, int op, void *dst, void *const *srcs, int w, size_t n, size_t done);
 int kernel_has_isa(int isa);       /* 1 if this CPU (and build) can run the variant */
 int kernel_set_isa(int isa);       /* 0, or -1: the CPU lacks it (nothing changed) */
 int kernel_isa_in_use(void);       /* the variant do_reduce runs (never ISA_AUTO) */

@@ -229,14 +229,7 @@ int reduce_avx2(int dtype, int op, void *dst, void *const *srcs, int w, size_t n
 {
     if (dtype > DT_F16 || !avx2_present())
         return 0;
-    size_t done = avx2_kernels[dtype][op](dst, srcs, w, n);
-    if (done < n) { /* the tail: the portable kernels, same arithmetic */
-        const size_t es = dt_size[dtype];
-        void *tail[w];
-        for (int r = 0; r < w; r++)
-            tail[r] = (char *)srcs[r] + done * es;
-        reduce_portable(dtype, op, (char *)dst + done * es, tail, w, n - done);
-    }
+    reduce_tail(dtype, op, dst, srcs, w, n, avx2_kernels[dtype][op](dst, srcs, w, n));
     return 1;
 }
 #else

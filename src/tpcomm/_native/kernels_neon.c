@@ -108,14 +108,7 @@ int reduce_neon(int dtype, int op, void *dst, void *const *srcs, int w, size_t n
 {
     if (dtype > DT_F16)
         return 0;
-    size_t done = neon_kernels[dtype][op](dst, srcs, w, n);
-    if (done < n) {
-        const size_t es = dt_size[dtype];
-        void *tail[w];
-        for (int r = 0; r < w; r++)
-            tail[r] = (char *)srcs[r] + done * es;
-        reduce_portable(dtype, op, (char *)dst + done * es, tail, w, n - done);
-    }
+    reduce_tail(dtype, op, dst, srcs, w, n, neon_kernels[dtype][op](dst, srcs, w, n));
     return 1;
 }
 #else
