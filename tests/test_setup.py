@@ -14,6 +14,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from .test_dist import free_port
 
 
@@ -137,3 +139,89 @@ def test_switch_points_that_differ_between_ranks_are_refused():
         assert out.startswith("ValueError") and "TPCOMM_ALLREDUCE_ALGO" in out, outs
         assert "from never" in out and "from 262144 bytes" in out, outs
     assert _two_ranks_with([{"TPCOMM_CMA": "0"}, {}]) == ["no error"] * 2
+
+
+UIDS = r"""
+import os, time, tpcomm
+t0 = time.time()
+try:
+    tpcomm.Communicator.from_env(timeout=30).close()
+    print("no error", flush=True)
+except tpcomm.CommError as e:
+    print(type(e).__name__, round(time.time() - t0, 1), str(e).replace(chr(10), " "), flush=True)
+time.sleep(2)
+"""
+
+
+def _as_nobody():
+    os.setgid(65534)
+    os.setuid(65534)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a rank as another user")
+def test_ranks_of_different_users_fail_promptly_on_both():
+    """Rank 1 runs as another user: it cannot open rank 0's segment (mode 0600).
+    Both ranks get a prompt CommError saying the ranks must run as one user (rank
+    0 used to wait the whole attach timeout, 20 s in the probe)."""
+    port = free_port()
+    procs = []
+    for r in range(2):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TPCOMM_")}
+        env.update(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env.update(HOME="/tmp")
+        try:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", UIDS],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    preexec_fn=_as_nobody if r == 1 else None,
+                    cwd="/",
+                )
+            )
+        except PermissionError:  # this interpreter lives where the other user cannot go
+            for p in procs:
+                p.kill()
+            pytest.skip("another user cannot run this Python here")
+    try:
+        outs = [p.communicate(timeout=90) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    if "Error" in outs[1][1] and "CommError" not in outs[1][0]:
+        pytest.skip(f"another user cannot run this checkout here: {outs[1][1][-300:]}")
+    for out, _ in outs:
+        kind, took, msg = out.strip().split(" ", 2)
+        assert kind == "CommError" and float(took) < 10.0, outs
+        assert "same user" in msg, outs
+
+
+def test_a_rank_that_cannot_open_the_segment_fails_every_rank_promptly(tmp_path):
+    """Rank 1 cannot open rank 0's segment (here: it looks in another shm
+    directory, as ranks in different containers do; the same path serves ranks
+    of different users): it says so in the set-up store, and every rank raises a
+    CommError at once; rank 0 used to wait the whole attach timeout."""
+    port = free_port()
+    procs = []
+    for r in range(2):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TPCOMM_")}
+        env.update(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        if r == 1:
+            env["TPCOMM_SHM_DIR"] = str(tmp_path)
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", UIDS], env=env, stdout=subprocess.PIPE, text=True
+            )
+        )
+    try:
+        outs = [p.communicate(timeout=90)[0].strip() for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for out in outs:
+        kind, took, msg = out.split(" ", 2)
+        assert kind == "CommError" and float(took) < 10.0, outs
+    assert "cannot open segment" in outs[1] and "do not share" in outs[1], outs
+    assert "rank 1: tpcomm: cannot open segment" in outs[0] and "same user" in outs[0], outs

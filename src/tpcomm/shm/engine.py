@@ -8,6 +8,7 @@ up and turns the core's status codes into tpcomm's exceptions.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, Optional
 
 from .. import _env, _native, routing
@@ -231,16 +232,20 @@ class ShmEngine:
                 broadcast_from_rank0(store, prefix, 0, "segment", f"{slot_bytes}:{token}", timeout)
             else:
                 value = broadcast_from_rank0(store, prefix, rank, "segment", None, timeout)
-                slot_text, _, token = value.partition(":")
-                slot_bytes = _published_slot(slot_text)
-                path = segment.derive(group_tag, token)
-                fd = segment.open_existing(path, world, slot_bytes)
+                try:
+                    slot_text, _, token = value.partition(":")
+                    slot_bytes = _published_slot(slot_text)
+                    path = segment.derive(group_tag, token)
+                    fd = segment.open_existing(path, world, slot_bytes)
+                except CommError as e:  # tell the others, who wait for this rank to attach
+                    store.set(f"{prefix}/attach-failed", f"rank {rank}: {e}")
+                    raise
                 self.path = path  # checked: from here on, this rank may unlink it
                 self._map(fd, world, slot_bytes, spin, timeout, tuning)
             os.close(fd)
             fd = -1
             self._native.attach()
-            ok = self._native.wait_attached(timeout)
+            ok = self._wait_attached(store, prefix, timeout)
         except BaseException:
             if fd >= 0:
                 os.close(fd)
@@ -277,6 +282,24 @@ class ShmEngine:
             if status:
                 self.close()
                 self.raise_status(status, "Communicator")
+
+    def _wait_attached(self, store: Any, prefix: str, timeout: float) -> bool:
+        """Wait until every rank mapped the segment; a rank that could not (it
+        runs as another user, the file failed its checks) says so in the store,
+        and then every rank raises its CommError at once instead of timing out."""
+        key = f"{prefix}/attach-failed"
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._native.wait_attached(min(0.05, max(deadline - time.monotonic(), 0.0))):
+                return True
+            if store.check([key]):
+                why = store.get(key).decode()
+                raise CommError(
+                    f"tpcomm: {why} (this is rank {self.rank}, uid {os.getuid()}: every rank "
+                    f"must run as the same user and see the same {_env.shm_dir()})"
+                )
+            if time.monotonic() >= deadline:
+                return False
 
     def _bind(self) -> None:
         """Bind the core's calls the callers make per collective: bound C methods,
