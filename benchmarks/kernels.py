@@ -14,7 +14,7 @@ import time
 import torch
 
 from tpcomm.ops import DTYPE_CODES, ReduceOp
-from tpcomm.shm.engine import isa_variants, kernel_isa, reduce_kernel
+from tpcomm.shm.engine import isa_variants, kernel_isa, reduce_kernel, select_kernels
 
 NBYTES = 1 << 20
 
@@ -40,10 +40,12 @@ def main() -> None:
     print(f"# {'variant':>8} " + " ".join(f"{str(d)[6:]:>9} {'x f32':>6}" for d in dtypes))
     for isa in isa_variants():
         os.environ["TPCOMM_ISA"] = isa
+        select_kernels()  # once per variant, outside the timed loops
         rates = [gbps(d) for d in dtypes]
         cols = " ".join(f"{r:>9.1f} {r / rates[0]:>6.2f}" for r in rates)
         print(f"  {isa:>8} {cols}   # {kernel_isa()}")
     os.environ.pop("TPCOMM_ISA", None)
+    select_kernels()
 
 
 if __name__ == "__main__":

@@ -61,24 +61,30 @@ print(out, flush=True)
 """
 
 
-def test_from_env_again_in_the_same_process():
+def _two_ranks(script: str, envs: list, timeout: float = 120) -> list:
+    """Run ``script`` as ranks 0 and 1 of a from_env job (``envs``: each rank's
+    extra variables; the caller's TPCOMM_* are left out): (exit status, stdout)."""
     port = free_port()
     procs = []
-    for r in range(2):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
-        env["MASTER_PORT"] = str(port)
+    for r, extra in enumerate(envs):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TPCOMM_")}
+        env.update(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env.update(extra)
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-c", AGAIN], env=env, stdout=subprocess.PIPE, text=True
+                [sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True
             )
         )
     try:
-        outs = [p.communicate(timeout=120)[0].strip() for p in procs]
+        outs = [p.communicate(timeout=timeout)[0].strip() for p in procs]
     finally:
         for p in procs:
             p.kill()
-    assert [p.returncode for p in procs] == [0, 0], outs
-    assert outs == ["[1.0, 3.0, 5.0]"] * 2, outs
+    return [(p.returncode, out) for p, out in zip(procs, outs)]
+
+
+def test_from_env_again_in_the_same_process():
+    assert _two_ranks(AGAIN, [{}, {}]) == [(0, "[1.0, 3.0, 5.0]")] * 2
 
 
 def test_a_hosted_store_listens_on_its_address_only():
@@ -107,22 +113,7 @@ time.sleep(3)  # rank 0 hosts the store: it stays up, so nobody fails by its exi
 
 
 def _two_ranks_with(envs: list) -> list:
-    port = free_port()
-    procs = []
-    for r, extra in enumerate(envs):
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TPCOMM_")}
-        env.update(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        env.update(extra)
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-c", DIFFER], env=env, stdout=subprocess.PIPE, text=True
-            )
-        )
-    try:
-        return [p.communicate(timeout=90)[0].strip() for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    return [out for _, out in _two_ranks(DIFFER, envs, timeout=90)]
 
 
 def test_switch_points_that_differ_between_ranks_are_refused():
@@ -203,23 +194,7 @@ def test_a_rank_that_cannot_open_the_segment_fails_every_rank_promptly(tmp_path)
     directory, as ranks in different containers do; the same path serves ranks
     of different users): it says so in the set-up store, and every rank raises a
     CommError at once; rank 0 used to wait the whole attach timeout."""
-    port = free_port()
-    procs = []
-    for r in range(2):
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TPCOMM_")}
-        env.update(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        if r == 1:
-            env["TPCOMM_SHM_DIR"] = str(tmp_path)
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-c", UIDS], env=env, stdout=subprocess.PIPE, text=True
-            )
-        )
-    try:
-        outs = [p.communicate(timeout=90)[0].strip() for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    outs = [out for _, out in _two_ranks(UIDS, [{}, {"TPCOMM_SHM_DIR": str(tmp_path)}], 90)]
     for out in outs:
         kind, took, msg = out.split(" ", 2)
         assert kind == "CommError" and float(took) < 10.0, outs

@@ -33,8 +33,13 @@ __all__ = [
 MAGIC = _engine.MAGIC
 kernel_isa = _engine.kernel_isa
 isa_variants = _engine.isa_variants
-reduce_kernel = _engine.reduce_kernel
 touch = _engine.touch
+
+
+def reduce_kernel(dtype: int, op: int, dst: int, srcs: list, count: int, nthreads: int = 1):
+    """The reduce kernel alone, in the variant TPCOMM_ISA names now."""
+    _engine.select_kernels()
+    _engine.reduce_kernel(dtype, op, dst, srcs, count, nthreads)
 
 
 def _eng(comm: Any) -> _engine.ShmEngine:

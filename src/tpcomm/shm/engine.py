@@ -11,7 +11,7 @@ import os
 import time
 from typing import Any, Optional
 
-from .. import _env, _native, routing
+from .. import _env, _native, layout, routing
 from ..bootstrap import broadcast_from_rank0, local_cpu_count
 from ..errors import CommError, CommTimeoutError, PeerFailedError
 from ..ops import ALL_DTYPES, ANY_CODE_DTYPES, CODE_DTYPES, DTYPE_CODES, ReduceOp, dense
@@ -56,8 +56,8 @@ def isa_variants() -> list:
 
 
 def reduce_kernel(dtype: int, op: int, dst: int, srcs: list, count: int, nthreads: int = 1):
-    """The reduce kernel alone: dst = srcs[0] op ... op srcs[w-1] (tests, benchmarks)."""
-    select_kernels()
+    """The reduce kernel alone: dst = srcs[0] op ... op srcs[w-1] (tests, benchmarks),
+    in the variant last selected (select_kernels)."""
     _native.reduce(dtype, op, dst, srcs, count, nthreads)
 
 
@@ -352,9 +352,7 @@ class ShmEngine:
             KIND_ALL_REDUCE,
             fallback,
         )
-        self._native.set_p2p_dtypes(
-            tuple(ALL_DTYPES), tuple(dt.itemsize for dt in ALL_DTYPES), torch.empty
-        )
+        self._native.set_p2p_dtypes(tuple(ALL_DTYPES), layout.ANY_SIZE, torch.empty)
 
     def cma_init(self, want: bool, min_bytes: int) -> tuple[int, bool]:
         """Agree, collectively, whether single-copy reads are on: every rank can
