@@ -405,10 +405,6 @@ def fallbacks(comm, port):
         dist.all_reduce(x)
         dist.all_reduce(x)  # logged once
         errors = []
-        try:
-            dist.recv(torch.empty(1))  # any source: not on per-pair channels
-        except tpcomm.CommError as e:
-            errors.append(str(e))
         buf = torch.empty(2)
         if r == 0:  # rank 1 receives where rank 0 scatters: it is told so
             dist.scatter(buf, [torch.ones(2), torch.full((2,), 2.0)], src=0)
@@ -431,10 +427,46 @@ def test_what_the_engine_lacks_goes_to_gloo_and_errors_are_clear():
     for r, (x, notes, errors) in enumerate(res):
         assert x == [6.0] * 3
         assert len(notes) == 1 and "float64" in notes[0]
-        assert "source rank" in errors[0]
         if r == 1:
-            assert "rank 0 is in a scatter, not a send" in errors.pop(1)
-        assert len(errors) == 2 and "all_reduce" in errors[1]
+            assert "rank 0 is in a scatter, not a send" in errors.pop(0)
+        assert len(errors) == 1 and "all_reduce" in errors[0]
+
+
+def from_any_source(comm, port):
+    """dist.recv / irecv without src at world 3: rank 0 takes each message from
+    whoever sent it, and is told who (as gloo tells)."""
+    _init(comm, port)
+    r = dist.get_rank()
+    try:
+        got = []
+        if r == 0:
+            for _ in range(4):
+                t = torch.empty(3)
+                src = dist.recv(t)
+                got.append((src, t.tolist()))
+            t = torch.empty(3)
+            work = dist.irecv(t)
+            work.wait()
+            got.append((work._source_rank(), t.tolist()))
+        else:
+            for i in range(2):
+                dist.send(torch.full((3,), 10.0 * r + i), dst=0)
+            if r == 2:
+                dist.send(torch.full((3,), 99.0), dst=0)
+        dist.barrier()
+        return got
+    finally:
+        dist.destroy_process_group()
+
+
+def test_recv_without_a_source_takes_the_first_message_of_any_rank():
+    got = tpcomm.launch(from_any_source, 3, args=(free_port(),), timeout=120)[0]
+    by_src = {1: [], 2: []}
+    for src, values in got:
+        assert values == [values[0]] * 3
+        by_src[src].append(values[0])
+    # every message once, each sender's in the order it sent them
+    assert by_src == {1: [10.0, 11.0], 2: [20.0, 21.0, 99.0]}
 
 
 def _spawned(rank, world, port, q):

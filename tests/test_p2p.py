@@ -197,6 +197,8 @@ def killed_while_others_wait(comm, where, outdir):
     try:
         if where == "recv":
             comm.recv(src=0)
+        elif where == "recv_any":
+            comm.recv_any()
         elif where == "gather":
             comm.gather(torch.ones(10), dst=1)
         elif where == "broadcast":
@@ -239,6 +241,7 @@ def killed_while_others_wait(comm, where, outdir):
     "where",
     [
         "recv",
+        "recv_any",
         "recv_into",
         "gather",
         "broadcast",
@@ -493,3 +496,45 @@ def test_a_malformed_message_is_an_error_on_both_sides(which):
     assert "rank 0 sent rank 1 a point-to-point message whose lengths" in got, got
     assert "rank 0 sent a point-to-point message whose lengths" in sent, sent
     assert t_recv < 5.0 and t_send < 5.0
+
+
+def many_to_one(comm):
+    """Every other rank sends rank 0 five messages; rank 0 takes them with
+    recv_any (some into out=): each once, each sender's in its order, src right."""
+    r, w = comm.rank, comm.world_size
+    got = []
+    if r == 0:
+        for i in range((w - 1) * 5):
+            out = [torch.empty(2, dtype=torch.int64)] if i % 2 else None
+            src, (t,) = comm.recv_any(out)
+            got.append((src, t.tolist()))
+    else:
+        for i in range(5):
+            if i == 2:
+                time.sleep(0.01 * r)  # let the senders interleave
+            comm.send([torch.tensor([r, i])], dst=0)
+    comm.barrier()
+    return got
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_recv_any_takes_every_message_once_in_each_senders_order(pools, world):
+    got = pools.run(world, many_to_one)[0]
+    by_src: dict = {}
+    for src, (sender, i) in got:
+        assert src == sender
+        by_src.setdefault(src, []).append(i)
+    assert by_src == {s: list(range(5)) for s in range(1, world)}
+
+
+def nothing_comes(comm):
+    t0 = time.time()
+    err = comm_error_of(comm.recv_any) if comm.rank == 0 else None
+    return err, time.time() - t0
+
+
+def test_recv_any_times_out_when_nobody_sends():
+    with LocalGroup(2, timeout=1.0) as g:
+        (err, took), _ = g.run(nothing_comes, timeout=60)
+    assert err[0] == "CommTimeoutError" and "from any rank" in err[1], err
+    assert took < 10

@@ -61,9 +61,10 @@ print(out, flush=True)
 """
 
 
-def _two_ranks(script: str, envs: list, timeout: float = 120) -> list:
-    """Run ``script`` as ranks 0 and 1 of a from_env job (``envs``: each rank's
-    extra variables; the caller's TPCOMM_* are left out): (exit status, stdout)."""
+def _two_ranks(script: str, envs: list, timeout: float = 120, scripts: list = ()) -> list:
+    """Run ``script`` (or each rank's of ``scripts``) as ranks 0 and 1 of a from_env
+    job (``envs``: each rank's extra variables; the caller's TPCOMM_* are left
+    out): (exit status, stdout)."""
     port = free_port()
     procs = []
     for r, extra in enumerate(envs):
@@ -72,7 +73,11 @@ def _two_ranks(script: str, envs: list, timeout: float = 120) -> list:
         env.update(extra)
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True
+                [sys.executable, "-c", scripts[r] if scripts else script],
+                env=env,
+                stdout=subprocess.PIPE,
+                text=True,
+                cwd="/",
             )
         )
     try:
@@ -144,9 +149,22 @@ time.sleep(2)
 """
 
 
-def _as_nobody():
-    os.setgid(65534)
-    os.setuid(65534)
+# Rank 1 of the different-users test: started as root, it loads everything it
+# will need and then becomes another user (who may not be able to read this
+# interpreter's or this checkout's files, under /root).
+AS_NOBODY = (
+    r"""
+import os
+import torch.distributed
+import tpcomm
+from tpcomm import bootstrap, checks, communicator, dist_fallback, errors, routing
+from tpcomm.shm import engine, protocols, segment, symmetric
+os.setgroups([])
+os.setgid(65534)
+os.setuid(65534)
+"""
+    + UIDS
+)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a rank as another user")
@@ -154,39 +172,12 @@ def test_ranks_of_different_users_fail_promptly_on_both():
     """Rank 1 runs as another user: it cannot open rank 0's segment (mode 0600).
     Both ranks get a prompt CommError saying the ranks must run as one user (rank
     0 used to wait the whole attach timeout, 20 s in the probe)."""
-    port = free_port()
-    procs = []
-    for r in range(2):
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TPCOMM_")}
-        env.update(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        env.update(HOME="/tmp")
-        try:
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-c", UIDS],
-                    env=env,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                    preexec_fn=_as_nobody if r == 1 else None,
-                    cwd="/",
-                )
-            )
-        except PermissionError:  # this interpreter lives where the other user cannot go
-            for p in procs:
-                p.kill()
-            pytest.skip("another user cannot run this Python here")
-    try:
-        outs = [p.communicate(timeout=90) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    if "Error" in outs[1][1] and "CommError" not in outs[1][0]:
-        pytest.skip(f"another user cannot run this checkout here: {outs[1][1][-300:]}")
-    for out, _ in outs:
-        kind, took, msg = out.strip().split(" ", 2)
+    outs = _two_ranks(UIDS, [{}, {}], 90, scripts=[UIDS, AS_NOBODY])
+    for _, out in outs:
+        kind, took, msg = out.split(" ", 2)
         assert kind == "CommError" and float(took) < 10.0, outs
         assert "same user" in msg, outs
+    assert "uid 0" in outs[0][1] and "permission denied" in outs[1][1], outs
 
 
 def test_a_rank_that_cannot_open_the_segment_fails_every_rank_promptly(tmp_path):

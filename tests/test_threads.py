@@ -294,3 +294,54 @@ def two_threads_two_communicators(comm):
 def test_a_dup_per_thread_runs_at_once(pools, world):
     for res in pools.run(world, two_threads_two_communicators):
         assert res == {"first": True, "second": True, "original after": True}, res
+
+
+def _tpcomm_mappings() -> int:
+    with open("/proc/self/maps") as f:
+        return sum(1 for line in f if "tpcomm-" in line)
+
+
+def dup_and_parent_at_once_then_closed(comm):
+    """A communicator and its dup() used at once from two threads (every kind of
+    call, empty() buffers included), then both closed: nothing of either stays
+    mapped but the empty() buffers whose tensors the caller still holds, this
+    rank's own mapping of each, and those go with the tensors."""
+    d = comm.dup()
+    keep, errors = [], []
+
+    def loop(c):
+        try:
+            for i in range(10):
+                n = 1 << 16
+                c.all_reduce(torch.ones(n))
+                c.all_gather(torch.ones(n))
+                if c.rank == 0:
+                    c.send([torch.ones(n)], 1)
+                else:
+                    c.recv(0)
+                t = c.empty((n,))
+                t.fill_(1.0)
+                c.all_reduce(t)
+                if i % 5 == 0:
+                    keep.append(t)
+                c.barrier()
+        except Exception as e:  # reported, not lost in the thread
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=loop, args=(c,)) for c in (comm, d)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    d.close()
+    comm.close()
+    held = _tpcomm_mappings()
+    keep.clear()
+    return errors, held, _tpcomm_mappings()
+
+
+def test_nothing_stays_mapped_after_a_dup_used_from_two_threads_is_closed():
+    for errors, held, after in tpcomm.launch(dup_and_parent_at_once_then_closed, 2, timeout=60):
+        assert errors == []
+        assert held == 4  # two kept tensors per communicator, own mapping only
+        assert after == 0

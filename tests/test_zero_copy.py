@@ -8,11 +8,14 @@ on zero-copy get a mismatch error; the tensor outlives close(); nothing leaks.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 import tpcomm
 from tpcomm import _testing
+from tpcomm.shm.symmetric import MAX_LIVE
 
 from ._ref import DTYPES, FLOATS, digest, make, reference
 
@@ -146,3 +149,106 @@ def test_empty_fails_together_when_a_rank_has_no_room(pools, world, bad):
         assert err.startswith(f"empty: rank {bad} could not create its shared buffer"), err
         assert "no room (simulated)" in err
         assert head == [total] * 3
+
+
+def _sym_mappings() -> int:
+    """This process's mappings of symmetric-buffer files."""
+    with open("/proc/self/maps") as f:
+        return sum(1 for line in f if "-sym-" in line and "tpcomm-" in line)
+
+
+def _shm_used(directory: str) -> int:
+    st = os.statvfs(directory)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def buffers_come_back(comm):
+    """Three times as many 1 MiB buffers as may live at once, each used in a
+    zero-copy all_reduce and dropped: no error, the mappings and the shm
+    directory's space come back."""
+    directory = os.environ["TPCOMM_SHM_DIR"]
+    w, n = comm.world_size, (1 << 20) // 4
+    comm.barrier()
+    used0, maps0 = _shm_used(directory), _sym_mappings()
+    wrong = []
+    for i in range(3 * MAX_LIVE):
+        t = comm.empty((n,), torch.float32)
+        t.fill_(float(comm.rank + i))
+        r0 = _testing.rounds(comm)
+        comm.all_reduce(t)
+        if _testing.rounds(comm) - r0 != 3 or t[-1].item() != float(sum(range(w)) + w * i):
+            wrong.append(i)
+        del t
+    held = _testing.symmetric_buffers(comm)
+    maps = _sym_mappings() - maps0
+    comm.barrier()  # every rank dropped every tensor
+    grown = _shm_used(directory) - used0
+    return wrong, held, maps, grown
+
+
+def test_buffers_whose_tensors_are_gone_are_reclaimed(pools):
+    for wrong, held, maps, grown in pools.run(2, buffers_come_back):
+        assert wrong == []
+        assert held == (0, 0) and maps == 0
+        # 3 x 64 x 1 MiB x 2 ranks were made: without reclaiming, 384 MiB
+        assert grown < 8 << 20, grown
+
+
+def live_limit(comm):
+    """As many buffers as may live, then one more: the same CommError on every
+    rank; dropping one makes room, and the communicator works throughout."""
+    keep = [comm.empty((1024,), torch.float32) for _ in range(MAX_LIVE)]
+    try:
+        comm.empty((1024,))
+        err = "no error"
+    except tpcomm.CommError as e:
+        err = str(e)
+    keep.pop()
+    t = comm.empty((BIG,), torch.float32)
+    t.fill_(comm.rank + 1.0)
+    comm.all_reduce(t)
+    return err, t[0].item(), _testing.symmetric_buffers(comm)
+
+
+def test_live_buffer_limit_is_an_error_on_every_rank(pools):
+    for err, first, held in pools.run(2, live_limit):
+        assert err.startswith("empty: rank 0 could not create its shared buffer"), err
+        assert f"{MAX_LIVE} live buffers" in err and "(and 1 more ranks)" in err
+        assert first == 3.0 and held == (MAX_LIVE, MAX_LIVE)
+
+
+def dropped_apart(comm):
+    """Ranks drop their tensors at different times, one while another thread is
+    inside a call: later buffers still pair up rank by rank (zero-copy
+    results right), and what was deferred goes at the next empty()."""
+    import threading
+    import time
+
+    a = comm.empty((BIG,), torch.float32)
+    b = comm.empty((BIG,), torch.float32)
+    deferred = None
+    if comm.rank == 0:
+        del a  # rank 1 keeps its a
+        # a call inside the engine (waiting for rank 1) when b's tensor goes
+        th = threading.Thread(target=comm.barrier)
+        th.start()
+        time.sleep(0.3)
+        del b
+        deferred = _testing.symmetric_buffers(comm)
+        th.join()
+    else:
+        time.sleep(0.8)
+        comm.barrier()
+        del b
+    c = comm.empty((BIG,), torch.float32)
+    c.fill_(comm.rank + 2.0)
+    r0 = _testing.rounds(comm)
+    comm.all_reduce(c)
+    return deferred, _testing.rounds(comm) - r0, c[7].item(), _testing.symmetric_buffers(comm)
+
+
+def test_ranks_may_drop_buffers_at_different_times(pools):
+    (deferred, rounds0, v0, held0), (_, rounds1, v1, held1) = pools.run(2, dropped_apart)
+    assert deferred == (1, 1)  # a went; b waits: another thread was inside a call
+    assert rounds0 == rounds1 == 3 and v0 == v1 == 5.0
+    assert held0 == (1, 1) and held1 == (2, 2)  # rank 1 still holds its a

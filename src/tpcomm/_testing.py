@@ -26,6 +26,7 @@ __all__ = [
     "rounds",
     "segment_size",
     "set_twoshot_min",
+    "symmetric_buffers",
     "threads",
     "touch",
 ]
@@ -96,3 +97,9 @@ def peer_pids(comm_or_engine: Any) -> list:
     """Every rank's pid as written in the segment."""
     eng = getattr(comm_or_engine, "_engine", comm_or_engine)
     return eng.peer_pids()
+
+
+def symmetric_buffers(comm: Any) -> tuple[int, int]:
+    """The empty() buffers this rank still holds: (Python's mappings, the engine's)."""
+    eng = _eng(comm)
+    return len(eng.symmetric), eng._native.nsymmetric()

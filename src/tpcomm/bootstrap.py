@@ -13,12 +13,22 @@ import functools
 import os
 import socket
 import time
-from typing import Any
+from typing import Any, Optional
 
 from . import _env
-from .errors import CommError, CommTimeoutError
+from .errors import CommError, CommTimeoutError, PeerFailedError
 
-__all__ = ["host_identity", "exchange", "broadcast_from_rank0", "master_store"]
+__all__ = [
+    "host_identity",
+    "exchange",
+    "broadcast_from_rank0",
+    "master_store",
+    "Watch",
+    "process_record",
+]
+
+# how often a set-up wait looks at the store and at the peers' processes
+_POLL_S = 0.02
 
 
 def master_store(host: str, port: int, world: Any, timeout: float) -> Any:
@@ -73,17 +83,148 @@ def host_identity() -> str:
     return f"{socket.gethostname()}/{_boot_id()}"
 
 
-def _wait(store: Any, keys: list[str], timeout: float, what: str) -> None:
+@functools.cache
+def _pid_namespace() -> str:
     try:
-        store.wait(keys, _env.timedelta(timeout))
-    except Exception as e:  # torch raises DistStoreError / RuntimeError on timeout
-        raise CommTimeoutError(
-            f"tpcomm: rendezvous timed out after {timeout:g}s waiting for {what} ({e})"
-        ) from None
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return "no-pid-ns"
+
+
+def _start_time(pid: int) -> Optional[str]:
+    """The start time of process ``pid`` (clock ticks after boot), or None when
+    there is no such process or it is a zombie (dead, not yet reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+    if not fields or fields[0] in ("Z", "X", "x"):
+        return None
+    return fields[19] if len(fields) > 19 else None
+
+
+def process_record() -> str:
+    """This process as its set-up peers can check it is alive: boot id, pid
+    namespace, pid, start time (a pid reused by another process has another)."""
+    pid = os.getpid()
+    return f"{_boot_id()} {_pid_namespace()} {pid} {_start_time(pid)}"
+
+
+def _dead_pid(record: str) -> Optional[int]:
+    """The pid of a record whose process is gone; None if it lives or cannot be
+    checked from here (another host, another pid namespace)."""
+    parts = record.split()
+    if len(parts) != 4 or parts[0] != _boot_id() or parts[1] != _pid_namespace():
+        return None
+    try:
+        pid = int(parts[2])
+    except ValueError:
+        return None
+    return pid if _start_time(pid) != parts[3] else None
+
+
+class Watch:
+    """Which of a set-up's peers died, while it waits for them.
+
+    Every rank publishes its process record (``process_record``) before it
+    waits on anything; a rank's record may live under several keys (this
+    communicator's, a process-wide one that a later communicator of the same
+    processes also finds).  ``dead()`` reads the records it lacks and checks
+    every peer on this host: the survivors of a peer that dies during set-up
+    (creation, ``dup()``) raise PeerFailedError within a poll, not at the end
+    of the timeout.  A peer that died before it published anything, or runs on
+    another host, can only be waited for.
+    """
+
+    def __init__(self, store: Any, rank: int, keys: dict, known: Optional[dict] = None):
+        self.store = store
+        self.rank = rank
+        self.keys = keys  # rank -> the keys its record may be under, in order
+        self.known: dict = dict(known or {})  # rank -> record
+
+    def publish(self) -> None:
+        record = process_record()
+        self.known[self.rank] = record
+        for key in self.keys.get(self.rank, ()):
+            self.store.set(key, record)
+
+    def sub(self, store: Any, ranks: list, rank: int, keys: dict) -> Watch:
+        """The watch of a communicator over ``ranks`` of this one (renumbered
+        from 0), with its own ``keys`` first and this one's after."""
+        known = {i: self.known[g] for i, g in enumerate(ranks) if g in self.known}
+        merged = {
+            i: list(keys.get(i, ())) + list(self.keys.get(g, ())) for i, g in enumerate(ranks)
+        }
+        return Watch(store, rank, merged, known)
+
+    def dead(self) -> Optional[tuple[int, int]]:
+        """(rank, pid) of a peer known to be dead, or None."""
+        for r, keys in self.keys.items():
+            if r == self.rank:
+                continue
+            record = self.known.get(r)
+            if record is None:
+                for key in keys:
+                    try:
+                        if self.store.check([key]):
+                            record = self.known[r] = self.store.get(key).decode()
+                            break
+                    except Exception:  # the store is gone: its host died, maybe
+                        break
+            pid = _dead_pid(record) if record is not None else None
+            if pid is not None:
+                return r, pid
+        return None
+
+    def check(self, what: str) -> None:
+        """PeerFailedError if a peer died."""
+        found = self.dead()
+        if found is not None:
+            r, pid = found
+            raise PeerFailedError(
+                f"tpcomm: rank {r} (pid {pid}) died during set-up, while rank {self.rank} "
+                f"waited for {what}",
+                rank=r,
+            )
+
+
+def _wait(
+    store: Any, keys: list[str], timeout: float, what: str, watch: Optional[Watch] = None
+) -> None:
+    """Wait until every key is in the store; a dead peer (``watch``) is a
+    PeerFailedError at once."""
+    deadline = time.monotonic() + timeout
+    pause = 0.0005
+    while True:
+        try:
+            if store.check(keys):
+                return
+        except Exception as e:  # the store went away (the rank hosting it died?)
+            if watch is not None:
+                watch.check(what)
+            raise CommError(
+                f"tpcomm: the set-up store failed while waiting for {what}: {e}"
+            ) from None
+        if watch is not None:
+            watch.check(what)
+        if time.monotonic() >= deadline:
+            raise CommTimeoutError(
+                f"tpcomm: rendezvous timed out after {timeout:g}s waiting for {what}"
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, _POLL_S)
 
 
 def exchange(
-    store: Any, prefix: str, rank: int, world: int, name: str, value: str, timeout: float
+    store: Any,
+    prefix: str,
+    rank: int,
+    world: int,
+    name: str,
+    value: str,
+    timeout: float,
+    watch: Optional[Watch] = None,
 ) -> list[str]:
     """Every rank publishes ``value``; returns all ranks' values in rank order.
 
@@ -93,13 +234,15 @@ def exchange(
     """
     store.set(f"{prefix}/{name}/{rank}", value)
     keys = [f"{prefix}/{name}/{r}" for r in range(world)]
-    _wait(store, keys, timeout, f"every rank's {name}")
+    _wait(store, keys, timeout, f"every rank's {name}", watch)
     values = [store.get(k).decode() for k in keys]
     done = f"{prefix}/{name}/read"
     count = store.add(done, 1)
     if rank == 0:
         deadline = time.monotonic() + timeout
         while count < world:
+            if watch is not None:
+                watch.check(f"every rank to read the {name}s")
             if time.monotonic() > deadline:
                 raise CommTimeoutError(
                     f"tpcomm: rendezvous timed out after {timeout:g}s "
@@ -111,7 +254,13 @@ def exchange(
 
 
 def broadcast_from_rank0(
-    store: Any, prefix: str, rank: int, name: str, value: str | None, timeout: float
+    store: Any,
+    prefix: str,
+    rank: int,
+    name: str,
+    value: str | None,
+    timeout: float,
+    watch: Optional[Watch] = None,
 ) -> str:
     """Rank 0 publishes ``value``; every rank returns it.
 
@@ -124,7 +273,7 @@ def broadcast_from_rank0(
         assert value is not None
         store.set(key, value)
     else:
-        _wait(store, [key], timeout, f"rank 0's {name}")
+        _wait(store, [key], timeout, f"rank 0's {name}", watch)
         value = store.get(key).decode()
     if value.startswith("!"):
         raise CommError(value[1:] if rank == 0 else f"rank 0 failed to set up: {value[1:]}")

@@ -18,7 +18,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from . import _env, checks, compiled, layout, routing
-from .bootstrap import exchange, host_identity, master_store
+from .bootstrap import Watch, exchange, host_identity, master_store
 from .dist_fallback import DistPath, private_gloo, private_nccl
 from .errors import CommError
 from .hierarchical import Hierarchy
@@ -111,7 +111,12 @@ class Communicator:
         _created[tag] += 1
         prefix = f"tpcomm/g{tag}/{_created[tag]}"
         store = dist.distributed_c10d._get_default_store()
-        self._setup(store, rank, world, prefix, f"g{tag}", seconds, group)
+        # a rank's process record also under its global rank: a later
+        # communicator of the same processes sees a rank that died before it
+        # got that far (bootstrap.Watch)
+        keys = {r: [f"{prefix}/proc/{r}", f"tpcomm/proc/{g}"] for r, g in enumerate(ranks)}
+        watch = Watch(store, rank, keys)
+        self._setup(store, rank, world, prefix, f"g{tag}", seconds, group, watch=watch)
 
     @classmethod
     def from_env(cls, *, timeout: Timeout = None) -> Communicator:
@@ -163,7 +168,10 @@ class Communicator:
             )
         _created["env"] += 1
         self = cls.__new__(cls)
-        self._setup(store, rank, world, f"tpcomm/env/{_created['env']}", "env", seconds)
+        prefix = f"tpcomm/env/{_created['env']}"
+        keys = {r: [f"{prefix}/proc/{r}", f"tpcomm/env/proc/{r}"] for r in range(world)}
+        watch = Watch(store, rank, keys)
+        self._setup(store, rank, world, prefix, "env", seconds, watch=watch)
         return self
 
     @classmethod
@@ -205,14 +213,16 @@ class Communicator:
         timeout: Timeout = None,
         fallback: Optional[DistPath] = None,
         cuda_fallback: Optional[DistPath] = None,
+        watch: Optional[Watch] = None,
     ) -> Communicator:
         """from_store with the segment's name tag chosen by the caller (the
-        launcher's, a hierarchy's host-local communicators)."""
+        launcher's, a hierarchy's host-local communicators, whose ``watch``
+        knows its ranks' processes already)."""
         self = cls.__new__(cls)
         seconds = checks.timeout_seconds("Communicator", timeout)
         self._setup(
             store, rank, world, prefix, tag, seconds, fallback=fallback,
-            cuda_fallback=cuda_fallback,
+            cuda_fallback=cuda_fallback, watch=watch,
         )  # fmt: skip
         return self
 
@@ -232,6 +242,7 @@ class Communicator:
         group: Any = None,
         fallback: Optional[DistPath] = None,
         cuda_fallback: Optional[DistPath] = None,
+        watch: Optional[Watch] = None,
     ) -> None:
         self._rank = rank
         self._world = world
@@ -267,19 +278,31 @@ class Communicator:
                 )
         # the paths a call may take, in the order routing.route tries them
         self._paths: list = [routing.LOCAL]
+        self._watch: Optional[Watch] = None
         if world == 1:
             return
-        hosts = exchange(store, prefix, rank, world, "host", host_identity(), timeout)
+        # before any wait: the peers can tell this rank died (bootstrap.Watch)
+        if watch is None:
+            watch = Watch(store, rank, {r: [f"{prefix}/proc/{r}"] for r in range(world)})
+        self._watch = watch
+        watch.publish()
+        # the host and the process: the second lets the watch check every peer
+        # from here on, even once the store is gone (its host, rank 0, died)
+        mine = f"{host_identity()}\n{watch.known[rank]}"
+        both = exchange(store, prefix, rank, world, "host", mine, timeout, watch)
+        hosts = [v.rpartition("\n")[0] for v in both]
+        watch.known.update((r, v.rpartition("\n")[2]) for r, v in enumerate(both))
         if len(set(hosts)) != 1:
             cls = type(self)
 
-            def make_local(r: int, w: int, p: str) -> Communicator:
-                return cls._from_store(store, r, w, p, f"{tag}h", timeout)
+            def make_local(r: int, w: int, p: str, members: list) -> Communicator:
+                sub = watch.sub(store, members, r, {i: [f"{p}/proc/{i}"] for i in range(w)})
+                return cls._from_store(store, r, w, p, f"{tag}h", timeout, watch=sub)
 
             self._hier = Hierarchy(make_local, store, prefix, rank, world, hosts, timeout)
             self._paths = [routing.CUDA, self._hier, self._dist]
             return
-        self._engine = ShmEngine(store, rank, world, prefix, tag, timeout)
+        self._engine = ShmEngine(store, rank, world, prefix, tag, timeout, watch)
         self._paths = [routing.CUDA, self._engine, self._dist]
         # send/recv's common case in C too (p2p_send_tensors, p2p_recv_into)
         self._engine.install_fast_paths(weakref.WeakMethod(self._all_reduce_fallback))
@@ -384,9 +407,14 @@ class Communicator:
                 self._raise(status, fn)
         self._dups += 1
         other = type(self).__new__(type(self))
+        prefix = f"{self._prefix}/dup{self._dups}"
+        watch = None
+        if self._watch is not None:  # the same processes: their records are known
+            keys = {r: [f"{prefix}/proc/{r}"] for r in range(self._world)}
+            watch = self._watch.sub(self._store, list(range(self._world)), self._rank, keys)
         other._setup(
-            self._store, self._rank, self._world, f"{self._prefix}/dup{self._dups}",
-            f"{self._tag}d{self._dups}", seconds, self._group, self._fallback,
+            self._store, self._rank, self._world, prefix, f"{self._tag}d{self._dups}",
+            seconds, self._group, self._fallback, watch=watch,
         )  # fmt: skip
         return other
 
@@ -1078,6 +1106,29 @@ class Communicator:
                         f"{o.stride()}; nothing was received"
                     )
         return self._recv(fn, src, out)[0]
+
+    def recv_any(self, out: Optional[Sequence[_Tensor]] = None) -> tuple[int, list[_Tensor]]:
+        """Receive the next message from whichever rank's arrives first.
+
+        Returns ``(src, tensors)``.  Messages from one rank still arrive in the
+        order it sent them; among ranks with one waiting, the search starts after
+        the last rank received this way, so none starves.  ``out`` as in
+        ``recv``.  Shared memory only (one host): across hosts, ``CommError``.
+        """
+        fn = "recv_any"
+        self._check_open(fn)
+        if self._world == 1:
+            raise ValueError(f"{fn}: there is no other rank to receive from (world size 1)")
+        eng = self._engine
+        if eng is None:
+            raise CommError(
+                f"{fn}: receiving from any rank needs shared memory (the ranks span "
+                f"hosts); name the source rank"
+            )
+        status, src = eng.p2p_wait_any()
+        if status:
+            eng.raise_status(status, fn)
+        return src, self.recv(src, out)
 
     def all_to_all_single(
         self,

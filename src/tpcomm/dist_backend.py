@@ -35,7 +35,7 @@ from . import _env
 from .communicator import Communicator
 from .dist_fallback import DistPath, private_gloo, private_nccl
 from .dist_work import _WAITING as _WAITING
-from .dist_work import DONE, Deferred, Done, flush_waiting
+from .dist_work import DONE, Deferred, Done, Received, flush_waiting
 from .errors import CommError
 from .ops import ReduceOp, is_dense
 
@@ -374,10 +374,15 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
         return g.send(tensors, peer, tag) if send else g.recv(tensors, peer, tag)
 
     def recv_anysource(self, tensors: list, tag: int = 0) -> Any:
-        raise CommError(
-            "recv: the tpcomm backend needs the source rank (messages travel on "
-            "per-pair channels); pass src="
-        )
+        """``dist.recv(t)`` / ``irecv(t)`` without a source: the first message to
+        arrive from any rank, after every send and recv deferred before it; the
+        Work says who sent it.  With a tag, or across hosts: gloo's."""
+        if tag or self._cannot_defer(tensors):
+            return self._private_gloo().recv_anysource(tensors, tag)
+        if _WAITING:
+            flush_waiting()
+        src, _ = self._comm.recv_any(tensors)
+        return Received(tensors, src)
 
     def _private_gloo(self) -> Any:
         if self._gloo is None:

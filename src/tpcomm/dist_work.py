@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from .communicator import Communicator
 
-__all__ = ["DONE", "Deferred", "Done", "Pending", "flush_waiting"]
+__all__ = ["DONE", "Deferred", "Done", "Pending", "Received", "flush_waiting"]
 
 
 class Done(dist._Work):
@@ -50,6 +50,20 @@ class Done(dist._Work):
 
 # returned by the calls that are not async_op: nothing reads its result
 DONE = Done([])
+
+
+class Received(Done):
+    """The Work of a receive from any source: done, and which rank sent it
+    (``dist.recv(t)`` without ``src`` returns what ``_source_rank`` says)."""
+
+    def __init__(self, result: Any, src: int):
+        super().__init__(result)
+        self._src = src
+
+    def _source_rank(self) -> int:
+        return self._src
+
+    source_rank = _source_rank
 
 
 class Pending(dist._Work):

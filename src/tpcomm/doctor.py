@@ -18,21 +18,17 @@ The exit status is 1 when something would fail (a FAIL line), else 0.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import glob
 import os
-import struct
 import sys
-import time
 from typing import Any, Callable, Optional
 
 from . import _env
 from .bootstrap import local_cpu_count
-from .shm.segment import PREFIX, space_message
+from .shm import segment
+from .shm.segment import space_message
 
 __all__ = ["add_arguments", "run", "stale_segments", "segment_owners", "Report"]
-
-_MAGIC_FMT = "<QII"  # magic, version, world: the start of the segment header
 
 
 class Report:
@@ -62,61 +58,14 @@ class Report:
 # -- segments --------------------------------------------------------------
 
 
-def _lock_held(fd: int, byte: int) -> bool:
-    """Does some open file description hold a lock on ``byte`` (F_OFD_GETLK)?"""
-    flock = struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, byte, 1, 0)
-    got = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, flock)
-    return struct.unpack("hhqqi4x", got)[0] != fcntl.F_UNLCK
-
-
 def segment_owners(path: str) -> Optional[tuple[int, int]]:
-    """(ranks in the header, ranks alive) of one segment file; None if unreadable.
-
-    A rank is alive while it holds the OFD lock on byte ``rank`` of the file
-    (the kernel drops it when the process dies, however it dies).  A file whose
-    header is not written yet counts as one rank (rank 0 is creating it).
-    """
-    from .shm.engine import MAGIC
-
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        head = os.pread(fd, struct.calcsize(_MAGIC_FMT), 0)
-        world = 1
-        if len(head) == struct.calcsize(_MAGIC_FMT):
-            magic, _version, w = struct.unpack(_MAGIC_FMT, head)
-            if magic == MAGIC and 0 < w <= 4096:
-                world = w
-        alive = sum(_lock_held(fd, r) for r in range(world))
-        return world, alive
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
+    """(ranks in the header, ranks alive) of one segment file (shm/segment.py)."""
+    return segment.owners(path)
 
 
 def stale_segments(directory: str, min_age_s: float = 5.0) -> list[tuple[str, int, float]]:
-    """tpcomm segments in ``directory`` that no live rank holds: (path, bytes, age s).
-
-    Files younger than ``min_age_s`` are left out: rank 0 may be between
-    creating one and taking its lock.
-    """
-    found = []
-    now = time.time()
-    for path in sorted(glob.glob(os.path.join(directory, PREFIX + "*"))):
-        try:
-            st = os.stat(path)
-        except OSError:
-            continue
-        age = now - st.st_mtime
-        if age < min_age_s or st.st_uid != os.getuid():
-            continue
-        owners = segment_owners(path)
-        if owners is not None and owners[1] == 0:
-            found.append((path, st.st_size, age))
-    return found
+    """tpcomm files in ``directory`` that no live rank holds: (path, bytes, age s)."""
+    return segment.stale(directory, min_age_s)
 
 
 # -- facts -----------------------------------------------------------------

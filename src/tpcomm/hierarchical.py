@@ -104,7 +104,7 @@ class Hierarchy:
         self.host_of = [order.index(h) for h in hosts]
         mine = self.members[self.host]
         self.local_rank = mine.index(rank)
-        self.local = make_local(self.local_rank, len(mine), f"{prefix}/host{self.host}")
+        self.local = make_local(self.local_rank, len(mine), f"{prefix}/host{self.host}", mine)
         self.cross: Optional[DistPath] = None
         if self.local_rank == 0:
             pg = private_gloo(store, f"{prefix}/leaders", self.host, self.hosts, timeout)

@@ -115,7 +115,7 @@ int run_all_reduce(Engine *e, char *t, size_t count, int dtype, int op, uint32_t
     struct sym *sb = e->nsym && count * es >= e->twoshot_min ? find_sym(e, t, count * es) : NULL;
     if (sb) {
         size_t off = (size_t)(t - sb->base);
-        uint64_t arg = ARG_ZERO_COPY | ((uint64_t)(sb - e->sym) << 8) | ((uint64_t)off << 16);
+        uint64_t arg = ARG_ZERO_COPY | ((sb->id & 0xFFFF) << 8) | ((uint64_t)off << 24);
         st = zero_copy_all_reduce(e, sb, off, count, dtype, op, kind, arg, &ts);
         count = 0; /* done */
     }

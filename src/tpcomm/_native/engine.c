@@ -499,13 +499,18 @@ static PyObject *eng_get_failed(Engine *e, void *c)
     return PyBool_FromLong(e->failed);
 }
 
-/* add_symmetric(base, size, [every rank's base]): register a symmetric buffer */
+/* add_symmetric(base, size, [every rank's base], id): register a symmetric
+ * buffer; id is the same on every rank (the communicator's count of them) */
 static PyObject *eng_add_symmetric(Engine *e, PyObject *args)
 {
-    unsigned long long base, size;
+    unsigned long long base, size, id;
     PyObject *peers;
-    if (!PyArg_ParseTuple(args, "KKO!", &base, &size, &PyList_Type, &peers))
+    if (!PyArg_ParseTuple(args, "KKO!K", &base, &size, &PyList_Type, &peers, &id))
         return NULL;
+    if (size >= (1ULL << 40)) { /* its offsets travel in 40 bits (allreduce.c) */
+        PyErr_SetString(PyExc_ValueError, "add_symmetric: a buffer of 1 TiB or more");
+        return NULL;
+    }
     if (PyList_GET_SIZE(peers) != e->world) {
         PyErr_SetString(PyExc_ValueError, "add_symmetric: one base per rank");
         return NULL;
@@ -529,7 +534,35 @@ static PyObject *eng_add_symmetric(Engine *e, PyObject *args)
     sb->base = (char *)(uintptr_t)base;
     sb->size = (size_t)size;
     sb->peers = p;
+    sb->id = id;
     Py_RETURN_NONE;
+}
+
+/* nsymmetric() -> the symmetric buffers registered */
+static PyObject *eng_nsymmetric(Engine *e, PyObject *unused)
+{
+    (void)unused;
+    return PyLong_FromLong(e->nsym);
+}
+
+/* remove_symmetric(base) -> bool: forget the buffer at base (its tensors are
+ * gone); False, nothing changed, while a call is inside the engine or another
+ * thread holds it (a call reads the table with the GIL released): try later */
+static PyObject *eng_remove_symmetric(Engine *e, PyObject *arg)
+{
+    unsigned long long base = PyLong_AsUnsignedLongLong(arg);
+    if (PyErr_Occurred())
+        return NULL;
+    if (e->busy || other_thread(e))
+        Py_RETURN_FALSE;
+    for (int i = 0; i < e->nsym; i++) {
+        if (e->sym[i].base != (char *)(uintptr_t)base)
+            continue;
+        PyMem_Free(e->sym[i].peers);
+        e->sym[i] = e->sym[--e->nsym]; /* the order means nothing: ids name them */
+        break;
+    }
+    Py_RETURN_TRUE;
 }
 
 /* set_threads(n): copies and reductions of large chunks use n threads */
@@ -677,6 +710,8 @@ static PyMethodDef eng_methods[] = {
     {"mapping", (PyCFunction)eng_get_mapping, METH_NOARGS, NULL},
     {"set_twoshot_min", (PyCFunction)eng_set_twoshot_min, METH_O, NULL},
     {"add_symmetric", (PyCFunction)eng_add_symmetric, METH_VARARGS, NULL},
+    {"remove_symmetric", (PyCFunction)eng_remove_symmetric, METH_O, NULL},
+    {"nsymmetric", (PyCFunction)eng_nsymmetric, METH_NOARGS, NULL},
     {"set_threads", (PyCFunction)eng_set_threads, METH_O, NULL},
     {"reraise", (PyCFunction)eng_reraise, METH_NOARGS, NULL},
     {"p2p_send", (PyCFunction)eng_p2p_send, METH_VARARGS, NULL},
@@ -696,6 +731,7 @@ static PyMethodDef eng_methods[] = {
     {"fast_reduce_scatter", (PyCFunction)(void (*)(void))eng_fast_reduce_scatter, METH_FASTCALL,
      NULL},
     {"p2p_recv_head", (PyCFunction)eng_p2p_recv_head, METH_O, NULL},
+    {"p2p_wait_any", (PyCFunction)eng_p2p_wait_any, METH_NOARGS, NULL},
     {"p2p_recv_body", (PyCFunction)eng_p2p_recv_body, METH_O, NULL},
     {"sync", (PyCFunction)(void (*)(void))eng_sync, METH_FASTCALL, NULL},
     {"layout", (PyCFunction)eng_layout, METH_NOARGS, NULL},

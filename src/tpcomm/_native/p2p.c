@@ -299,6 +299,87 @@ PyObject *eng_p2p_recv_head(Engine *e, PyObject *arg)
     return hdr ? Py_BuildValue("(iN)", st, hdr) : NULL;
 }
 
+/* The first peer with a message to this rank that is not received yet,
+ * scanning from the one after the last found (no sender starves); -1 if none */
+static int any_pending(Engine *e)
+{
+    const int w = e->world;
+    for (int i = 1; i <= w; i++) {
+        int s = (e->any_last + i) % w;
+        if (s != e->rank &&
+            atomic_load_explicit(&ctrl_line(e, s, P2P_SENT_LINE(e->rank))->seq,
+                                 memory_order_acquire) > e->p2p_recvd[s])
+            return s;
+    }
+    return -1;
+}
+
+/* p2p_wait_any() -> (status, src): wait until some peer's next message to
+ * this rank has begun to arrive (receive it with the src-given calls); src is
+ * -1 unless the status is ST_OK.  Several channels cannot share one futex:
+ * spin, then (GIL released) yield, then sleep 50 us at a time, with the
+ * checks of every other wait (abort word, every peer's liveness every 2 ms,
+ * the deadline, signal handlers). */
+PyObject *eng_p2p_wait_any(Engine *e, PyObject *unused)
+{
+    (void)unused;
+    if (!e->base)
+        return eng_closed_error();
+    int no = refuse(e);
+    if (no)
+        return Py_BuildValue("(ii)", no, -1);
+    int src = any_pending(e), st = ST_OK;
+    if (src < 0) {
+        PyThreadState *ts = NULL;
+        e->busy = 1;
+        uint64_t t0 = now_ns(), t = t0;
+        uint64_t deadline = t0 + e->timeout_ns, next_check = t0 + 2000000ull;
+        uint64_t next_signal = t0 + 50000000ull;
+        while ((src = any_pending(e)) < 0) {
+            t = now_ns();
+            if (t - t0 < e->spin_ns) {
+                cpu_relax();
+                continue;
+            }
+            if (!ts)
+                ts = PyEval_SaveThread();
+            if (t >= next_check) {
+                next_check = t + 2000000ull;
+                if (take_abort(e)) {
+                    st = ST_ABORTED;
+                    break;
+                }
+                for (int r = 0; r < e->world && st == ST_OK; r++) {
+                    if (r == e->rank || peer_alive(e, r))
+                        continue;
+                    e->err_rank = r;
+                    e->failed = 1;
+                    set_abort(e, ST_PEER_DEAD, r);
+                    st = ST_PEER_DEAD;
+                }
+                if (st == ST_OK)
+                    st = deadline_and_signals(e, t >= deadline, e->rank, t, &next_signal, &ts);
+                if (st != ST_OK)
+                    break;
+            }
+            if (t - t0 < e->yield_ns) {
+                sched_yield();
+            } else {
+                struct timespec nap = {0, 50000};
+                nanosleep(&nap, NULL);
+            }
+        }
+        if (ts)
+            PyEval_RestoreThread(ts);
+        e->busy = 0;
+    }
+    if (src >= 0) {
+        e->any_last = src;
+        st = ST_OK;
+    }
+    return Py_BuildValue("(ii)", st, st == ST_OK ? src : -1);
+}
+
 /* The end of recv_head's hold: the body is read, or Python gave up on it. */
 void rx_release(Engine *e)
 {

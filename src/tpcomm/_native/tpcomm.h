@@ -107,7 +107,7 @@
 #define LINE 64u
 #define NCHAN 1          /* channels per rank: 0 = collectives */
 #define MAX_WORLD 4096   /* OFD lock bytes and futex fan-out stay cheap up to here */
-#define MAX_SYM 64       /* symmetric buffers per communicator (Communicator.empty) */
+#define MAX_SYM 64       /* live symmetric buffers per communicator (Communicator.empty) */
 #define P2P_BINARY 0xB1  /* first byte of a binary message header (torch.c, protocols.py) */
 #define P2P_MAX_TENSORS 255
 #define P2P_MAX_DIMS 8
@@ -258,6 +258,7 @@ typedef struct {
     Py_ssize_t rx_np; /* and how many pieces it lies in (0: sent by value) */
     size_t rx_used, rx_limit;
     int rx_src;
+    int any_last; /* the sender p2p_wait_any found last (it scans from the next) */
     /* symmetric buffers (Communicator.empty): this rank's range and every
      * rank's base address of the same buffer, as mapped here */
     int nsym;
@@ -265,6 +266,7 @@ typedef struct {
         char *base;
         size_t size;
         char **peers;
+        uint64_t id; /* the same on every rank: published by zero-copy calls */
     } sym[MAX_SYM];
 } Engine;
 
@@ -491,6 +493,7 @@ int send_pieces(Engine *e, int dst, const pieces_t *pc);
 PyObject *eng_p2p_send(Engine *e, PyObject *args);
 PyObject *recv_head(Engine *e, int src, int *st);
 PyObject *eng_p2p_recv_head(Engine *e, PyObject *arg);
+PyObject *eng_p2p_wait_any(Engine *e, PyObject *unused);
 void rx_release(Engine *e);
 int recv_body(Engine *e, const pieces_t *pc);
 PyObject *eng_p2p_recv_body(Engine *e, PyObject *list);

@@ -12,7 +12,7 @@ import time
 from typing import Any, Optional
 
 from .. import _env, _native, layout, routing
-from ..bootstrap import broadcast_from_rank0, local_cpu_count
+from ..bootstrap import Watch, broadcast_from_rank0, local_cpu_count
 from ..errors import CommError, CommTimeoutError, PeerFailedError
 from ..ops import ALL_DTYPES, ANY_CODE_DTYPES, CODE_DTYPES, DTYPE_CODES, ReduceOp, dense
 from . import segment
@@ -135,7 +135,7 @@ def _describe_call(kind: int, dtype: int, op: int, count: int, arg: int | None =
         return text + ")"
     if kind == KIND_ALL_REDUCE:
         if arg & 0xFF == _native.ARG_ZERO_COPY:
-            return f"{text}, algorithm=zero-copy in buffer {(arg >> 8) & 0xFF} at {arg >> 16})"
+            return f"{text}, algorithm=zero-copy in buffer {(arg >> 8) & 0xFFFF} at {arg >> 24})"
         return f"{text}, algorithm={_ALGOS.get(arg, arg)})"
     if kind == KIND_BROADCAST:
         return f"{text}, src={arg})"
@@ -198,7 +198,14 @@ class ShmEngine:
     """One communicator's segment and the native engine that drives it."""
 
     def __init__(
-        self, store: Any, rank: int, world: int, prefix: str, group_tag: str, timeout: float
+        self,
+        store: Any,
+        rank: int,
+        world: int,
+        prefix: str,
+        group_tag: str,
+        timeout: float,
+        watch: Optional[Watch] = None,
     ):
         self.rank = rank
         self.world = world
@@ -217,6 +224,12 @@ class ShmEngine:
         # header, and only then publishes the path (with the slot size).
         self.path = ""
         self._native = None
+        # Communicator.empty buffers by this rank's address (symmetric.py), how many
+        # empty() calls there were (their ids), and those whose tensors are gone
+        # but that the engine still lists (another thread was inside a call)
+        self.symmetric: dict = {}
+        self.sym_count = 0
+        self._sym_dropped: list = []
         fd = -1
         try:
             if rank == 0:
@@ -224,14 +237,16 @@ class ShmEngine:
                     self.path, fd = segment.create(world, slot_bytes, group_tag)
                     self._map(fd, world, slot_bytes, spin, timeout, tuning)
                 except CommError as e:
-                    broadcast_from_rank0(store, prefix, 0, "segment", "!" + str(e), timeout)
+                    broadcast_from_rank0(store, prefix, 0, "segment", "!" + str(e), timeout, watch)
                     raise
                 # the slot size and the name's random token only: the peers
                 # derive the path themselves (the store is not trusted)
                 token = segment.token_of(self.path)
-                broadcast_from_rank0(store, prefix, 0, "segment", f"{slot_bytes}:{token}", timeout)
+                broadcast_from_rank0(
+                    store, prefix, 0, "segment", f"{slot_bytes}:{token}", timeout, watch
+                )
             else:
-                value = broadcast_from_rank0(store, prefix, rank, "segment", None, timeout)
+                value = broadcast_from_rank0(store, prefix, rank, "segment", None, timeout, watch)
                 try:
                     slot_text, _, token = value.partition(":")
                     slot_bytes = _published_slot(slot_text)
@@ -245,7 +260,7 @@ class ShmEngine:
             os.close(fd)
             fd = -1
             self._native.attach()
-            ok = self._wait_attached(store, prefix, timeout)
+            ok = self._wait_attached(store, prefix, timeout, watch)
         except BaseException:
             if fd >= 0:
                 os.close(fd)
@@ -267,7 +282,6 @@ class ShmEngine:
         self._slot_off = lay["slot_off"]
         self.p2p_bytes = lay["p2p_bytes"]
         self.p2p_ring = lay["p2p_ring"]  # chunks per point-to-point channel
-        self.symmetric: list = []  # mappings of Communicator.empty buffers, kept alive
         self._bind()
         # exchange nothing more through the store: drop the reference
         del store
@@ -283,7 +297,9 @@ class ShmEngine:
                 self.close()
                 self.raise_status(status, "Communicator")
 
-    def _wait_attached(self, store: Any, prefix: str, timeout: float) -> bool:
+    def _wait_attached(
+        self, store: Any, prefix: str, timeout: float, watch: Optional[Watch] = None
+    ) -> bool:
         """Wait until every rank mapped the segment; a rank that could not (it
         runs as another user, the file failed its checks) says so in the store,
         and then every rank raises its CommError at once instead of timing out."""
@@ -298,6 +314,8 @@ class ShmEngine:
                     f"tpcomm: {why} (this is rank {self.rank}, uid {os.getuid()}: every rank "
                     f"must run as the same user and see the same {_env.shm_dir()})"
                 )
+            if watch is not None:
+                watch.check("every rank to attach to the segment")
             if time.monotonic() >= deadline:
                 return False
 
@@ -317,6 +335,7 @@ class ShmEngine:
         self.p2p_send_tensors = n.p2p_send_tensors
         self.p2p_recv_new = n.p2p_recv_new
         self.p2p_sendrecv = n.p2p_sendrecv
+        self.p2p_wait_any = n.p2p_wait_any
 
     # -- as a path of the Communicator (routing.py) ---------------------------
 
@@ -472,6 +491,12 @@ class ShmEngine:
                 f"was waiting for it; this communicator can no longer be used",
                 rank=peer,
             )
+        if status == ST_TIMEOUT and peer == self.rank:  # recv_any: nobody in particular
+            raise CommTimeoutError(
+                f"{fn}: rank {self.rank} waited {self.timeout:g}s for a message from any "
+                f"rank and none came",
+                rank=peer,
+            )
         if status == ST_TIMEOUT:
             raise CommTimeoutError(
                 f"{fn}: rank {self.rank} waited {self.timeout:g}s for rank {peer}, which is "
@@ -577,6 +602,20 @@ class ShmEngine:
         if self._native is not None:
             self._native.release()
 
+    def sym_dropped(self, base: int) -> None:
+        """The tensors of the symmetric buffer at ``base`` are gone: reclaim it."""
+        self._sym_dropped.append(base)
+        self.reclaim()
+
+    def reclaim(self) -> None:
+        """Forget the symmetric buffers whose tensors are gone, and unmap them
+        (those the engine cannot forget now, a call being inside it, wait)."""
+        for base in list(self._sym_dropped):
+            if self._native is not None and not self._native.remove_symmetric(base):
+                continue
+            self._sym_dropped.remove(base)
+            self.symmetric.pop(base, None)
+
     @property
     def in_use(self) -> bool:
         """Whether another thread is inside a call on this engine, or holds it."""
@@ -589,3 +628,6 @@ class ShmEngine:
             self._native.close(CLOSE_WAIT_S)
             self._native = None
             self.all_reduce_raw = None
+        # this rank's mappings of the empty() buffers (a tensor keeps its own)
+        self.symmetric = {}
+        self._sym_dropped = []

@@ -9,24 +9,52 @@ so a /dev/shm that is too small fails now with a clear message instead of a
 SIGBUS later.  Every rank maps it, and as soon as all have, it is unlinked:
 from then on nothing is left behind whatever happens to the processes, even
 ``kill -9``.
+
+Before that, a file has a live owner as long as its creator holds the OFD lock
+on ``CREATOR_BYTE`` (taken right after the O_EXCL open, kept until the name is
+gone: the kernel drops it when the process dies, however it dies) or a rank
+holds its liveness lock (byte ``rank``, ``_native/engine.c``).  A file older
+than a few seconds that nobody holds is what a job killed during its set-up
+left: the next ``create`` of this user on the host removes it (``sweep``), and
+``tpcomm doctor`` lists it.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import re
 import secrets
 import socket
 import stat
 import struct
+import time
+from typing import Optional
 
 from .. import _env, _native
 from ..errors import CommError
 
-__all__ = ["PREFIX", "segment_size", "create", "open_existing", "unlink_quietly", "host_tag"]
+__all__ = [
+    "PREFIX",
+    "segment_size",
+    "create",
+    "open_existing",
+    "unlink_quietly",
+    "host_tag",
+    "owners",
+    "stale",
+    "sweep",
+]
 
 PREFIX = "tpcomm-"
+# the byte whose OFD lock the creator of a file holds until its name is gone
+# (far past any rank's liveness byte; a lock past the end of a file is allowed)
+CREATOR_BYTE = 1 << 40
+# files younger than this are never taken for strays: their creator may be
+# between the O_EXCL open and taking its lock
+STALE_AGE_S = 5.0
+_MAGIC_FMT = struct.Struct("<QII")  # magic, version, world: the start of the header
 
 
 def segment_size(world: int, slot_bytes: int) -> int:
@@ -71,27 +99,109 @@ def create(world: int, slot_bytes: int, group_tag: str, size: int | None = None)
     free = st.f_bavail * st.f_frsize
     if free < need:
         raise CommError(space_message(directory, need, free))
+    sweep(directory)
     name = f"{PREFIX}{host_tag()}-{group_tag}-{secrets.token_hex(8)}"
     path = os.path.join(directory, name)
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        _lock(fd, CREATOR_BYTE)
     except OSError as e:
         raise CommError(f"tpcomm: cannot create segment {path}: {e.strerror}") from None
     try:
         os.posix_fallocate(fd, 0, need)
     except OSError as e:
-        os.close(fd)
-        unlink_quietly(path)
-        if e.errno in (errno.ENOSPC, errno.ENOMEM):
-            raise CommError(space_message(directory, need, free)) from None
-        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+        if e.errno in (errno.ENOSPC, errno.ENOMEM) or e.errno not in (
+            errno.EOPNOTSUPP,
+            errno.EINVAL,
+        ):
+            os.close(fd)
+            unlink_quietly(path)
+            if e.errno in (errno.ENOSPC, errno.ENOMEM):
+                raise CommError(space_message(directory, need, free)) from None
             raise CommError(
                 f"tpcomm: cannot reserve {need} bytes in {path}: {e.strerror}"
             ) from None
         # A file system without fallocate: fall back to ftruncate (sparse).
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         os.ftruncate(fd, need)
     return path, fd
+
+
+def _lock(fd: int, byte: int) -> None:
+    """Take the OFD write lock on ``byte`` of fd's file (OSError if held)."""
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, struct.pack("hhqqi4x", fcntl.F_WRLCK, 0, byte, 1, 0))
+
+
+def _lock_held(fd: int, byte: int) -> bool:
+    """Does some open file description hold a lock on ``byte`` (F_OFD_GETLK)?"""
+    flock = struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, byte, 1, 0)
+    got = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, flock)
+    return struct.unpack("hhqqi4x", got)[0] != fcntl.F_UNLCK
+
+
+def owners(path: str) -> Optional[tuple[int, int]]:
+    """(ranks in the header, ranks alive) of one file of this user; None if it
+    cannot be read.  Its creator holding ``CREATOR_BYTE`` counts as one alive; a
+    file without a segment header (a symmetric buffer's, or one being created)
+    counts as one rank."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            return None
+        head = os.pread(fd, _MAGIC_FMT.size, 0)
+        world = 1
+        if len(head) == _MAGIC_FMT.size:
+            magic, _version, w = _MAGIC_FMT.unpack(head)
+            if magic == _native.MAGIC and 0 < w <= _native.MAX_WORLD:
+                world = w
+        if _lock_held(fd, CREATOR_BYTE):
+            return world, 1
+        return world, sum(_lock_held(fd, r) for r in range(world))
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def stale(directory: str, min_age_s: float = STALE_AGE_S) -> list[tuple[str, int, float]]:
+    """This user's tpcomm files in ``directory`` that nobody holds: (path, bytes,
+    age s).  Files younger than ``min_age_s`` are left out."""
+    found = []
+    now = time.time()
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return found
+    for entry in sorted(entries, key=lambda e: e.name):
+        if not entry.name.startswith(PREFIX):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        age = now - st.st_mtime
+        if age < min_age_s or st.st_uid != os.getuid() or not stat.S_ISREG(st.st_mode):
+            continue
+        held = owners(entry.path)
+        if held is not None and held[1] == 0:
+            found.append((entry.path, st.st_size, age))
+    return found
+
+
+def sweep(directory: str) -> list[str]:
+    """Remove what ``stale`` finds (a job killed during its set-up left it);
+    the paths removed."""
+    removed = []
+    for path, _size, _age in stale(directory):
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            pass
+    return removed
 
 
 _TOKEN = re.compile(r"[0-9a-f]{16}")

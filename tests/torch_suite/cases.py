@@ -1,0 +1,57 @@
+"""The test case class of ``run.py``: PyTorch's ``DistributedTest._DistTestBase``
+with process groups meant for gloo made on ``cpu:tpcomm``
+(``TPCOMM_SUITE_BACKEND=tpcomm``, the default) or on gloo itself (``gloo``).
+
+A module of its own: torch's harness starts every rank with ``spawn``, and
+each child imports this module (the environment it reads is inherited), so
+the redirection holds in every rank.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+# the gloo cases: their gloo-only checks (timeouts, monitored_barrier) are on
+os.environ["BACKEND"] = "gloo"
+os.environ.setdefault("WORLD_SIZE", "2")
+os.environ.setdefault("TEMP_DIR", tempfile.mkdtemp(prefix="tpc-torch-suite-"))
+for _sub in ("barrier", "test_dir"):
+    os.makedirs(os.path.join(os.environ["TEMP_DIR"], _sub), exist_ok=True)
+
+import torch.distributed as dist  # noqa: E402
+
+import tpcomm  # noqa: E402,F401  (registers the backend)
+
+
+def _redirect() -> None:
+    """Process groups meant for gloo (or the default) are made on cpu:tpcomm."""
+    real_init, real_new = dist.init_process_group, dist.new_group
+
+    def init_process_group(*args, backend=None, **kwargs):
+        if backend in (None, "gloo"):
+            backend = "cpu:tpcomm"
+        return real_init(*args, backend=backend, **kwargs)
+
+    def new_group(*args, backend=None, **kwargs):
+        if backend == "gloo":
+            backend = "cpu:tpcomm"
+        return real_new(*args, backend=backend, **kwargs)
+
+    dist.init_process_group = init_process_group
+    dist.new_group = new_group
+
+
+if os.environ.setdefault("TPCOMM_SUITE_BACKEND", "tpcomm") == "tpcomm":
+    _redirect()
+
+from torch.testing._internal.distributed.distributed_test import (  # noqa: E402
+    DistributedTest,
+    TestDistBackend,
+)
+
+
+class Cases(TestDistBackend, DistributedTest._DistTestBase):
+    def setUp(self):
+        super().setUp()
+        self._spawn_processes()
