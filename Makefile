@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml setup.py $(wildcard src/tpcomm/_native/*.[ch]
 	# torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build
 	$(PY) -m pip install -q --disable-pip-version-check torch==$(TORCH_VERSION)
 	$(PY) -m pip install -q --disable-pip-version-check "setuptools>=68" wheel numpy \
-		"pytest>=7" "pytest-timeout>=2" "ruff>=0.4" triton==$(TRITON_VERSION) $(MPI_PACKAGES)
+		"pytest>=7" "pytest-timeout>=2" "ruff>=0.4" expecttest==0.3.0 triton==$(TRITON_VERSION) $(MPI_PACKAGES)
 	$(PY) -m pip install -q --disable-pip-version-check --no-build-isolation -e .
 	touch $@
 

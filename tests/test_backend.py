@@ -783,7 +783,8 @@ def waits_past_tpcomm_timeout(comm, port):
         try:
             dist.all_reduce(torch.ones(4))
             return "no error", time.monotonic() - t0
-        except tpcomm.CommTimeoutError as e:
+        except dist.DistBackendError as e:  # torch's type, as callers catch it
+            assert isinstance(e, tpcomm.CommTimeoutError) and e.rank == 1, repr(e)
             return str(e), time.monotonic() - t0
     finally:
         dist.destroy_process_group()
@@ -793,5 +794,90 @@ def test_tpcomm_timeout_applies_to_the_backend(monkeypatch):
     """The group's timeout is 30 min by default; TPCOMM_TIMEOUT, when set, wins."""
     monkeypatch.setenv("TPCOMM_TIMEOUT", "2")
     msg, waited = tpcomm.launch(waits_past_tpcomm_timeout, 2, args=(free_port(),), timeout=120)[0]
-    assert "waited 2s for rank 1" in msg, msg
+    assert "Timed out after 2s: rank 0 waited for rank 1" in msg, msg
     assert 1.5 < waited < 5.0, waited
+
+
+def _shape_of(v):
+    if isinstance(v, torch.Tensor):
+        return ("T", tuple(v.shape))
+    if isinstance(v, (list, tuple)):
+        return [_shape_of(x) for x in v]
+    return v
+
+
+def works_beside_gloo(comm, port):
+    """Every async collective on cpu:tpcomm and on gloo, same calls: what
+    wait(), result(), get_future() and is_completed() give (as shapes)."""
+    gloo = _init(comm, port)
+    r, w = dist.get_rank(), dist.get_world_size()
+
+    def calls(g):
+        z = torch.zeros
+        return {
+            "all_reduce": lambda: dist.all_reduce(torch.ones(2), group=g, async_op=True),
+            "broadcast": lambda: dist.broadcast(torch.ones(2), 0, group=g, async_op=True),
+            "reduce": lambda: dist.reduce(torch.ones(2), 0, group=g, async_op=True),
+            "all_gather": lambda: dist.all_gather(
+                [z(2) for _ in range(w)], torch.ones(2), group=g, async_op=True
+            ),
+            "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(
+                z(2 * w), torch.ones(2), group=g, async_op=True
+            ),
+            "gather": lambda: dist.gather(
+                torch.ones(2),
+                [z(2) for _ in range(w)] if r == 0 else None,
+                0,
+                group=g,
+                async_op=True,
+            ),  # fmt: skip
+            "scatter": lambda: dist.scatter(
+                z(2),
+                [torch.ones(2) for _ in range(w)] if r == 0 else None,
+                0,
+                group=g,
+                async_op=True,
+            ),  # fmt: skip
+            "all_to_all_single": lambda: dist.all_to_all_single(
+                z(2 * w), torch.ones(2 * w), group=g, async_op=True
+            ),
+            "all_to_all": lambda: dist.all_to_all(
+                [z(2) for _ in range(w)],
+                [torch.ones(2) for _ in range(w)],
+                group=g,
+                async_op=True,
+            ),  # fmt: skip
+            "barrier": lambda: dist.barrier(group=g, async_op=True),
+        }
+
+    def seen(make):
+        work = make()
+        return [
+            work.wait(),
+            _shape_of(work.result()),
+            _shape_of(work.get_future().wait()),
+            work.is_completed(),
+        ]
+
+    try:
+        mine = {name: seen(make) for name, make in calls(None).items()}
+        theirs = {name: seen(make) for name, make in calls(gloo).items()}
+        wrong = []  # outputs of another shape (same numel): refused by both
+        for g in (None, gloo):
+            try:
+                dist.all_gather([torch.zeros(2, 2) for _ in range(w)], torch.ones(4), group=g)
+                wrong.append("no error")
+            except (ValueError, RuntimeError) as e:
+                wrong.append(type(e).__name__)
+        dist.barrier()
+        return mine, theirs, wrong
+    finally:
+        dist.destroy_process_group()
+
+
+def test_works_and_results_are_gloos():
+    for mine, theirs, wrong in tpcomm.launch(
+        works_beside_gloo, 4, args=(free_port(),), timeout=180
+    ):
+        assert mine == theirs
+        assert wrong == ["ValueError", "RuntimeError"]

@@ -497,6 +497,10 @@ class Communicator:
         self._check_open(fn)
         if isinstance(tensor, _Tensor) and tensor.is_cuda:
             return self._cuda_all_reduce(tensor, op)
+        if isinstance(tensor, _Tensor) and tensor.is_sparse and tensor.is_cpu:
+            # sparse: torch.distributed's (gloo sums sparse tensors), in place
+            op = as_reduce_op(fn, op)
+            return tensor if self._dist is None else self._dist.all_reduce_sparse(tensor, op)
         op = checks.reduce_op(fn, tensor, op)
         checks.writable(fn, tensor)
         # every path has the same all_reduce(tensor, op)

@@ -219,13 +219,18 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
             self._comm.reduce_scatter_tensor(out, inp, op)
         return Done(outputs)
 
+    # torch 2.13 calls these names (distributed_c10d); without them the calls
+    # reach this group through the dispatcher, slower and with a Work of its own
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
     # -- gathers --------------------------------------------------------------
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         if (g := self._gpu([input])) is not None:
             return g._allgather_base(output, input, opts)
         self._comm.all_gather_into_tensor(output, input)
-        return Done([output])
+        # gloo's Work holds the output cut into the ranks' parts
+        return Done(list(output.chunk(self._world)) if output.numel() else [output])
 
     _allgather_base = all_gather_single
 
@@ -237,8 +242,15 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
                 raise ValueError(
                     f"all_gather: expected {self._world} output tensors, got {len(outs)}"
                 )
+            for i, o in enumerate(outs):  # as gloo and torch's documentation say
+                if o.shape != inp.shape:
+                    raise ValueError(
+                        f"all_gather: output tensor {i} has shape {tuple(o.shape)}, the input "
+                        f"{tuple(inp.shape)}; every output must have the input's shape"
+                    )
             self._comm.all_gather_into_list(outs, inp)
-        return Done(output_lists)
+        # gloo's Work holds the output list (one input: its list alone)
+        return Done(output_lists[0] if len(output_lists) == 1 else output_lists)
 
     def allgather_coalesced(self, output_lists: list, inputs: list, opts: Any = None) -> Any:
         if (g := self._gpu(inputs)) is not None:
@@ -254,13 +266,18 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
             self._comm.all_gather_into_tensor(out, inp)
         return Done(outputs)
 
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
     def gather(self, output_lists: list, inputs: list, opts: Any) -> Any:
         if (g := self._gpu(inputs)) is not None:
             return g.gather(output_lists, inputs, opts)
         root = opts.rootRank
         for i, inp in enumerate(inputs):
             self._comm.gather_into_list(output_lists[i] if self._rank == root else None, inp, root)
-        return Done(output_lists)
+        # gloo's Work: the root's output list, the others' nothing
+        if self._rank != root:
+            return Done([])
+        return Done(output_lists[0] if len(output_lists) == 1 else output_lists)
 
     # -- one to all -----------------------------------------------------------
 
@@ -299,6 +316,8 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
             return self._alltoall_gather(output, input, out_splits, in_splits, opts)
         comm.all_to_all_single(output, input, out_splits, in_splits)
         return Done([output])
+
+    all_to_all_single = alltoall_base  # the name torch 2.13 calls
 
     def _alltoall_gather(
         self,

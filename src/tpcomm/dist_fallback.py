@@ -142,6 +142,16 @@ class DistPath:
             t.copy_(work)
         return t
 
+    def all_reduce_sparse(self, t: torch.Tensor, op: Any) -> torch.Tensor:
+        """A sparse tensor summed in place by the group (gloo's sparse all-reduce)."""
+        if op is not ReduceOp.SUM:
+            raise ValueError(f"all_reduce: a sparse tensor is summed only (SUM), got {op}")
+        self.note("all_reduce", f"a sparse tensor ({t.layout})")
+        opts = c10d.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        self.group.allreduce([t], opts).wait()
+        return t
+
     def all_gatherv(self, moved: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
         """``moved``: this rank's part with the gathered dim first."""
         top = max(sizes)

@@ -11,12 +11,23 @@ from typing import Optional
 
 __all__ = ["CommError", "PeerFailedError", "CommTimeoutError", "LaunchError"]
 
+# Code written for torch.distributed catches torch's error types: tpcomm's are
+# also instances of them (all RuntimeErrors), keeping their own names and
+# fields.  A CommError is a DistError; a peer's failure and a timeout are
+# DistBackendErrors, as NCCL's are.
+try:
+    from torch.distributed import DistBackendError as _DistBackendError
+    from torch.distributed import DistError as _DistError
+except ImportError:  # torch without distributed support
+    _DistError = _DistBackendError = RuntimeError  # type: ignore[misc,assignment]
 
-class CommError(RuntimeError):
-    """A collective could not be completed (or set up) at run time."""
+
+class CommError(_DistError):
+    """A collective could not be completed (or set up) at run time (also a
+    ``torch.distributed.DistError``, a RuntimeError)."""
 
 
-class PeerFailedError(CommError):
+class PeerFailedError(CommError, _DistBackendError):
     """A peer rank died or left while this rank was waiting for it.
 
     Attributes:
@@ -31,7 +42,7 @@ class PeerFailedError(CommError):
         return (type(self), (self.args[0], self.rank))
 
 
-class CommTimeoutError(CommError):
+class CommTimeoutError(CommError, _DistBackendError):
     """A wait ran past the communicator's timeout while every peer was alive.
 
     Attributes:

@@ -1,6 +1,7 @@
 """The test case class of ``run.py``: PyTorch's ``DistributedTest._DistTestBase``
 with process groups meant for gloo made on ``cpu:tpcomm``
-(``TPCOMM_SUITE_BACKEND=tpcomm``, the default) or on gloo itself (``gloo``).
+(``TPCOMM_SUITE_BACKEND=tpcomm``, the default), on gloo itself (``gloo``), or
+with ``BACKEND=tpcomm`` (``named``: the cases that check the backend's name).
 
 A module of its own: torch's harness starts every rank with ``spawn``, and
 each child imports this module (the environment it reads is inherited), so
@@ -12,8 +13,10 @@ from __future__ import annotations
 import os
 import tempfile
 
-# the gloo cases: their gloo-only checks (timeouts, monitored_barrier) are on
-os.environ["BACKEND"] = "gloo"
+# the gloo cases: their gloo-only checks (timeouts, monitored_barrier) are on;
+# "named": the cases run with BACKEND=tpcomm (those that check the backend's name)
+_MODE = os.environ.setdefault("TPCOMM_SUITE_BACKEND", "tpcomm")
+os.environ["BACKEND"] = "tpcomm" if _MODE == "named" else "gloo"
 os.environ.setdefault("WORLD_SIZE", "2")
 os.environ.setdefault("TEMP_DIR", tempfile.mkdtemp(prefix="tpc-torch-suite-"))
 for _sub in ("barrier", "test_dir"):
@@ -42,7 +45,7 @@ def _redirect() -> None:
     dist.new_group = new_group
 
 
-if os.environ.setdefault("TPCOMM_SUITE_BACKEND", "tpcomm") == "tpcomm":
+if _MODE == "tpcomm":
     _redirect()
 
 from torch.testing._internal.distributed.distributed_test import (  # noqa: E402
@@ -55,3 +58,11 @@ class Cases(TestDistBackend, DistributedTest._DistTestBase):
     def setUp(self):
         super().setUp()
         self._spawn_processes()
+
+    def _spawn_processes(self) -> None:
+        # fork, not torch's spawn: a spawned rank imports torch and this suite
+        # again (4-5 s a case here); a forked one starts in milliseconds.  The
+        # parent has made no process group and started no threads of its own.
+        import torch.multiprocessing as mp
+
+        self._start_processes(mp.get_context("fork").Process)

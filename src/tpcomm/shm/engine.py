@@ -493,15 +493,15 @@ class ShmEngine:
             )
         if status == ST_TIMEOUT and peer == self.rank:  # recv_any: nobody in particular
             raise CommTimeoutError(
-                f"{fn}: rank {self.rank} waited {self.timeout:g}s for a message from any "
-                f"rank and none came",
+                f"{fn}: Timed out after {self.timeout:g}s: rank {self.rank} waited for a "
+                f"message from any rank and none came",
                 rank=peer,
             )
         if status == ST_TIMEOUT:
             raise CommTimeoutError(
-                f"{fn}: rank {self.rank} waited {self.timeout:g}s for rank {peer}, which is "
-                f"alive but never joined the collective (raise TPCOMM_TIMEOUT or the "
-                f"timeout= argument if that is expected)",
+                f"{fn}: Timed out after {self.timeout:g}s: rank {self.rank} waited for rank "
+                f"{peer}, which is alive but never joined the collective (raise "
+                f"TPCOMM_TIMEOUT or the timeout= argument if that is expected)",
                 rank=peer,
             )
         if status == ST_CROSSED:

@@ -1,0 +1,192 @@
+"""Two real workloads on ``cpu:tpcomm`` and on gloo, in the same run.
+
+* **MoE dispatch**: an expert-parallel MoE layer's forward.  Every rank routes
+  its tokens to experts (one expert per rank, a seeded uneven routing that
+  changes every step), exchanges the per-rank token counts with
+  ``all_to_all_single``, sends the tokens with ``all_to_all_single`` (uneven
+  splits), runs its expert (one matmul), and sends the results back the same
+  way (combine).  Reported: ms per forward.
+* **DTensor TP block**: a transformer block's attention projections and MLP sharded with
+  ``torch.distributed.tensor.parallel`` (ColwiseParallel / RowwiseParallel) on
+  a CPU ``DeviceMesh``: DTensor's own collectives (functional all_reduce /
+  all_gather through the process group).  Reported: ms per forward.
+
+Each workload runs on fresh ranks per backend (the default process group is
+the backend under test), best of ``--repeat`` medians, the backends
+alternating; the ratio is gloo's time over tpcomm's (above 1: tpcomm faster).
+The outputs of both backends are compared (the same seeded inputs): a
+workload whose results differ is reported as such.
+
+    python benchmarks/workloads.py --ranks 2 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import tpcomm
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def moe_forward(rank: int, world: int, step: int, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """One MoE layer's forward: dispatch, expert, combine."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    tokens = x.shape[0]
+    # uneven routing: each token to one expert (rank), skewed and changing
+    weights = torch.rand(world, generator=g) ** 2 + 0.05
+    dest = torch.multinomial(weights, tokens, replacement=True, generator=g)
+    order = torch.argsort(dest, stable=True)
+    send_counts = torch.bincount(dest, minlength=world)
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts)
+    send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
+    routed = x[order]
+    got = torch.empty(sum(recv_splits), x.shape[1], dtype=x.dtype)
+    dist.all_to_all_single(got, routed, recv_splits, send_splits)
+    done = torch.relu(got @ w)  # the expert
+    back = torch.empty_like(routed)
+    dist.all_to_all_single(back, done, send_splits, recv_splits)
+    out = torch.empty_like(back)
+    out[order] = back
+    return out
+
+
+def moe_rank(comm, port: int, backend: str, tokens: int, hidden: int, steps: int):
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank, world_size=comm.world_size
+    )
+    try:
+        r, w = dist.get_rank(), dist.get_world_size()
+        g = torch.Generator().manual_seed(7 + r)
+        x = torch.randn(tokens, hidden, generator=g)
+        we = torch.randn(hidden, hidden, generator=torch.Generator().manual_seed(99 + r)) * 0.05
+        for s in range(3):  # warm-up
+            moe_forward(r, w, s, x, we)
+        times, check = [], None
+        for s in range(steps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            out = moe_forward(r, w, s, x, we)
+            times.append(time.perf_counter() - t0)
+            if s == 0:
+                check = out.double().sum().item()
+        return statistics.median(times), check
+    finally:
+        dist.destroy_process_group()
+
+
+def tp_rank(comm, port: int, backend: str, batch: int, hidden: int, steps: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank, world_size=comm.world_size
+    )
+    try:
+        w = dist.get_world_size()
+        mesh = init_device_mesh("cpu", (w,))
+        torch.manual_seed(0)  # the same full weights on every rank
+
+        class Block(torch.nn.Module):  # attention's projections and the MLP
+            def __init__(self):
+                super().__init__()
+                self.attn_in = torch.nn.Linear(hidden, hidden, bias=False)
+                self.attn_out = torch.nn.Linear(hidden, hidden, bias=False)
+                self.up = torch.nn.Linear(hidden, 4 * hidden, bias=False)
+                self.down = torch.nn.Linear(4 * hidden, hidden, bias=False)
+
+            def forward(self, x):
+                x = x + self.attn_out(torch.tanh(self.attn_in(x)))
+                return x + self.down(torch.relu(self.up(x)))
+
+        model = Block()
+        plan = {
+            "attn_in": ColwiseParallel(),
+            "attn_out": RowwiseParallel(),
+            "up": ColwiseParallel(),
+            "down": RowwiseParallel(),
+        }
+        parallelize_module(model, mesh, plan)
+        x = torch.randn(batch, hidden, generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            for _ in range(3):
+                model(x)
+            times, check = [], None
+            for s in range(steps):
+                dist.barrier()
+                t0 = time.perf_counter()
+                y = model(x)
+                times.append(time.perf_counter() - t0)
+                if s == 0:
+                    check = y.double().sum().item()
+        return statistics.median(times), check
+    finally:
+        dist.destroy_process_group()
+
+
+WORKLOADS = {
+    # name: (rank function, its sizes, what a size means)
+    "moe_dispatch": (moe_rank, [(256, 1024), (2048, 1024)], "tokens x hidden per rank, float32"),
+    "dtensor_tp": (tp_rank, [(1, 1024), (32, 1024)], "batch x hidden, float32"),
+}
+
+
+def run(ranks: list, repeat: int, steps: int) -> list:
+    rows = []
+    for name, (fn, sizes, meaning) in WORKLOADS.items():
+        for world in ranks:
+            for a, b in sizes:
+                best = {"gloo": float("inf"), "cpu:tpcomm": float("inf")}
+                checks = {}
+                for _ in range(repeat):
+                    for backend in ("gloo", "cpu:tpcomm"):
+                        res = tpcomm.launch(
+                            fn, world, args=(_free_port(), backend, a, b, steps), timeout=600
+                        )
+                        best[backend] = min(best[backend], max(t for t, _ in res))
+                        checks[backend] = [c for _, c in res]
+                same = all(
+                    abs(x - y) <= 1e-6 * max(1.0, abs(x))
+                    for x, y in zip(checks["gloo"], checks["cpu:tpcomm"])
+                )
+                rows.append(
+                    (name, world, f"{a} x {b}", meaning, best["gloo"], best["cpu:tpcomm"], same)
+                )
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--steps", type=int, default=30)
+    args = p.parse_args(argv)
+    print(f"# workloads: ms per forward (median of {args.steps}, best of {args.repeat} runs)")
+    print("# workload        ranks  size         gloo(ms)  tpcomm(ms)  gloo/tpcomm  same result")
+    for name, world, size, _meaning, g, t, same in run(args.ranks, args.repeat, args.steps):
+        print(
+            f"{name:<17} {world:>5}  {size:<11} {g * 1e3:>9.3f} {t * 1e3:>11.3f}"
+            f" {g / t:>11.2f}x  {'yes' if same else 'NO'}"
+        )
+    for name, (_, _, meaning) in WORKLOADS.items():
+        print(f"# {name}: size = {meaning}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
