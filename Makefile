@@ -78,6 +78,7 @@ bench: install build/handoff
 	  for n in 4096 65536 262144 1048576 4194304 16777216; do build/handoff $$n; done; \
 	} > $(BENCH_DIR)/handoff.txt && cat $(BENCH_DIR)/handoff.txt
 	$(PY) examples/tp_decode.py --ranks 2 --layers 4 --steps 16 > $(BENCH_DIR)/tp_decode.txt && cat $(BENCH_DIR)/tp_decode.txt
+	$(PY) benchmarks/workloads.py --ranks 2 4 > $(BENCH_DIR)/workloads.txt && cat $(BENCH_DIR)/workloads.txt
 	$(PY) scripts/perf_page.py $(BENCH_DIR) > docs/PERFORMANCE.md
 	@echo "# docs/PERFORMANCE.md rewritten from $(BENCH_DIR)"
 

@@ -77,6 +77,11 @@ TEXTS = [
         "End to end: tensor-parallel decode "
         "(`examples/tp_decode.py --ranks 2 --layers 4 --steps 16`)",
     ),
+    (
+        "workloads",
+        "Workloads: an expert-parallel MoE layer (all_to_all_single, uneven) and a DTensor "
+        "tensor-parallel block, cpu:tpcomm against gloo (`benchmarks/workloads.py --ranks 2 4`)",
+    ),
 ]
 
 

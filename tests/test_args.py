@@ -84,7 +84,6 @@ def bad_arguments(comm):
         ((torch.ones(3), "sum"), TypeError, "op must be a tpcomm.ReduceOp"),
         ((torch.ones(3), 0), TypeError, "op must be a tpcomm.ReduceOp"),
         ((torch.ones(3, device="meta"),), ValueError, "must be a CPU tensor"),
-        ((torch.ones(3).to_sparse(),), ValueError, "dense"),
         ((torch.ones(1).expand(4),), ValueError, "has elements that share memory"),
         ((_quantized(),), ValueError, "is quantized (torch.qint8)"),
     ]
@@ -107,6 +106,12 @@ def bad_arguments(comm):
         out.append("no-arg: no error")
     except TypeError:
         pass
+    # a sparse tensor is summed by torch.distributed (gloo's sparse all-reduce)
+    sp = torch.tensor([0.0, 2.0, 0.0, 1.0]).to_sparse()
+    comm.all_reduce(sp)
+    want = torch.tensor([0.0, 2.0, 0.0, 1.0]) * comm.world_size
+    if not (sp.is_sparse and torch.equal(sp.to_dense(), want)):
+        out.append(f"sparse all_reduce: {sp}")
     # a Tensor subclass takes the checked path and works
     x = torch.ones(4).as_subclass(MyTensor)
     comm.all_reduce(x)

@@ -280,9 +280,11 @@ def a2a_bad_splits(comm, port):
             ),
             # rank w-1's splits do not sum to its rows
             ([1] * w, [1] * (w - 1) + [2 if r == w - 1 else 1]),
+            # rank 0 has a negative split
+            ([2, -1] + [1] * (w - 2) if r == 0 else [1] * w, [1] * w),
         ]
         for ins, outs in cases:
-            x = torch.zeros(sum(ins), 2)
+            x = torch.zeros(max(0, sum(ins)), 2)
             out = torch.zeros(sum(outs) if r != w - 1 or outs == [1] * w else w, 2)
             try:
                 dist.all_to_all_single(out, x, outs, ins)
@@ -303,7 +305,8 @@ def test_all_to_all_bad_splits_raise_on_every_rank():
     for errors in res:
         assert errors[0] and "rank 0 sends 2 rows to rank 1, which expects 3" in errors[0], errors
         assert errors[1] and "do not sum" in errors[1], errors
-        assert errors[2] is True
+        assert errors[2] and "rank 0's split sizes are not 3 sizes >= 0" in errors[2], errors
+        assert errors[3] is True
 
 
 def subgroups(comm, port):

@@ -37,7 +37,7 @@ def test_kinds_and_statuses_are_the_cores():
         assert getattr(engine, f"KIND_{name}") == getattr(_native, f"KIND_{name}")
     assert len(engine.KIND_NAMES) == len(names) == len(set(engine.KIND_NAMES))
     codes = [getattr(engine, n) for n in dir(engine) if n.startswith("ST_")]
-    assert len(codes) == len(set(codes)) == 11
+    assert len(codes) == len(set(codes)) == 12
 
 
 def test_message_header_is_what_the_core_reads():

@@ -264,6 +264,9 @@ def forked_child_uses_the_parent_communicator(comm):
     """A forked child cannot use its parent's communicator (a clear error, nothing
     touched); its exit, finalizers and close() included, leaves the parent's intact."""
     child_said = None
+    # the private gloo group exists (float64 goes to it): the child inherits it
+    # without its threads and must never destroy it (it used to hang there)
+    comm.all_reduce(torch.ones(2, dtype=torch.float64))
     if comm.rank == 0:
         r, w = os.pipe()
         pid = os.fork()

@@ -15,6 +15,7 @@ ST_BUSY: int
 ST_CLOSED: int
 ST_CMA: int
 ST_PROTO: int
+ST_SPLITS: int
 DT_F32: int
 DT_BF16: int
 DT_F16: int
@@ -122,6 +123,20 @@ class Engine:
         dtype: int,
         count: int,
         arg: int,
+    ) -> int: ...
+    def alltoall_splits(
+        self,
+        kind: int,
+        x: int,
+        ins: list,
+        out: int,
+        outs: list,
+        rows_in: int,
+        rows_out: int,
+        row_in: int,
+        row_out: int,
+        dtype_in: int,
+        dtype_out: int,
     ) -> int: ...
     def fast_all_gather(self, output: Any, input: Any, kind: int) -> int | None: ...
     def fast_gather(self, input: Any, out: Any, dst: int, kind: int) -> int | None: ...

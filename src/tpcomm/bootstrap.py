@@ -9,10 +9,12 @@ may be the one that dies).
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import socket
 import time
+import weakref
 from typing import Any, Optional
 
 from . import _env
@@ -25,10 +27,33 @@ __all__ = [
     "master_store",
     "Watch",
     "process_record",
+    "threaded",
 ]
 
 # how often a set-up wait looks at the store and at the peers' processes
 _POLL_S = 0.02
+
+
+# torch.distributed objects with threads of their own that this process made
+# (gloo / NCCL groups, a hosted TCPStore): a child made by fork() inherits them
+# without their threads, and destroying one there waits for those threads
+# forever (a child that only closed its parent's Communicator hung on exit).
+# In the child each gets one reference more, so it is never destroyed there.
+_THREADED: weakref.WeakSet = weakref.WeakSet()
+
+
+def _never_destroyed_in_child() -> None:
+    for obj in list(_THREADED):
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+
+
+os.register_at_fork(after_in_child=_never_destroyed_in_child)
+
+
+def threaded(obj: Any) -> Any:
+    """Register an object with threads of its own (see _THREADED); returns it."""
+    _THREADED.add(obj)
+    return obj
 
 
 def master_store(host: str, port: int, world: Any, timeout: float) -> Any:
@@ -55,14 +80,16 @@ def master_store(host: str, port: int, world: Any, timeout: float) -> Any:
     except OSError as e:
         if e.errno not in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
             raise
-    return TCPStore(
-        host,
-        port,
-        world,
-        is_master=True,
-        timeout=_env.timedelta(timeout),
-        wait_for_workers=False,
-        master_listen_fd=fd,
+    return threaded(
+        TCPStore(
+            host,
+            port,
+            world,
+            is_master=True,
+            timeout=_env.timedelta(timeout),
+            wait_for_workers=False,
+            master_listen_fd=fd,
+        )
     )
 
 

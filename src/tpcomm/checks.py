@@ -151,6 +151,8 @@ def splits(fn: str, name: str, value: Any) -> list[int]:
     the peers' by the collective itself)."""
     if value is None:
         return []
+    if type(value) is list and all(type(v) is int for v in value):  # the common case
+        return value
     if not isinstance(value, (list, tuple)) or any(
         isinstance(v, bool) or not isinstance(v, int) for v in value
     ):

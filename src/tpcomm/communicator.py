@@ -32,6 +32,7 @@ from .ops import (
 from .shm import protocols, symmetric
 from .shm.engine import (
     KIND_ALL_GATHER,
+    KIND_ALL_TO_ALL,
     KIND_BARRIER,
     KIND_BROADCAST,
     KIND_DUP,
@@ -1220,13 +1221,26 @@ class Communicator:
     def _all_to_all_shm(
         self, fn: str, output: _Tensor, input: _Tensor, outs: list, ins: list
     ) -> None:
-        w, me = self._world, self._rank
+        w = self._world
         rows_in, row = layout.rows(input)
         rows_out, out_row = layout.rows(output)
-        # no splits: even blocks, checked by the rounds' metadata (the block size);
-        # any split sizes, even uniform ones (they depend on data, as in MoE
-        # dispatch, so ranks may differ): every rank's checked first
-        if not ins and not outs:
+        x = dense(input)
+        res = output if is_dense(output) else torch.empty(output.shape, dtype=output.dtype)
+        if layout.dense_overlap(x, res):
+            x = x.clone()
+        if ins or outs:
+            # any split sizes, even uniform ones (they depend on data, as in MoE
+            # dispatch, so ranks may differ): every rank's table, checked by every
+            # rank, then the rounds, in one call (_native/rounds.c alltoall_splits)
+            status = self._engine.alltoall_splits(
+                KIND_ALL_TO_ALL, x.data_ptr(), ins or [rows_in // w] * w, res.data_ptr(),
+                outs or [rows_out // w] * w, rows_in, rows_out, row, out_row,
+                protocols.dtype_code_any(input.dtype), protocols.dtype_code_any(output.dtype),
+            )  # fmt: skip
+            if status:
+                self._engine.raise_status(status, fn)
+        else:
+            # no splits: even blocks, checked by the rounds' metadata (the block size)
             if rows_in % w or rows_out != rows_in or input.dtype != output.dtype or row != out_row:
                 raise ValueError(
                     f"{fn}: input {tuple(input.shape)} {input.dtype} and output "
@@ -1234,20 +1248,10 @@ class Communicator:
                     f"same shape and dtype, with rows divisible by the {w} ranks"
                 )
             sb = [rows_in // w * row] * w
-            rb, most = sb, sb[0]
-        else:
-            sends = self._all_to_all_table(fn, output, input, outs, ins)
-            sb = [v * row for v in sends[me]]
-            rb = [sends[q][me] * row for q in range(w)]
-            most = max(max(s) for s in sends) * row
-        x = dense(input)
-        res = output if is_dense(output) else torch.empty(output.shape, dtype=output.dtype)
-        if most and layout.any_overlap([x], [res]):
-            x = x.clone()
-        protocols.alltoallv(
-            self._engine, x.data_ptr(), sb, layout.offsets(sb), res.data_ptr(), rb,
-            layout.offsets(rb), most, protocols.dtype_code_any(input.dtype),
-        )  # fmt: skip
+            protocols.alltoallv(
+                self._engine, x.data_ptr(), sb, layout.offsets(sb), res.data_ptr(), sb,
+                layout.offsets(sb), sb[0], protocols.dtype_code_any(input.dtype),
+            )  # fmt: skip
         if res is not output:
             output.copy_(res)
 

@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from . import _env
+from .bootstrap import threaded
 from .errors import CommError
 from .ops import ReduceOp, dense
 
@@ -46,7 +47,9 @@ def private_gloo(store: Any, prefix: str, rank: int, world: int, timeout: float)
     from torch.distributed import PrefixStore
     from torch.distributed.distributed_c10d import ProcessGroupGloo
 
-    return ProcessGroupGloo(PrefixStore(f"{prefix}/", store), rank, world, _env.timedelta(timeout))
+    return threaded(
+        ProcessGroupGloo(PrefixStore(f"{prefix}/", store), rank, world, _env.timedelta(timeout))
+    )
 
 
 def _real(t: torch.Tensor) -> torch.Tensor:
@@ -64,7 +67,7 @@ def private_nccl(store: Any, prefix: str, rank: int, world: int, timeout: float)
         raise CommError("tpcomm: a CUDA collective needs NCCL, and this torch has none") from None
     opts = ProcessGroupNCCL.Options()
     opts._timeout = _env.timedelta(timeout)
-    return ProcessGroupNCCL(PrefixStore(f"{prefix}/", store), rank, world, opts)
+    return threaded(ProcessGroupNCCL(PrefixStore(f"{prefix}/", store), rank, world, opts))
 
 
 class DistPath:

@@ -50,6 +50,13 @@ def span(t: _Tensor) -> tuple[int, int]:
     )
 
 
+def dense_overlap(x: _Tensor, y: _Tensor) -> bool:
+    """Whether two dense (contiguous) tensors share memory."""
+    xa, ya = x.data_ptr(), y.data_ptr()
+    xn, yn = x.numel() * x.element_size(), y.numel() * y.element_size()
+    return bool(xn and yn and xa < ya + yn and ya < xa + xn)
+
+
 def any_overlap(xs: Sequence[_Tensor], ys: Sequence[_Tensor]) -> bool:
     """Whether any tensor of ``xs`` shares memory with any of ``ys`` (_span)."""
     a = sorted(span(t) for t in xs if t.numel())

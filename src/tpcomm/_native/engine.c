@@ -97,12 +97,13 @@ static PyObject *eng_error_info(Engine *e, PyObject *unused)
 {
     (void)unused;
     return Py_BuildValue(
-        "{s:i,s:I,s:I,s:I,s:K,s:K,s:I,s:I,s:I,s:K,s:K,s:K,s:i}", "rank", e->err_rank, "kind",
+        "{s:i,s:I,s:I,s:I,s:K,s:K,s:I,s:I,s:I,s:K,s:K,s:K,s:i,s:s}", "rank", e->err_rank, "kind",
         e->err_kind, "dtype", e->err_dtype, "op", e->err_op, "count",
         (unsigned long long)e->err_count, "arg", (unsigned long long)e->err_arg, "my_kind",
         e->err_my_kind, "my_dtype", e->err_my_dtype, "my_op", e->err_my_op, "my_count",
         (unsigned long long)e->err_my_count, "my_arg", (unsigned long long)e->err_my_arg,
-        "reason", (unsigned long long)e->err_reason, "errno", e->err_errno);
+        "reason", (unsigned long long)e->err_reason, "errno", e->err_errno, "text",
+        e->err_text);
 }
 
 static PyObject *eng_header(Engine *e, PyObject *unused)
@@ -718,6 +719,7 @@ static PyMethodDef eng_methods[] = {
     {"gatherv", (PyCFunction)(void (*)(void))eng_gatherv, METH_FASTCALL, NULL},
     {"fast_gather", (PyCFunction)(void (*)(void))eng_fast_gather, METH_FASTCALL, NULL},
     {"alltoallv", (PyCFunction)(void (*)(void))eng_alltoallv, METH_FASTCALL, NULL},
+    {"alltoall_splits", (PyCFunction)(void (*)(void))eng_alltoall_splits, METH_FASTCALL, NULL},
     {"broadcast", (PyCFunction)(void (*)(void))eng_broadcast, METH_FASTCALL, NULL},
     {"reduce_scatterv", (PyCFunction)(void (*)(void))eng_reduce_scatterv, METH_FASTCALL, NULL},
     {"p2p_send_tensors", (PyCFunction)(void (*)(void))eng_p2p_send_tensors, METH_FASTCALL, NULL},

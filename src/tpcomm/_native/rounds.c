@@ -443,14 +443,74 @@ int rs_rounds(Engine *e, uint32_t kind, const char *x, int dtype, const size_t *
 }
 
 /*
+ * The rounds of an all to all of bytes: sc[j] bytes at x + so[j] go to rank j,
+ * which receives them at its out + ro[this rank] (rc, ro: what this rank
+ * receives from each).  The slot is cut in W segments, as for reduce-scatter:
+ * in round k every rank copies part k of its block for j into segment j,
+ * waits, and copies part k of segment `rank` of every peer's slot (its own
+ * block: from x) to its place in out.  `most` is the largest block any rank
+ * sends (every rank must pass the same: it sets the number of rounds).  x and
+ * out must not overlap.  A status, or -1 with an exception set.
+ */
+static int alltoallv_run(Engine *e, uint32_t kind, const char *x, const size_t *sc,
+                         const size_t *so, char *out, const size_t *rc, const size_t *ro,
+                         uint64_t most, uint32_t dtype, uint64_t count, uint64_t arg)
+{
+    const int w = e->world, me = e->rank;
+    const size_t per = e->slot_bytes / (size_t)w / 64 * 64;
+    if (per == 0) {
+        PyErr_SetString(PyExc_ValueError, "alltoallv: the slot is too small for this world size");
+        return -1;
+    }
+    if (sc[me] != rc[me]) {
+        PyErr_SetString(PyExc_ValueError, "alltoallv: this rank's block to itself differs in size");
+        return -1;
+    }
+    size_t rounds = most ? (size_t)((most + per - 1) / per) : 1, total = 0;
+    for (int r = 0; r < w; r++)
+        total += sc[r] + rc[r];
+    /* single copy (see cma_gather): every rank publishes its input's address
+     * and, in its slot, where its block for each rank starts; each rank reads
+     * its block from every peer straight into out.  Decided on `most`, which
+     * every rank shares. */
+    if (e->cma && most * (uint64_t)w >= e->cma_min &&
+        (size_t)w * sizeof(uint64_t) <= e->slot_bytes) {
+        char *dst[w];
+        uint64_t offs[w];
+        for (int r = 0; r < w; r++) {
+            dst[r] = out + ro[r];
+            offs[r] = so[r];
+        }
+        return cma_rounds(e, kind, dtype, count, arg, total, x, offs, x + so[me], dst, rc, rc, rc);
+    }
+    PyThreadState *ts = NULL;
+    int st = enter_data(e, total, &ts);
+    if (st != 0)
+        return st;
+    for (size_t k = 0; k < rounds && st == ST_OK; k++) {
+        size_t lo = k * per;
+        int p = (int)((e->round + 1) & 1);
+        char *base = slot_of(e, me, p);
+        for (int j = 0; j < w; j++) {
+            size_t n = part_of(sc[j], lo, per);
+            if (n && j != me)
+                memcpy(base + (size_t)j * per, x + so[j] + lo, n);
+        }
+        st = round_sync(e, kind, dtype, 0, count, arg, &ts);
+        for (int r = 0; st == ST_OK && r < w; r++) {
+            size_t n = part_of(rc[r], lo, per);
+            if (n)
+                memcpy(out + ro[r] + lo,
+                       r == me ? x + so[me] + lo : slot_of(e, r, p) + (size_t)me * per, n);
+        }
+    }
+    return leave_data(e, st, ts);
+}
+
+/*
  * alltoallv(kind, x, [bytes to each rank], [their offsets in x], out, [bytes from
  * each rank], [their offsets in out], most, dtype, count, arg) -> status: the
- * block this rank sends rank j goes to rank j's out.  The slot is cut in W
- * segments, as for reduce-scatter: in round k every rank copies part k of its
- * block for j into segment j, waits, and copies part k of segment `rank` of
- * every peer's slot (its own block: from x) to its place in out.  `most` is
- * the largest block any rank sends (every rank must pass the same: it sets
- * the number of rounds).  x and out must not overlap.
+ * rounds of alltoallv_run, for blocks every rank has checked already.
  */
 PyObject *eng_alltoallv(Engine *e, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -463,62 +523,176 @@ PyObject *eng_alltoallv(Engine *e, PyObject *const *args, Py_ssize_t nargs)
         st = int_list(e, args[5], &rc, "alltoallv");
     if (st == 0)
         st = int_list(e, args[6], &ro, "alltoallv");
-    const int w = e->world, me = e->rank;
-    const size_t per = e->slot_bytes / (size_t)w / 64 * 64;
-    if (st == 0 && per == 0) {
-        PyErr_SetString(PyExc_ValueError, "alltoallv: the slot is too small for this world size");
-        st = -1;
-    }
-    if (st == 0 && sc[me] != rc[me]) {
-        PyErr_SetString(PyExc_ValueError, "alltoallv: this rank's block to itself differs in size");
-        st = -1;
-    }
-    const char *x = (const char *)(uintptr_t)v[1];
-    char *out = (char *)(uintptr_t)v[4];
-    size_t rounds = v[7] ? (size_t)((v[7] + per - 1) / per) : 1, total = 0;
-    PyThreadState *ts = NULL;
-    for (int r = 0; st == 0 && r < w; r++)
-        total += sc[r] + rc[r];
-    /* single copy (see cma_gather): every rank publishes its input's address
-     * and, in its slot, where its block for each rank starts; each rank reads
-     * its block from every peer straight into out.  Decided on `most`, which
-     * every rank shares. */
-    if (st == 0 && e->cma && v[7] * (uint64_t)w >= e->cma_min &&
-        (size_t)w * sizeof(uint64_t) <= e->slot_bytes) {
-        char *dst[w];
-        uint64_t offs[w];
-        for (int r = 0; r < w; r++) {
-            dst[r] = out + ro[r];
-            offs[r] = so[r];
-        }
-        st = cma_rounds(e, (uint32_t)v[0], (uint32_t)v[8], v[9], v[10], total, x, offs,
-                        x + so[me], dst, rc, rc, rc);
-    } else if (st == 0) {
-        int en = enter_data(e, total, &ts);
-        st = en;
-        for (size_t k = 0; en == 0 && k < rounds && st == ST_OK; k++) {
-            size_t lo = k * per;
-            int p = (int)((e->round + 1) & 1);
-            char *base = slot_of(e, me, p);
-            for (int j = 0; j < w; j++) {
-                size_t n = part_of(sc[j], lo, per);
-                if (n && j != me)
-                    memcpy(base + (size_t)j * per, x + so[j] + lo, n);
-            }
-            st = round_sync(e, (uint32_t)v[0], (uint32_t)v[8], 0, v[9], v[10], &ts);
-            for (int r = 0; st == ST_OK && r < w; r++) {
-                size_t n = part_of(rc[r], lo, per);
-                if (n)
-                    memcpy(out + ro[r] + lo,
-                           r == me ? x + so[me] + lo : slot_of(e, r, p) + (size_t)me * per, n);
-            }
-        }
-        if (en == 0)
-            leave_data(e, st, ts);
-    }
+    if (st == 0)
+        st = alltoallv_run(e, (uint32_t)v[0], (const char *)(uintptr_t)v[1], sc, so,
+                           (char *)(uintptr_t)v[4], rc, ro, v[7], (uint32_t)v[8], v[9], v[10]);
     PyMem_Free(sc);
     PyMem_Free(so);
     PyMem_Free(rc);
     PyMem_Free(ro);
+    return status_result(st);
+}
+
+/* The split table's fields after the 2W splits (TABLE_FIELDS u64 per rank in all) */
+enum { T_ROWS_IN, T_ROWS_OUT, T_ROW_IN, T_ROW_OUT, T_CODE_IN, T_CODE_OUT, T_EXTRA };
+#define TABLE_BAD UINT64_MAX /* a rank's splits that are not W sizes >= 0 */
+#define TABLE_ARG 0x5A11700000000000ull /* the table round's metadata arg */
+
+/* "[a, b, c]" of n u64 into buf (at most cap bytes) */
+static void fmt_list(char *buf, size_t cap, const uint64_t *v, int n)
+{
+    size_t at = (size_t)snprintf(buf, cap, "[");
+    for (int i = 0; i < n && at < cap; i++)
+        at += (size_t)snprintf(buf + at, cap - at, i ? ", %llu" : "%llu", (unsigned long long)v[i]);
+    if (at < cap)
+        snprintf(buf + at, cap - at, "]");
+}
+
+/* The verdict on every rank's table (the same on every rank: they read the
+ * same tables): 0, or ST_SPLITS with the reason in err_text */
+static int check_table(Engine *e, const uint64_t *const *t)
+{
+    const int w = e->world;
+    for (int q = 0; q < w; q++) {
+        const uint64_t *s = t[q], *r = t[q] + w, *f = t[q] + 2 * w;
+        if (s[0] == TABLE_BAD) {
+            snprintf(e->err_text, sizeof e->err_text,
+                     "rank %d's split sizes are not %d sizes >= 0", q, w);
+            return ST_SPLITS;
+        }
+        uint64_t sum_s = 0, sum_r = 0;
+        for (int j = 0; j < w; j++) {
+            sum_s += s[j];
+            sum_r += r[j];
+        }
+        if (sum_s != f[T_ROWS_IN] || sum_r != f[T_ROWS_OUT]) {
+            char a[120], b[120];
+            fmt_list(a, sizeof a, s, w);
+            fmt_list(b, sizeof b, r, w);
+            snprintf(e->err_text, sizeof e->err_text,
+                     "rank %d's split sizes %s / %s do not sum to its %llu input / %llu "
+                     "output rows", q, a, b, (unsigned long long)f[T_ROWS_IN],
+                     (unsigned long long)f[T_ROWS_OUT]);
+            return ST_SPLITS;
+        }
+        if (f[T_CODE_IN] != f[T_CODE_OUT] || f[T_CODE_IN] != t[0][2 * w + T_CODE_IN] ||
+            f[T_ROW_IN] != f[T_ROW_OUT] || f[T_ROW_IN] != t[0][2 * w + T_ROW_IN]) {
+            snprintf(e->err_text, sizeof e->err_text,
+                     "rank %d's input and output differ in dtype or row shape", q);
+            return ST_SPLITS;
+        }
+    }
+    for (int q = 0; q < w; q++)
+        for (int j = 0; j < w; j++)
+            if (t[q][j] != t[j][w + q]) {
+                snprintf(e->err_text, sizeof e->err_text,
+                         "rank %d sends %llu rows to rank %d, which expects %llu from it", q,
+                         (unsigned long long)t[q][j], j, (unsigned long long)t[j][w + q]);
+                return ST_SPLITS;
+            }
+    return 0;
+}
+
+/* this rank's W split sizes from a list, or TABLE_BAD in the first (not a list
+ * of W ints >= 0: every rank says so, not this one alone) */
+static int table_splits(Engine *e, PyObject *o, uint64_t *v)
+{
+    if (!PyList_Check(o) || PyList_GET_SIZE(o) != e->world) {
+        v[0] = TABLE_BAD;
+        return 0;
+    }
+    for (int r = 0; r < e->world; r++) {
+        long long x = PyLong_AsLongLong(PyList_GET_ITEM(o, r));
+        if (x == -1 && PyErr_Occurred())
+            return -1;
+        if (x < 0) {
+            v[0] = TABLE_BAD;
+            return 0;
+        }
+        v[r] = (uint64_t)x;
+    }
+    return 0;
+}
+
+/*
+ * alltoall_splits(kind, x, [rows to each rank], out, [rows from each rank],
+ * rows_in, rows_out, row_in, row_out, dtype_in, dtype_out) -> status:
+ * all_to_all_single with split sizes, in one call.  Round one carries every
+ * rank's table (its splits both ways, rows, bytes per row, dtypes) in its
+ * slot; every rank checks all of them (what q sends j must be what j expects
+ * from q; splits sum to the rows; one dtype and row shape), so a bad table is
+ * ST_SPLITS on every rank (err_text says why) after a completed round: the
+ * communicator stays usable.  Then the rounds of alltoallv_run, keyed by the
+ * largest block (the same on every rank: it comes from the same table).
+ */
+PyObject *eng_alltoall_splits(Engine *e, PyObject *const *args, Py_ssize_t nargs)
+{
+    unsigned long long v[11];
+    if (u64_args(args, nargs, 11, "alltoall_splits", v) < 0)
+        return NULL;
+    const int w = e->world, me = e->rank, tn = 2 * w + T_EXTRA;
+    if ((size_t)tn * sizeof(uint64_t) > e->slot_bytes) {
+        PyErr_SetString(PyExc_ValueError, "alltoall_splits: the slot is too small for the table");
+        return NULL;
+    }
+    uint64_t *mine = PyMem_Calloc((size_t)tn, sizeof(uint64_t));
+    size_t *sizes = PyMem_Calloc(4 * (size_t)w + 1, sizeof(size_t));
+    const uint64_t **t = PyMem_Calloc((size_t)w, sizeof(uint64_t *));
+    if (!mine || !sizes || !t) {
+        PyMem_Free(mine);
+        PyMem_Free(sizes);
+        PyMem_Free(t);
+        return PyErr_NoMemory();
+    }
+    int st = table_splits(e, args[2], mine);
+    if (st == 0)
+        st = table_splits(e, args[4], mine + w);
+    if (st == 0) {
+        if (mine[0] == TABLE_BAD || mine[w] == TABLE_BAD)
+            mine[0] = TABLE_BAD;
+        for (int i = 0; i < T_EXTRA; i++)
+            mine[2 * w + i] = v[5 + i];
+        st = refuse(e);
+    }
+    if (st == 0) {
+        /* round one: the table */
+        PyThreadState *ts = NULL;
+        int p = (int)((e->round + 1) & 1);
+        memcpy(slot_of(e, me, p), mine, (size_t)tn * sizeof(uint64_t));
+        e->busy = 1;
+        st = round_sync(e, (uint32_t)v[0], 0, 0, (uint64_t)tn, TABLE_ARG, &ts);
+        if (ts)
+            PyEval_RestoreThread(ts);
+        e->busy = 0;
+        for (int q = 0; st == ST_OK && q < w; q++)
+            t[q] = (const uint64_t *)slot_of(e, q, p);
+        if (st == ST_OK)
+            st = check_table(e, t);
+        if (st == ST_OK) {
+            /* bytes and offsets this rank sends and receives; the largest block */
+            const uint64_t row = t[0][2 * w + T_ROW_IN];
+            size_t *sc = sizes, *so = sizes + w, *rc = sizes + 2 * w, *ro = sizes + 3 * w;
+            uint64_t most = 0, at_s = 0, at_r = 0;
+            for (int q = 0; q < w; q++)
+                for (int j = 0; j < w; j++)
+                    if (t[q][j] * row > most)
+                        most = t[q][j] * row;
+            for (int j = 0; j < w; j++) {
+                sc[j] = (size_t)(t[me][j] * row);
+                so[j] = (size_t)at_s;
+                at_s += sc[j];
+                rc[j] = (size_t)(t[j][me] * row);
+                ro[j] = (size_t)at_r;
+                at_r += rc[j];
+            }
+            /* the table's slot is read: the next round may overwrite it */
+            st = alltoallv_run(e, (uint32_t)v[0], (const char *)(uintptr_t)v[1], sc, so,
+                               (char *)(uintptr_t)v[3], rc, ro, most, (uint32_t)v[9], most,
+                               flat_key(v[0], most, (uint64_t)w));
+        }
+    }
+    PyMem_Free(mine);
+    PyMem_Free(sizes);
+    PyMem_Free(t);
     return status_result(st);
 }

@@ -125,7 +125,7 @@
 /* status codes returned to Python (shm/engine.py turns them into exceptions) */
 enum { ST_OK = 0, ST_TIMEOUT = 1, ST_PEER_DEAD = 2, ST_MISMATCH = 3, ST_ABORTED = 4,
        ST_INTERRUPTED = 5, ST_CROSSED = 6, ST_BUSY = 7, ST_CLOSED = 8,
-       ST_CMA = 9, ST_PROTO = 10 };
+       ST_CMA = 9, ST_PROTO = 10, ST_SPLITS = 11 };
 
 
 /* Collective kinds, published with every round so that ranks calling
@@ -240,6 +240,7 @@ typedef struct {
     uint32_t err_my_kind, err_my_dtype, err_my_op;
     uint64_t err_my_count, err_my_arg;
     uint64_t err_reason;
+    char err_text[320]; /* ST_SPLITS: what is wrong with the ranks' split table */
     void **srcs; /* scratch: world source pointers */
     tview_t *tv; /* torch.c's, for the one-call fast paths */
     PyObject *mapping; /* the Mapping that owns base */
@@ -473,6 +474,7 @@ PyObject *eng_broadcast(Engine *e, PyObject *const *args, Py_ssize_t nargs);
 PyObject *eng_reduce_scatterv(Engine *e, PyObject *const *args, Py_ssize_t nargs);
 int rs_rounds(Engine *e, uint32_t kind, const char *x, int dtype, const size_t *sizes, char *out, int op, uint64_t arg, size_t outer);
 PyObject *eng_alltoallv(Engine *e, PyObject *const *args, Py_ssize_t nargs);
+PyObject *eng_alltoall_splits(Engine *e, PyObject *const *args, Py_ssize_t nargs);
 
 /* cma.c */
 uint64_t cma_tag(uint64_t pid, int rank);

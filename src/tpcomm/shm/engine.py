@@ -107,6 +107,7 @@ ST_BUSY = _native.ST_BUSY
 ST_CLOSED = _native.ST_CLOSED
 ST_CMA = _native.ST_CMA
 ST_PROTO = _native.ST_PROTO
+ST_SPLITS = _native.ST_SPLITS
 
 # How long close() waits for another thread's aborted call to leave the engine.
 CLOSE_WAIT_S = 10.0
@@ -336,6 +337,7 @@ class ShmEngine:
         self.p2p_recv_new = n.p2p_recv_new
         self.p2p_sendrecv = n.p2p_sendrecv
         self.p2p_wait_any = n.p2p_wait_any
+        self.alltoall_splits = n.alltoall_splits
 
     # -- as a path of the Communicator (routing.py) ---------------------------
 
@@ -466,6 +468,8 @@ class ShmEngine:
         failed read) is what the core recorded when it failed (error_info)."""
         info = self._errors.error_info()
         peer = info.get("rank", -1)
+        if status == ST_SPLITS:  # every rank read the same table: the same verdict
+            raise ValueError(f"{fn}: {info['text']}")
         if status == ST_BUSY:
             raise CommError(
                 f"{fn}: another thread of rank {self.rank} is inside a call on this "
