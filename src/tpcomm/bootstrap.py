@@ -220,27 +220,30 @@ def _wait(
     store: Any, keys: list[str], timeout: float, what: str, watch: Optional[Watch] = None
 ) -> None:
     """Wait until every key is in the store; a dead peer (``watch``) is a
-    PeerFailedError at once."""
+    PeerFailedError at once.  The store's own wait, <= 20 ms at a time, wakes
+    the moment the keys are there; between two, the watch looks at the peers."""
     deadline = time.monotonic() + timeout
-    pause = 0.0005
     while True:
+        left = deadline - time.monotonic()
         try:
-            if store.check(keys):
-                return
-        except Exception as e:  # the store went away (the rank hosting it died?)
-            if watch is not None:
-                watch.check(what)
-            raise CommError(
-                f"tpcomm: the set-up store failed while waiting for {what}: {e}"
-            ) from None
+            store.wait(keys, _env.timedelta(max(min(_POLL_S, left), 0.001)))
+            return
+        except Exception:  # not there yet (a timeout), or the store went away
+            failed = None
+            try:
+                store.check(keys)
+            except Exception as e:  # the store is gone (the rank hosting it died?)
+                failed = e
         if watch is not None:
             watch.check(what)
+        if failed is not None:
+            raise CommError(
+                f"tpcomm: the set-up store failed while waiting for {what}: {failed}"
+            ) from None
         if time.monotonic() >= deadline:
             raise CommTimeoutError(
                 f"tpcomm: rendezvous timed out after {timeout:g}s waiting for {what}"
             )
-        time.sleep(pause)
-        pause = min(pause * 2, _POLL_S)
 
 
 def exchange(
