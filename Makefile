@@ -1,5 +1,6 @@
 # make test   - create .venv if missing, install torch (pinned CPU build) and tpcomm, run the
 #               C kernel test (and the aarch64 one under qemu when the tools are there), the suite
+#               (with PyTorch's own distributed test cases on cpu:tpcomm: tests/torch_suite)
 # make test-arm - the NEON kernels under qemu-aarch64 (installs gcc-aarch64-linux-gnu, qemu-user)
 # make bench  - the same set-up, then every benchmark; rewrites docs/PERFORMANCE.md from that run
 PYTHON ?= python3
