@@ -103,6 +103,17 @@ def hierarchical(comm, port, hosts):
             out = torch.empty(len(want))
             c.all_to_all_single(out, xs[r], [sends[q][r] for q in range(w)], sends[r])
             checks["all_to_all_single"] = torch.equal(out, want)
+            # bad splits there: the same verdict and words as in shared memory
+            ins = [2 if (r == 0 and q == 1) else 1 for q in range(w)]
+            outs = [3 if (r == 1 and q == 0) else 1 for q in range(w)]
+            try:
+                c.all_to_all_single(torch.zeros(sum(outs)), torch.zeros(sum(ins)), outs, ins)
+                said = "no error"
+            except ValueError as e:
+                said = str(e)
+            checks["all_to_all_single bad splits"] = (
+                said == "all_to_all_single: rank 0 sends 2 rows to rank 1, which expects 3 from it"
+            )
             # a ring shift of 8 MiB: every rank sends before it receives
             big = torch.full((1 << 21,), float(r))
             (got,) = c.sendrecv([big], (r + 1) % w, (r - 1) % w)

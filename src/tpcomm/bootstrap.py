@@ -170,20 +170,38 @@ class Watch:
         self.keys = keys  # rank -> the keys its record may be under, in order
         self.known: dict = dict(known or {})  # rank -> record
 
+    @staticmethod
+    def _own(prefix: str, world: int) -> dict:
+        """The keys of the records of a communicator's set-up under ``prefix``."""
+        return {r: [f"{prefix}/proc/{r}"] for r in range(world)}
+
+    @classmethod
+    def over(
+        cls, store: Any, prefix: str, rank: int, world: int, also: Optional[dict] = None
+    ) -> Watch:
+        """The watch of a new communicator's set-up under ``prefix``; ``also``:
+        each rank's process-wide key, which a later communicator of the same
+        processes finds too."""
+        keys = cls._own(prefix, world)
+        for r, key in (also or {}).items():
+            keys[r].append(key)
+        return cls(store, rank, keys)
+
     def publish(self) -> None:
         record = process_record()
         self.known[self.rank] = record
         for key in self.keys.get(self.rank, ()):
             self.store.set(key, record)
 
-    def sub(self, store: Any, ranks: list, rank: int, keys: dict) -> Watch:
-        """The watch of a communicator over ``ranks`` of this one (renumbered
-        from 0), with its own ``keys`` first and this one's after."""
+    def sub(self, store: Any, prefix: str, ranks: list, rank: int) -> Watch:
+        """The watch of a communicator under ``prefix`` over ``ranks`` of this one
+        (renumbered from 0): its own keys first, this one's after, and the
+        records this one knows."""
+        keys = self._own(prefix, len(ranks))
+        for i, g in enumerate(ranks):
+            keys[i] += self.keys.get(g, [])
         known = {i: self.known[g] for i, g in enumerate(ranks) if g in self.known}
-        merged = {
-            i: list(keys.get(i, ())) + list(self.keys.get(g, ())) for i, g in enumerate(ranks)
-        }
-        return Watch(store, rank, merged, known)
+        return Watch(store, rank, keys, known)
 
     def dead(self) -> Optional[tuple[int, int]]:
         """(rank, pid) of a peer known to be dead, or None."""

@@ -39,6 +39,7 @@ from .shm.engine import (
     KIND_GATHER,
     KIND_REDUCE_SCATTER,
     ShmEngine,
+    split_table_problem,
 )
 
 __all__ = ["Communicator"]
@@ -115,8 +116,8 @@ class Communicator:
         # a rank's process record also under its global rank: a later
         # communicator of the same processes sees a rank that died before it
         # got that far (bootstrap.Watch)
-        keys = {r: [f"{prefix}/proc/{r}", f"tpcomm/proc/{g}"] for r, g in enumerate(ranks)}
-        watch = Watch(store, rank, keys)
+        also = {r: f"tpcomm/proc/{g}" for r, g in enumerate(ranks)}
+        watch = Watch.over(store, prefix, rank, world, also)
         self._setup(store, rank, world, prefix, f"g{tag}", seconds, group, watch=watch)
 
     @classmethod
@@ -170,8 +171,8 @@ class Communicator:
         _created["env"] += 1
         self = cls.__new__(cls)
         prefix = f"tpcomm/env/{_created['env']}"
-        keys = {r: [f"{prefix}/proc/{r}", f"tpcomm/env/proc/{r}"] for r in range(world)}
-        watch = Watch(store, rank, keys)
+        also = {r: f"tpcomm/env/proc/{r}" for r in range(world)}
+        watch = Watch.over(store, prefix, rank, world, also)
         self._setup(store, rank, world, prefix, "env", seconds, watch=watch)
         return self
 
@@ -284,7 +285,7 @@ class Communicator:
             return
         # before any wait: the peers can tell this rank died (bootstrap.Watch)
         if watch is None:
-            watch = Watch(store, rank, {r: [f"{prefix}/proc/{r}"] for r in range(world)})
+            watch = Watch.over(store, prefix, rank, world)
         self._watch = watch
         watch.publish()
         # the host and the process: the second lets the watch check every peer
@@ -297,7 +298,7 @@ class Communicator:
             cls = type(self)
 
             def make_local(r: int, w: int, p: str, members: list) -> Communicator:
-                sub = watch.sub(store, members, r, {i: [f"{p}/proc/{i}"] for i in range(w)})
+                sub = watch.sub(store, p, members, r)
                 return cls._from_store(store, r, w, p, f"{tag}h", timeout, watch=sub)
 
             self._hier = Hierarchy(make_local, store, prefix, rank, world, hosts, timeout)
@@ -411,8 +412,7 @@ class Communicator:
         prefix = f"{self._prefix}/dup{self._dups}"
         watch = None
         if self._watch is not None:  # the same processes: their records are known
-            keys = {r: [f"{prefix}/proc/{r}"] for r in range(self._world)}
-            watch = self._watch.sub(self._store, list(range(self._world)), self._rank, keys)
+            watch = self._watch.sub(self._store, prefix, list(range(self._world)), self._rank)
         other._setup(
             self._store, self._rank, self._world, prefix, f"{self._tag}d{self._dups}",
             seconds, self._group, self._fallback, watch=watch,
@@ -1183,7 +1183,7 @@ class Communicator:
         rows_out, out_row = layout.rows(output)
         ins = ins or [rows_in // w] * w
         outs = outs or [rows_out // w] * w
-        ok = len(ins) == len(outs) == w
+        ok = len(ins) == len(outs) == w and min(ins + outs) >= 0  # else "not W sizes >= 0"
         code_in = protocols.dtype_code_any(input.dtype)
         code_out = protocols.dtype_code_any(output.dtype)
         mine = (ins + outs if ok else [-1] * 2 * w) + [
@@ -1191,32 +1191,10 @@ class Communicator:
         ]  # fmt: skip
         every = torch.empty(w * (2 * w + 6), dtype=torch.int64)
         self.all_gather_into_tensor(every, torch.tensor(mine, dtype=torch.int64))
-        every = every.view(w, 2 * w + 6)
-        sends, recvs = every[:, :w], every[:, w : 2 * w]
-        info = every[:, 2 * w :].tolist()
-        problem = None
-        for q, (r_in, r_out, b_in, b_out, c_in, c_out) in enumerate(info):
-            s_q, r_q = sends[q].tolist(), recvs[q].tolist()
-            if min(s_q + r_q) < 0:
-                problem = f"rank {q}'s split sizes are not {w} sizes >= 0"
-            elif sum(s_q) != r_in or sum(r_q) != r_out:
-                problem = (
-                    f"rank {q}'s split sizes {s_q} / {r_q} do not sum to its "
-                    f"{r_in} input / {r_out} output rows"
-                )
-            elif c_in != c_out or c_in != info[0][4] or b_in != b_out or b_in != info[0][2]:
-                problem = f"rank {q}'s input and output differ in dtype or row shape"
-            if problem:
-                break
-        if problem is None and not torch.equal(sends, recvs.t()):
-            q, j = next((q, j) for q in range(w) for j in range(w) if sends[q, j] != recvs[j, q])
-            problem = (
-                f"rank {q} sends {int(sends[q, j])} rows to rank {j}, "
-                f"which expects {int(recvs[j, q])} from it"
-            )
+        problem = split_table_problem(w, every.tolist())
         if problem is not None:
             raise ValueError(f"{fn}: {problem}")
-        return sends.tolist()
+        return every.view(w, 2 * w + 6)[:, :w].tolist()
 
     def _all_to_all_shm(
         self, fn: str, output: _Tensor, input: _Tensor, outs: list, ins: list
@@ -1224,11 +1202,28 @@ class Communicator:
         w = self._world
         rows_in, row = layout.rows(input)
         rows_out, out_row = layout.rows(output)
+        even = not ins and not outs
+        # no splits: even blocks, checked here and by the rounds' metadata (the
+        # block size), before anything is copied
+        if even and (
+            rows_in % w or rows_out != rows_in or input.dtype != output.dtype or row != out_row
+        ):
+            raise ValueError(
+                f"{fn}: input {tuple(input.shape)} {input.dtype} and output "
+                f"{tuple(output.shape)} {output.dtype}: without split sizes both need the "
+                f"same shape and dtype, with rows divisible by the {w} ranks"
+            )
         x = dense(input)
         res = output if is_dense(output) else torch.empty(output.shape, dtype=output.dtype)
         if layout.dense_overlap(x, res):
             x = x.clone()
-        if ins or outs:
+        if even:
+            sb = [rows_in // w * row] * w
+            protocols.alltoallv(
+                self._engine, x.data_ptr(), sb, layout.offsets(sb), res.data_ptr(), sb,
+                layout.offsets(sb), sb[0], protocols.dtype_code_any(input.dtype),
+            )  # fmt: skip
+        else:
             # any split sizes, even uniform ones (they depend on data, as in MoE
             # dispatch, so ranks may differ): every rank's table, checked by every
             # rank, then the rounds, in one call (_native/rounds.c alltoall_splits)
@@ -1239,19 +1234,6 @@ class Communicator:
             )  # fmt: skip
             if status:
                 self._engine.raise_status(status, fn)
-        else:
-            # no splits: even blocks, checked by the rounds' metadata (the block size)
-            if rows_in % w or rows_out != rows_in or input.dtype != output.dtype or row != out_row:
-                raise ValueError(
-                    f"{fn}: input {tuple(input.shape)} {input.dtype} and output "
-                    f"{tuple(output.shape)} {output.dtype}: without split sizes both need the "
-                    f"same shape and dtype, with rows divisible by the {w} ranks"
-                )
-            sb = [rows_in // w * row] * w
-            protocols.alltoallv(
-                self._engine, x.data_ptr(), sb, layout.offsets(sb), res.data_ptr(), sb,
-                layout.offsets(sb), sb[0], protocols.dtype_code_any(input.dtype),
-            )  # fmt: skip
         if res is not output:
             output.copy_(res)
 

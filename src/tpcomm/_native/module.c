@@ -215,6 +215,7 @@ static PyMethodDef mod_methods[] = {
     {"set_isa", mod_set_isa, METH_O, NULL},
     {"isa_variants", mod_isa_variants, METH_NOARGS, NULL},
     {"flat_key", mod_flat_key, METH_VARARGS, NULL},
+    {"split_table_problem", mod_split_table_problem, METH_VARARGS, NULL},
     {"segment_size", mod_segment_size, METH_VARARGS, NULL},
     {"reduce", eng_reduce_kernel, METH_VARARGS, NULL},
     {"isa", mod_isa, METH_NOARGS, NULL},

@@ -323,15 +323,14 @@ static int any_pending(Engine *e)
 PyObject *eng_p2p_wait_any(Engine *e, PyObject *unused)
 {
     (void)unused;
-    if (!e->base)
-        return eng_closed_error();
-    int no = refuse(e);
-    if (no)
-        return Py_BuildValue("(ii)", no, -1);
-    int src = any_pending(e), st = ST_OK;
+    int st = enter(e);
+    if (st < 0)
+        return NULL;
+    if (st > 0)
+        return Py_BuildValue("(ii)", st, -1);
+    int src = any_pending(e);
     if (src < 0) {
         PyThreadState *ts = NULL;
-        e->busy = 1;
         uint64_t t0 = now_ns(), t = t0;
         uint64_t deadline = t0 + e->timeout_ns, next_check = t0 + 2000000ull;
         uint64_t next_signal = t0 + 50000000ull;
@@ -371,8 +370,8 @@ PyObject *eng_p2p_wait_any(Engine *e, PyObject *unused)
         }
         if (ts)
             PyEval_RestoreThread(ts);
-        e->busy = 0;
     }
+    e->busy = 0;
     if (src >= 0) {
         e->any_last = src;
         st = ST_OK;

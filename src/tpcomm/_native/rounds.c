@@ -549,14 +549,15 @@ static void fmt_list(char *buf, size_t cap, const uint64_t *v, int n)
 }
 
 /* The verdict on every rank's table (the same on every rank: they read the
- * same tables): 0, or ST_SPLITS with the reason in err_text */
-static int check_table(Engine *e, const uint64_t *const *t)
+ * same tables): 0, or ST_SPLITS with the reason in buf (cap bytes).  The
+ * all_to_all across hosts checks its gathered table with it too
+ * (split_table_problem). */
+static int table_verdict(int w, const uint64_t *const *t, char *buf, size_t cap)
 {
-    const int w = e->world;
     for (int q = 0; q < w; q++) {
         const uint64_t *s = t[q], *r = t[q] + w, *f = t[q] + 2 * w;
         if (s[0] == TABLE_BAD) {
-            snprintf(e->err_text, sizeof e->err_text,
+            snprintf(buf, cap,
                      "rank %d's split sizes are not %d sizes >= 0", q, w);
             return ST_SPLITS;
         }
@@ -569,7 +570,7 @@ static int check_table(Engine *e, const uint64_t *const *t)
             char a[120], b[120];
             fmt_list(a, sizeof a, s, w);
             fmt_list(b, sizeof b, r, w);
-            snprintf(e->err_text, sizeof e->err_text,
+            snprintf(buf, cap,
                      "rank %d's split sizes %s / %s do not sum to its %llu input / %llu "
                      "output rows", q, a, b, (unsigned long long)f[T_ROWS_IN],
                      (unsigned long long)f[T_ROWS_OUT]);
@@ -577,7 +578,7 @@ static int check_table(Engine *e, const uint64_t *const *t)
         }
         if (f[T_CODE_IN] != f[T_CODE_OUT] || f[T_CODE_IN] != t[0][2 * w + T_CODE_IN] ||
             f[T_ROW_IN] != f[T_ROW_OUT] || f[T_ROW_IN] != t[0][2 * w + T_ROW_IN]) {
-            snprintf(e->err_text, sizeof e->err_text,
+            snprintf(buf, cap,
                      "rank %d's input and output differ in dtype or row shape", q);
             return ST_SPLITS;
         }
@@ -585,7 +586,7 @@ static int check_table(Engine *e, const uint64_t *const *t)
     for (int q = 0; q < w; q++)
         for (int j = 0; j < w; j++)
             if (t[q][j] != t[j][w + q]) {
-                snprintf(e->err_text, sizeof e->err_text,
+                snprintf(buf, cap,
                          "rank %d sends %llu rows to rank %d, which expects %llu from it", q,
                          (unsigned long long)t[q][j], j, (unsigned long long)t[j][w + q]);
                 return ST_SPLITS;
@@ -652,14 +653,13 @@ PyObject *eng_alltoall_splits(Engine *e, PyObject *const *args, Py_ssize_t nargs
             mine[0] = TABLE_BAD;
         for (int i = 0; i < T_EXTRA; i++)
             mine[2 * w + i] = v[5 + i];
-        st = refuse(e);
+        st = enter(e); /* -1 (closed: the exception is set), a status, or in */
     }
     if (st == 0) {
         /* round one: the table */
         PyThreadState *ts = NULL;
         int p = (int)((e->round + 1) & 1);
         memcpy(slot_of(e, me, p), mine, (size_t)tn * sizeof(uint64_t));
-        e->busy = 1;
         st = round_sync(e, (uint32_t)v[0], 0, 0, (uint64_t)tn, TABLE_ARG, &ts);
         if (ts)
             PyEval_RestoreThread(ts);
@@ -667,7 +667,7 @@ PyObject *eng_alltoall_splits(Engine *e, PyObject *const *args, Py_ssize_t nargs
         for (int q = 0; st == ST_OK && q < w; q++)
             t[q] = (const uint64_t *)slot_of(e, q, p);
         if (st == ST_OK)
-            st = check_table(e, t);
+            st = table_verdict(w, t, e->err_text, sizeof e->err_text);
         if (st == ST_OK) {
             /* bytes and offsets this rank sends and receives; the largest block */
             const uint64_t row = t[0][2 * w + T_ROW_IN];
@@ -695,4 +695,40 @@ PyObject *eng_alltoall_splits(Engine *e, PyObject *const *args, Py_ssize_t nargs
     PyMem_Free(sizes);
     PyMem_Free(t);
     return status_result(st);
+}
+
+/* split_table_problem(world, [every rank's 2W + 6 table entries, rank after
+ * rank]) -> why the table is wrong, or None (table_verdict, for the
+ * all_to_all that gathers its table instead of running alltoall_splits) */
+PyObject *mod_split_table_problem(PyObject *self, PyObject *args)
+{
+    (void)self;
+    int w;
+    PyObject *list;
+    if (!PyArg_ParseTuple(args, "iO!", &w, &PyList_Type, &list))
+        return NULL;
+    const Py_ssize_t tn = 2 * (Py_ssize_t)w + T_EXTRA;
+    if (w < 1 || w > MAX_WORLD || PyList_GET_SIZE(list) != w * tn) {
+        PyErr_SetString(PyExc_ValueError, "split_table_problem: world * (2 world + 6) entries");
+        return NULL;
+    }
+    uint64_t *v = PyMem_Calloc((size_t)(w * tn), sizeof(uint64_t));
+    const uint64_t **t = PyMem_Calloc((size_t)w, sizeof(uint64_t *));
+    if (!v || !t) {
+        PyMem_Free(v);
+        PyMem_Free(t);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < w * tn; i++) /* -1 (a rank's bad splits): TABLE_BAD */
+        v[i] = (uint64_t)PyLong_AsLongLong(PyList_GET_ITEM(list, i));
+    for (int q = 0; q < w; q++)
+        t[q] = v + (size_t)q * (size_t)tn;
+    char buf[320];
+    PyObject *res = NULL;
+    if (!PyErr_Occurred())
+        res = table_verdict(w, t, buf, sizeof buf) ? PyUnicode_FromString(buf)
+                                                   : Py_NewRef(Py_None);
+    PyMem_Free(v);
+    PyMem_Free(t);
+    return res;
 }

@@ -475,6 +475,7 @@ PyObject *eng_reduce_scatterv(Engine *e, PyObject *const *args, Py_ssize_t nargs
 int rs_rounds(Engine *e, uint32_t kind, const char *x, int dtype, const size_t *sizes, char *out, int op, uint64_t arg, size_t outer);
 PyObject *eng_alltoallv(Engine *e, PyObject *const *args, Py_ssize_t nargs);
 PyObject *eng_alltoall_splits(Engine *e, PyObject *const *args, Py_ssize_t nargs);
+PyObject *mod_split_table_problem(PyObject *self, PyObject *args);
 
 /* cma.c */
 uint64_t cma_tag(uint64_t pid, int rank);

@@ -28,6 +28,7 @@ __all__ = [
     "kernel_isa",
     "reduce_kernel",
     "select_kernels",
+    "split_table_problem",
     "time_memcpy",
     "touch",
 ]
@@ -59,6 +60,13 @@ def reduce_kernel(dtype: int, op: int, dst: int, srcs: list, count: int, nthread
     """The reduce kernel alone: dst = srcs[0] op ... op srcs[w-1] (tests, benchmarks),
     in the variant last selected (select_kernels)."""
     _native.reduce(dtype, op, dst, srcs, count, nthreads)
+
+
+def split_table_problem(world: int, table: list) -> Optional[str]:
+    """Why every rank's all_to_all split table (2W + 6 entries a rank, as
+    alltoall_splits publishes it) is wrong, or None: the core's verdict, the
+    same words the shared-memory rounds raise."""
+    return _native.split_table_problem(world, table)
 
 
 def touch(addr: int, nbytes: int) -> None:

@@ -118,23 +118,18 @@ def _allocate(
             path, problem = "", str(e) or type(e).__name__
     try:
         # fd holds the creator's lock until the name is gone (segment.sweep)
-        maps = _exchange(eng, fn, dtype_code, numel, key, size, path, own, own_addr, problem)
+        maps, addrs = _exchange(eng, fn, dtype_code, numel, key, size, path, own, own_addr, problem)
     finally:
         if fd >= 0:
             os.close(fd)
     buf = Buffer(maps, own_addr)
-    eng._native.add_symmetric(own_addr, size, [m_addr(m) for m in maps], ident)
+    eng._native.add_symmetric(own_addr, size, addrs, ident)
     eng.symmetric[own_addr] = buf
     view = memoryview(own)
     # the tensors hold the memoryview; when the last goes, the buffer does
     buf.view = weakref.ref(view, _dropper(eng, own_addr))
     flat = torch.frombuffer(view, dtype=torch.uint8)[:nbytes]
     return flat.view(dtype).view(shape) if nbytes else torch.empty(shape, dtype=dtype)
-
-
-def m_addr(m: mmap.mmap) -> int:
-    """The address a mapping starts at."""
-    return torch.frombuffer(m, dtype=torch.uint8).data_ptr()
 
 
 def _dropper(eng: ShmEngine, base: int) -> Any:
@@ -151,9 +146,9 @@ def _dropper(eng: ShmEngine, base: int) -> Any:
 def _exchange(
     eng: ShmEngine, fn: str, dtype_code: int, numel: int, key: int, size: int, path: str,
     own: Any, own_addr: int, problem: str,
-) -> list:  # fmt: skip
+) -> tuple[list, list]:  # fmt: skip
     """The two rounds of allocate: this rank's name out, every peer's file
-    mapped; every rank's mapping, in rank order."""
+    mapped; every rank's mapping and its address here, in rank order."""
     me = eng.rank
     try:
         # this rank's name's token (peers derive the path), or "!" and why
@@ -179,18 +174,20 @@ def _exchange(
                 f"{fn}: rank {r} could not create its shared buffer of {size} bytes"
                 f"{f' (and {len(failed) - 1} more ranks)' if len(failed) > 1 else ''}: {why}"
             )
-        maps = []
+        maps, addrs = [], []
         for r in range(eng.world):
             if r == me:
                 maps.append(own)
+                addrs.append(own_addr)
                 continue
             peer = segment.derive("sym", words[r])  # read from shared memory: checked
             pfd = segment.open_existing(peer, eng.world, eng.slot_bytes, size=size, header=False)
             try:
-                mm, _ = _map(pfd, size)
+                mm, addr = _map(pfd, size)
             finally:
                 os.close(pfd)
             maps.append(mm)
+            addrs.append(addr)
         status = eng._native.sync(KIND_EMPTY, dtype_code, 0, numel, key)
         if status:
             eng.raise_status(status, fn)
@@ -208,7 +205,7 @@ def _exchange(
             eng._native.abort(_native.ST_PEER_DEAD)  # the others must not wait for us
         raise
     segment.unlink_quietly(path)
-    return maps
+    return maps, addrs
 
 
 def peer_views(eng: ShmEngine, t: torch.Tensor) -> list:
