@@ -19,6 +19,14 @@ the forward's speed-up is bounded by the share of the expert's compute.
 The outputs of both backends are compared (the same seeded inputs): a
 workload whose results differ is reported as such.
 
+"bound" is gloo's time over the forward's compute alone (the same ranks run
+the same forward with every exchange left out: the MoE expert on its own
+tokens, the TP block on its own weight shards): the speed-up an exchange that
+took no time at all would give, for any backend.  It is optimistic (the
+MoE's uneven routing makes one rank's expert wait longer than its own tokens
+need), so a row whose bound is below a target cannot reach it by any
+communication library.
+
     python benchmarks/workloads.py --ranks 2 4
 """
 
@@ -73,6 +81,33 @@ def moe_forward(
     return out
 
 
+def moe_alone(rank: int, world: int, step: int, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """moe_forward's compute with the exchanges left out: the same routing,
+    and the expert applied to this rank's own tokens."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    weights = torch.rand(world, generator=g) ** 2 + 0.05
+    dest = torch.multinomial(weights, x.shape[0], replacement=True, generator=g)
+    order = torch.argsort(dest, stable=True)
+    torch.bincount(dest, minlength=world).tolist()
+    done = torch.relu(x[order] @ w)
+    out = torch.empty_like(done)
+    out[order] = done
+    return out
+
+
+def _alone(compute, steps: int) -> float:
+    """Median seconds of ``compute(step)`` (no exchange, so no barrier) after 3
+    warm-ups."""
+    for s in range(3):
+        compute(s)
+    times = []
+    for s in range(steps):
+        t0 = time.perf_counter()
+        compute(s)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def _timed(forward, steps: int) -> tuple[float, float, float]:
     """(median seconds per forward, median seconds in its exchanges, a checksum
     of the first forward's output) over ``steps`` forwards after 3 warm-ups."""
@@ -99,7 +134,8 @@ def moe_rank(comm, port: int, backend: str, tokens: int, hidden: int, steps: int
         r, w = dist.get_rank(), dist.get_world_size()
         x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(7 + r))
         we = torch.randn(hidden, hidden, generator=torch.Generator().manual_seed(99 + r)) * 0.05
-        return _timed(lambda s, spent: moe_forward(r, w, s, x, we, spent), steps)
+        timed = _timed(lambda s, spent: moe_forward(r, w, s, x, we, spent), steps)
+        return timed + (_alone(lambda s: moe_alone(r, w, s, x, we), steps),)
     finally:
         dist.destroy_process_group()
 
@@ -141,9 +177,18 @@ def tp_rank(comm, port: int, backend: str, batch: int, hidden: int, steps: int):
         }
         parallelize_module(model, mesh, plan)
         x = torch.randn(batch, hidden, generator=torch.Generator().manual_seed(1))
+        # the block's compute alone: this rank's weight shards, no collective
+        wi, wo, wu, wd = (
+            m.weight.to_local() for m in (model.attn_in, model.attn_out, model.up, model.down)
+        )
+
+        def alone(step):
+            h = x + torch.tanh(x @ wi.t()) @ wo.t()  # rowwise: a partial sum, not reduced
+            return h + torch.relu(h @ wu.t()) @ wd.t()
+
         with torch.no_grad():
             # DTensor's collectives run inside the module: no exchange time of their own
-            return _timed(lambda s, spent: model(x), steps)
+            return _timed(lambda s, spent: model(x), steps) + (_alone(alone, steps),)
     finally:
         dist.destroy_process_group()
 
@@ -166,21 +211,24 @@ def run(ranks: list, repeat: int, steps: int) -> list:
         for world in ranks:
             for a, b in sizes:
                 best = {"gloo": (float("inf"),) * 2, "cpu:tpcomm": (float("inf"),) * 2}
-                checks = {}
+                checks, alone = {}, float("inf")
                 for _ in range(repeat):
                     for backend in ("gloo", "cpu:tpcomm"):
                         res = tpcomm.launch(
                             fn, world, args=(_free_port(), backend, a, b, steps), timeout=600
                         )
                         # the slowest rank's, the best run's
-                        run_ = (max(t for t, _, _ in res), max(x for _, x, _ in res))
+                        run_ = (max(t for t, _, _, _ in res), max(x for _, x, _, _ in res))
                         best[backend] = min(best[backend], run_)
-                        checks[backend] = [c for _, _, c in res]
+                        checks[backend] = [c for _, _, c, _ in res]
+                        alone = min(alone, max(a for _, _, _, a in res))
                 same = all(
                     abs(x - y) <= 1e-6 * max(1.0, abs(x))
                     for x, y in zip(checks["gloo"], checks["cpu:tpcomm"])
                 )
-                rows.append((name, world, f"{a} x {b}", best["gloo"], best["cpu:tpcomm"], same))
+                rows.append(
+                    (name, world, f"{a} x {b}", best["gloo"], best["cpu:tpcomm"], alone, same)
+                )
     return rows
 
 
@@ -195,17 +243,22 @@ def main(argv=None) -> int:
         f"all_to_all_single), median of {args.steps}, best of {args.repeat} runs"
     )
     print(
-        "# workload      ranks  size         gloo(ms)  tpcomm(ms)  gloo/tpcomm"
-        "   exchanges gloo/tpcomm (ms)  same result"
+        "# workload      ranks  size         gloo(ms)  tpcomm(ms)  gloo/tpcomm  compute alone(ms)"
+        "  bound   exchanges gloo/tpcomm (ms)  same result"
     )
-    for name, world, size, g, t, same in run(args.ranks, args.repeat, args.steps):
+    for name, world, size, g, t, alone, same in run(args.ranks, args.repeat, args.steps):
         ex = f"{g[1] * 1e3:>9.3f} / {t[1] * 1e3:<8.3f} {g[1] / t[1]:>6.1f}x" if t[1] else ""
         print(
             f"{name:<15} {world:>5}  {size:<11} {g[0] * 1e3:>9.3f} {t[0] * 1e3:>11.3f}"
-            f" {g[0] / t[0]:>11.2f}x   {ex:<28} {'yes' if same else 'NO'}"
+            f" {g[0] / t[0]:>11.2f}x {alone * 1e3:>18.3f} {g[0] / alone:>6.2f}x"
+            f"   {ex:<28} {'yes' if same else 'NO'}"
         )
     for name, (_, _, meaning) in WORKLOADS.items():
         print(f"# {name}: size = {meaning}")
+    print(
+        "# bound: gloo's time over the compute alone, the speed-up an exchange of no time"
+        " would give (any backend)"
+    )
     return 0
 
 

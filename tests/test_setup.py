@@ -105,6 +105,53 @@ def test_a_hosted_store_listens_on_its_address_only():
     assert again.port == port
 
 
+LATE = r"""
+import os, time, torch, tpcomm
+late = os.environ["RANK"] == "1"
+if late:
+    time.sleep(1.5)  # starts late: rank 0 waits in from_env's set-up
+comm = tpcomm.Communicator.from_env(timeout=30)
+if late:
+    time.sleep(0.5)  # and again in dup()'s
+sub = comm.dup()
+x = torch.ones(4)
+sub.all_reduce(x)
+sub.close()
+comm.close()
+print(x.tolist(), flush=True)
+"""
+
+
+def test_a_late_peer_fills_no_log():
+    """A rank that comes seconds after the others: the set-up waits print nothing.
+    They waited in the store's own wait, 20 ms at a time, and torch logs two
+    warning lines ("waitForInput ... likely a timeout") for every such wait that
+    times out: 150 lines for this 1.5 s."""
+    port = free_port()
+    procs = []
+    for r in range(2):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("TPCOMM_", "TORCH_"))}
+        env.update(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", LATE],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                cwd="/",
+            )
+        )
+    try:
+        outs = [p.communicate(timeout=90) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0 and out.strip() == "[2.0, 2.0, 2.0, 2.0]", (out, err)
+        assert err.strip() == "", err[:2000]
+
+
 DIFFER = r"""
 import time, tpcomm
 t0 = time.time()

@@ -42,9 +42,9 @@ AVX2 static inline void st16(int dtype, void *p, size_t i, __m256 a, __m256 b)
         _mm256_storeu_ps((float *)p + i + 8, b);
         return;
     }
-    __m256i h = _mm256_set_m128i(_mm256_cvtps_ph(b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
-                                 _mm256_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), h);
+    /* two 128-bit stores: no lane insert */
+    _mm_storeu_si128((__m128i *)((uint16_t *)p + i), _mm256_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    _mm_storeu_si128((__m128i *)((uint16_t *)p + i + 8), _mm256_cvtps_ph(b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
 /* NaN-propagating max/min (torch.maximum / torch.minimum, FMAX / FMIN) */
@@ -123,10 +123,9 @@ AVX2 static size_t avx2_f16_sum(void *dst, void *const *srcs, int w, size_t n)
  * bfloat16, 16 values a step from one 256-bit load per source: as float32 the
  * even ones are the low halves shifted up, the odd ones the high halves
  * masked (two single-cycle operations for 16 values, where widening costs two
- * shuffles and two shifts).  The even and odd results round with the same
- * integer rule, the odd ones straight into the high halves, and one OR puts
- * the 16 back in order.  NaN needs the quieting rule instead of the carry: a
- * step holding one (rare) takes the blended path.
+ * shuffles and two shifts).  The results go back in order and round in
+ * 16-bit lanes (bf16_pair_finite).  NaN needs the quieting rule instead of the
+ * carry: a step holding one (rare) takes the lane-by-lane path.
  */
 AVX2 static inline __m256 bf16_even(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
 
@@ -135,23 +134,40 @@ AVX2 static inline __m256 bf16_odd(__m256i v)
     return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
 }
 
-/* round to nearest even, the result in the high halves (low halves garbage) */
-AVX2 static inline __m256i bf16_high(__m256 x)
+/*
+ * 16 bfloat16 back in order from the even and odd float32 results, rounded to
+ * nearest even in 16-bit lanes: H holds every result's high half in place
+ * (the even ones' shifted down, one word blend), L its low half; the carry
+ * into H is L + 0x7fff + (H & 1) >= 0x10000, i.e. L > 0x8000 - (H & 1)
+ * unsigned, one signed compare once L's top bit is flipped.  9 operations
+ * for 16 values, 2 of them shifts (rounding each float32 on its own took 10,
+ * 5 of them shifts).  No NaN may reach it: its carry would turn a NaN whose
+ * payload sits in the low half into infinity.
+ */
+AVX2 static inline __m256i bf16_pair_finite(__m256 e, __m256 o)
 {
-    __m256i u = _mm256_castps_si256(x);
-    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    return _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+    __m256i eu = _mm256_castps_si256(e), ou = _mm256_castps_si256(o);
+    __m256i hi = _mm256_blend_epi16(_mm256_srli_epi32(eu, 16), ou, 0xAA);
+    __m256i lo = _mm256_blend_epi16(eu, _mm256_slli_epi32(ou, 16), 0xAA);
+    __m256i one = _mm256_set1_epi16(1);
+    __m256i minus_lsb = _mm256_cmpeq_epi16(_mm256_and_si256(hi, one), one);
+    __m256i lo_signed = _mm256_xor_si256(lo, _mm256_set1_epi16((short)0x8000));
+    return _mm256_sub_epi16(hi, _mm256_cmpgt_epi16(lo_signed, minus_lsb));
 }
 
-/* 16 bfloat16 back in order from the even and odd float32 results: the even
- * ones' rounded high halves shifted down, the odd ones' taken in place (one
- * word blend).  A step with a NaN (e and o unordered: either holds one) takes
- * the quieting rule. */
+/* the same with NaN quieted (f32_to_bf16's rule), for a step that holds one */
+AVX2 static inline __m256i bf16_pair_any(__m256 e, __m256 o)
+{
+    return _mm256_or_si256(bf16_round8(e), _mm256_slli_epi32(bf16_round8(o), 16));
+}
+
+/* whether e or o holds a NaN in any lane */
+AVX2 static inline __m256 bf16_nan(__m256 e, __m256 o) { return _mm256_cmp_ps(e, o, _CMP_UNORD_Q); }
+
 AVX2 static inline __m256i bf16_pair(__m256 e, __m256 o)
 {
-    if (!_mm256_testz_ps(_mm256_cmp_ps(e, o, _CMP_UNORD_Q), _mm256_cmp_ps(e, o, _CMP_UNORD_Q)))
-        return _mm256_or_si256(bf16_round8(e), _mm256_slli_epi32(bf16_round8(o), 16));
-    return _mm256_blend_epi16(_mm256_srli_epi32(bf16_high(e), 16), bf16_high(o), 0xAA);
+    __m256 nan = bf16_nan(e, o);
+    return _mm256_testz_ps(nan, nan) ? bf16_pair_finite(e, o) : bf16_pair_any(e, o);
 }
 
 #define DEF_AVX2_BF16(NAME, OP)                                                                  \
@@ -174,9 +190,10 @@ AVX2 static inline __m256i bf16_pair(__m256 e, __m256 o)
         }                                                                                       \
         return i;                                                                               \
     }
-DEF_AVX2_BF16(avx2_bf16p_sumw, OP_SUM)
+DEF_AVX2_BF16(avx2_bf16p_sumw, OP_SUM) /* also the NaN steps of the one below */
 
-/* two sources, SUM: the hot case at world size 2, 32 values a step */
+/* two sources, SUM: the hot case at world size 2, 64 values a step and one
+ * NaN test for them */
 AVX2 static size_t avx2_bf16p_sum(void *dst, void *const *srcs, int w, size_t n)
 {
     if (w != 2)
@@ -184,17 +201,22 @@ AVX2 static size_t avx2_bf16p_sum(void *dst, void *const *srcs, int w, size_t n)
     const uint16_t *a = srcs[0], *b = srcs[1];
     uint16_t *d = dst;
     size_t i = 0;
-    for (; i + 32 <= n; i += 32) {
-        __m256i va = _mm256_loadu_si256((const __m256i *)(a + i));
-        __m256i vb = _mm256_loadu_si256((const __m256i *)(b + i));
-        __m256i wa = _mm256_loadu_si256((const __m256i *)(a + i + 16));
-        __m256i wb = _mm256_loadu_si256((const __m256i *)(b + i + 16));
-        __m256 e0 = _mm256_add_ps(bf16_even(va), bf16_even(vb));
-        __m256 o0 = _mm256_add_ps(bf16_odd(va), bf16_odd(vb));
-        __m256 e1 = _mm256_add_ps(bf16_even(wa), bf16_even(wb));
-        __m256 o1 = _mm256_add_ps(bf16_odd(wa), bf16_odd(wb));
-        _mm256_storeu_si256((__m256i *)(d + i), bf16_pair(e0, o0));
-        _mm256_storeu_si256((__m256i *)(d + i + 16), bf16_pair(e1, o1));
+    for (; i + 64 <= n; i += 64) {
+        __m256 e[4], o[4], nan = _mm256_setzero_ps();
+        for (int k = 0; k < 4; k++) {
+            __m256i va = _mm256_loadu_si256((const __m256i *)(a + i + 16 * k));
+            __m256i vb = _mm256_loadu_si256((const __m256i *)(b + i + 16 * k));
+            e[k] = _mm256_add_ps(bf16_even(va), bf16_even(vb));
+            o[k] = _mm256_add_ps(bf16_odd(va), bf16_odd(vb));
+            nan = _mm256_or_ps(nan, bf16_nan(e[k], o[k]));
+        }
+        if (__builtin_expect(!_mm256_testz_ps(nan, nan), 0)) {
+            void *const at[2] = {(void *)(a + i), (void *)(b + i)};
+            avx2_bf16p_sumw(d + i, at, 2, 64); /* out of line: no spills here */
+            continue;
+        }
+        for (int k = 0; k < 4; k++)
+            _mm256_storeu_si256((__m256i *)(d + i + 16 * k), bf16_pair_finite(e[k], o[k]));
     }
     return i;
 }
