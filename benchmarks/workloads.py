@@ -22,9 +22,9 @@ workload whose results differ is reported as such.
 "bound" is gloo's time over the forward's compute alone (the same ranks run
 the same forward with every exchange left out: the MoE expert on its own
 tokens, the TP block on its own weight shards): the speed-up an exchange that
-took no time at all would give, for any backend.  It is optimistic (the
-MoE's uneven routing makes one rank's expert wait longer than its own tokens
-need), so a row whose bound is below a target cannot reach it by any
+took no time at all would give, for any backend (the slowest rank's compute:
+under the MoE's uneven routing one rank's expert gets more tokens than the
+others').  A row whose bound is below a target cannot reach it by any
 communication library.
 
     python benchmarks/workloads.py --ranks 2 4
@@ -54,11 +54,7 @@ def moe_forward(
 ) -> torch.Tensor:
     """One MoE layer's forward: dispatch, expert, combine (``spent[0]`` gathers
     the seconds inside the three exchanges)."""
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    tokens = x.shape[0]
-    # uneven routing: each token to one expert (rank), skewed and changing
-    weights = torch.rand(world, generator=g) ** 2 + 0.05
-    dest = torch.multinomial(weights, tokens, replacement=True, generator=g)
+    dest = _routing(rank, world, step, x.shape[0])
     order = torch.argsort(dest, stable=True)
     send_counts = torch.bincount(dest, minlength=world)
     recv_counts = torch.empty_like(send_counts)
@@ -81,17 +77,30 @@ def moe_forward(
     return out
 
 
-def moe_alone(rank: int, world: int, step: int, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """moe_forward's compute with the exchanges left out: the same routing,
-    and the expert applied to this rank's own tokens."""
+def _routing(rank: int, world: int, step: int, tokens: int) -> torch.Tensor:
+    """Where each of ``rank``'s tokens goes at ``step``: one expert (rank) per
+    token, a seeded uneven choice that changes every step."""
     g = torch.Generator().manual_seed(1000 * step + rank)
     weights = torch.rand(world, generator=g) ** 2 + 0.05
-    dest = torch.multinomial(weights, x.shape[0], replacement=True, generator=g)
+    return torch.multinomial(weights, tokens, replacement=True, generator=g)
+
+
+def moe_alone(
+    rank: int, world: int, step: int, x: torch.Tensor, w: torch.Tensor, pool: torch.Tensor
+) -> torch.Tensor:
+    """moe_forward's compute with the exchanges left out: the same routing and
+    permutations, and the expert applied to as many tokens as the dispatch
+    would bring this rank (every rank's routing is seeded, so it is known
+    here: rows of ``pool`` stand in for them)."""
+    dest = _routing(rank, world, step, x.shape[0])
+    tokens = x.shape[0]
+    received = sum(int((_routing(q, world, step, tokens) == rank).sum()) for q in range(world))
     order = torch.argsort(dest, stable=True)
     torch.bincount(dest, minlength=world).tolist()
-    done = torch.relu(x[order] @ w)
-    out = torch.empty_like(done)
-    out[order] = done
+    routed = x[order]
+    torch.relu(pool[:received] @ w)  # the expert
+    out = torch.empty_like(routed)
+    out[order] = routed
     return out
 
 
@@ -135,7 +144,8 @@ def moe_rank(comm, port: int, backend: str, tokens: int, hidden: int, steps: int
         x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(7 + r))
         we = torch.randn(hidden, hidden, generator=torch.Generator().manual_seed(99 + r)) * 0.05
         timed = _timed(lambda s, spent: moe_forward(r, w, s, x, we, spent), steps)
-        return timed + (_alone(lambda s: moe_alone(r, w, s, x, we), steps),)
+        pool = torch.randn(w * tokens, hidden, generator=torch.Generator().manual_seed(5))
+        return timed + (_alone(lambda s: moe_alone(r, w, s, x, we, pool), steps),)
     finally:
         dist.destroy_process_group()
 

@@ -17,6 +17,8 @@ import platform
 import subprocess
 import sys
 
+DTYPES = ("float32", "bfloat16", "float16")
+
 # (file stem, heading, the command that wrote it) in the order of `make bench`
 RUNS = [
     (
@@ -144,16 +146,17 @@ def table(data: dict) -> list[str]:
     return lines
 
 
-def dtype_table(runs: dict) -> list[str]:
-    """all_reduce per dtype side by side: time, and the ratio to float32."""
-    names = [n for n in ("float32", "bfloat16", "float16") if f"all_reduce_{n}" in runs]
-    if len(names) < 2:
+def dtype_table(runs: dict, stem: str = "all_reduce_") -> list[str]:
+    """all_reduce per dtype side by side (the runs named ``stem`` + dtype): time,
+    and the ratio to float32."""
+    names = [n for n in ("float32", "bfloat16", "float16") if f"{stem}{n}" in runs]
+    if len(names) < 2 or names[0] != "float32":
         return []
-    base = {r["size"]: r["time"] for r in runs["all_reduce_float32"]["results"]}
+    base = {r["size"]: r["time"] for r in runs[f"{stem}float32"]["results"]}
     head = ["size"] + [f"{n} (us)" for n in names] + [f"{n} / float32" for n in names[1:]]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for size in sorted(base):
-        t = {n: {r["size"]: r["time"] for r in runs[f"all_reduce_{n}"]["results"]}.get(size)
+        t = {n: {r["size"]: r["time"] for r in runs[f"{stem}{n}"]["results"]}.get(size)
              for n in names}  # fmt: skip
         row = [human(size)] + [fmt(t[n]) for n in names]
         row += [ratio(t[n], base[size]) for n in names[1:]]
@@ -163,7 +166,7 @@ def dtype_table(runs: dict) -> list[str]:
 
 def main(bench_dir: str) -> None:
     runs = {}
-    for stem, _, _ in RUNS:
+    for stem in [r[0] for r in RUNS] + [f"all_reduce_avx2_{d}" for d in DTYPES]:
         path = os.path.join(bench_dir, stem + ".json")
         if os.path.exists(path):
             with open(path) as f:
@@ -204,6 +207,21 @@ def main(bench_dir: str) -> None:
     dt = dtype_table(runs)
     if dt:
         out += ["## all_reduce by dtype (time per call, same bytes)", ""] + dt + [""]
+    dt = dtype_table(runs, "all_reduce_avx2_")
+    if dt:
+        kernels = runs["all_reduce_avx2_float32"].get("kernels", "avx2")
+        out += (
+            [
+                "## all_reduce by dtype, the AVX2 kernels forced (time per call, same bytes)",
+                "",
+                f"`TPCOMM_ISA=avx2 tpcomm perf all_reduce -b 1K -e 64M -f 4 -d DTYPE`: {kernels}. "
+                "What a CPU without AVX-512 (AMD Zen 1-3, Intel before Ice Lake) runs; its "
+                "memory and caches are not this CPU's.",
+                "",
+            ]
+            + dt
+            + [""]
+        )
     for stem, heading, cmd in RUNS:
         if stem not in runs:
             continue
@@ -221,6 +239,11 @@ def main(bench_dir: str) -> None:
         "- At 4 MiB and up every library is bound by this VM's memory bandwidth: compare the "
         "tpcomm and memcpy columns above (a two-shot all-reduce moves about five times the "
         "tensor through memory per rank).",
+        "- This VM has a slow mode: for a whole run (minutes), or its first seconds, the "
+        "ranks' shared-memory traffic runs 3-10x slower (1 MiB all_reduce ~500 us instead of "
+        "~55 us) while memcpy on one core is as fast as ever and no steal time is counted; "
+        "seen in about 1 of 10 runs, on old and new builds alike. A table that shows it is "
+        "rerun, not kept.",
         "- Worlds larger than the core count run oversubscribed: the engine stops spinning and "
         'yields at once (docs/ENGINE.md, "Waiting"); they are tested, not benchmarked here.',
         "- What was tried and not kept, and why the switch points are where they are: "
