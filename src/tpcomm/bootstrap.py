@@ -15,7 +15,7 @@ import os
 import socket
 import time
 import weakref
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from . import _env
 from .errors import CommError, CommTimeoutError, PeerFailedError
@@ -239,21 +239,27 @@ class Watch:
 def _wait(
     store: Any, keys: list[str], timeout: float, what: str, watch: Optional[Watch] = None
 ) -> None:
-    """Wait until every key is in the store; a dead peer (``watch``) is a
-    PeerFailedError at once.
+    """Wait until every key is in the store (see _wait_until)."""
+    _wait_until(lambda: store.check(keys), timeout, what, watch)
 
-    Looks with ``store.check``, which answers at once, pausing 0.1 ms at first
-    and 25 % longer each time up to 20 ms: a quick exchange waits little past
-    its keys' arrival, a long one costs the store (rank 0's thread) little.
-    The store's own wait with a short timeout would wake sooner, but torch logs
-    two warning lines for every such wait that times out: a peer a few seconds
-    late (loading a model) filled the log.  The watch looks at the peers every
-    20 ms."""
+
+def _wait_until(
+    ready: Callable[[], bool], timeout: float, what: str, watch: Optional[Watch] = None
+) -> None:
+    """Wait until ``ready()`` (a question to the store) is true; a dead peer
+    (``watch``) is a PeerFailedError at once, a failing store a CommError.
+
+    Asks again after 0.1 ms, then 25 % later each time, at most every 20 ms: a
+    quick exchange waits little past its keys' arrival, a long one costs the
+    store (rank 0's thread) little.  The store's own wait with a short timeout
+    would wake sooner, but torch logs two warning lines for every such wait
+    that times out: a peer a few seconds late (loading a model) filled the
+    log.  The watch looks at the peers every 20 ms."""
     start = time.monotonic()
     deadline, next_watch, pause = start + timeout, start + _POLL_S, _FIRST_PAUSE_S
     while True:
         try:
-            if store.check(keys):
+            if ready():
                 return
         except Exception as e:  # the store is gone (the rank hosting it died?)
             if watch is not None:
@@ -294,19 +300,13 @@ def exchange(
     _wait(store, keys, timeout, f"every rank's {name}", watch)
     values = [store.get(k).decode() for k in keys]
     done = f"{prefix}/{name}/read"
-    count = store.add(done, 1)
-    if rank == 0:
-        deadline = time.monotonic() + timeout
-        while count < world:
-            if watch is not None:
-                watch.check(f"every rank to read the {name}s")
-            if time.monotonic() > deadline:
-                raise CommTimeoutError(
-                    f"tpcomm: rendezvous timed out after {timeout:g}s "
-                    f"waiting for every rank to read the {name}s"
-                )
-            time.sleep(0.001)
-            count = store.add(done, 0)
+    if store.add(done, 1) < world and rank == 0:
+        _wait_until(
+            lambda: store.add(done, 0) >= world,
+            timeout,
+            f"every rank to read the {name}s",
+            watch,
+        )
     return values
 
 
