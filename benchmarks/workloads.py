@@ -12,20 +12,23 @@
   all_gather through the process group).  Reported: ms per forward.
 
 Each workload runs on fresh ranks per backend (the default process group is
-the backend under test), best of ``--repeat`` medians of the slowest rank, the
-backends alternating; the ratio is gloo's time over tpcomm's (above 1: tpcomm
-faster).  For the MoE layer the time inside its three exchanges is shown too:
-the forward's speed-up is bounded by the share of the expert's compute.
-The outputs of both backends are compared (the same seeded inputs): a
-workload whose results differ is reported as such.
+the backend under test), every rank starting each step together (a barrier
+outside the time); a step's time is its slowest rank's, a run's the median
+over its steps, a row's the best of ``--repeat`` runs, the backends
+alternating; the ratio is gloo's time over tpcomm's (above 1: tpcomm faster).
+For the MoE layer the time inside its three exchanges is shown too.  The
+outputs of both backends are compared (the same seeded inputs): a workload
+whose results differ is reported as such.
 
-"bound" is gloo's time over the forward's compute alone (the same ranks run
-the same forward with every exchange left out: the MoE expert on its own
-tokens, the TP block on its own weight shards): the speed-up an exchange that
-took no time at all would give, for any backend (the slowest rank's compute:
-under the MoE's uneven routing one rank's expert gets more tokens than the
-others').  A row whose bound is below a target cannot reach it by any
-communication library.
+"compute alone" is the same ranks running the same forward with exchanges
+that take no time: the MoE layer with its exchanges left out (the same
+routing and permutations, the expert on as many tokens as the dispatch
+would bring the rank: every rank's routing is seeded, so it is known); the TP
+block as the same DTensor module on torch's fake process group, whose
+collectives do nothing (DTensor's own dispatch and redistribution stay in).
+"bound" is gloo's time over it: the speed-up an exchange of no time would
+give, for any backend.  A row whose bound is below a target cannot reach it
+by any communication library.
 
     python benchmarks/workloads.py --ranks 2 4
 """
@@ -91,40 +94,27 @@ def moe_alone(
     """moe_forward's compute with the exchanges left out: the same routing and
     permutations, and the expert applied to as many tokens as the dispatch
     would bring this rank (every rank's routing is seeded, so it is known
-    here: rows of ``pool`` stand in for them)."""
+    before: ``pool[step]`` holds that many rows)."""
     dest = _routing(rank, world, step, x.shape[0])
-    tokens = x.shape[0]
-    received = sum(int((_routing(q, world, step, tokens) == rank).sum()) for q in range(world))
     order = torch.argsort(dest, stable=True)
     torch.bincount(dest, minlength=world).tolist()
     routed = x[order]
-    torch.relu(pool[:received] @ w)  # the expert
+    torch.relu(pool[step] @ w)  # the expert
     out = torch.empty_like(routed)
     out[order] = routed
     return out
 
 
-def _alone(compute, steps: int) -> float:
-    """Median seconds of ``compute(step)`` (no exchange, so no barrier) after 3
-    warm-ups."""
-    for s in range(3):
-        compute(s)
-    times = []
-    for s in range(steps):
-        t0 = time.perf_counter()
-        compute(s)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def _timed(forward, steps: int) -> tuple[float, float, float]:
-    """(median seconds per forward, median seconds in its exchanges, a checksum
-    of the first forward's output) over ``steps`` forwards after 3 warm-ups."""
+def _steps(forward, steps: int, sync) -> tuple[list, list, float]:
+    """Per step: the seconds of ``forward(step, spent)`` and the seconds inside
+    its exchanges (``spent[0]``), over ``steps`` steps after 3 warm-ups, every
+    rank starting each step together (``sync``, outside the time); and a
+    checksum of the first step's output."""
     for s in range(3):
         forward(s, [0.0])
     times, inside, check = [], [], None
     for s in range(steps):
-        dist.barrier()
+        sync()
         spent = [0.0]
         t0 = time.perf_counter()
         out = forward(s, spent)
@@ -132,7 +122,7 @@ def _timed(forward, steps: int) -> tuple[float, float, float]:
         inside.append(spent[0])
         if s == 0:
             check = out.double().sum().item()
-    return statistics.median(times), statistics.median(inside), check
+    return times, inside, check
 
 
 def moe_rank(comm, port: int, backend: str, tokens: int, hidden: int, steps: int):
@@ -143,62 +133,68 @@ def moe_rank(comm, port: int, backend: str, tokens: int, hidden: int, steps: int
         r, w = dist.get_rank(), dist.get_world_size()
         x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(7 + r))
         we = torch.randn(hidden, hidden, generator=torch.Generator().manual_seed(99 + r)) * 0.05
-        timed = _timed(lambda s, spent: moe_forward(r, w, s, x, we, spent), steps)
-        pool = torch.randn(w * tokens, hidden, generator=torch.Generator().manual_seed(5))
-        return timed + (_alone(lambda s: moe_alone(r, w, s, x, we, pool), steps),)
+        timed = _steps(lambda s, spent: moe_forward(r, w, s, x, we, spent), steps, comm.barrier)
+        rows = torch.randn(w * tokens, hidden, generator=torch.Generator().manual_seed(5))
+        pool = [  # per step, as many rows as the dispatch brings rank r
+            rows[: sum(int((_routing(q, w, s, tokens) == r).sum()) for q in range(w))]
+            for s in range(max(3, steps))
+        ]
+        alone = _steps(lambda s, _: moe_alone(r, w, s, x, we, pool), steps, comm.barrier)
+        return timed + (alone[0],)
     finally:
         dist.destroy_process_group()
 
 
-def tp_rank(comm, port: int, backend: str, batch: int, hidden: int, steps: int):
-    from torch.distributed.device_mesh import init_device_mesh
+class Block(torch.nn.Module):
+    """A transformer block's attention projections and MLP."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.attn_in = torch.nn.Linear(hidden, hidden, bias=False)
+        self.attn_out = torch.nn.Linear(hidden, hidden, bias=False)
+        self.up = torch.nn.Linear(hidden, 4 * hidden, bias=False)
+        self.down = torch.nn.Linear(4 * hidden, hidden, bias=False)
+
+    def forward(self, x):
+        x = x + self.attn_out(torch.tanh(self.attn_in(x)))
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def tp_block(group, hidden: int) -> torch.nn.Module:
+    """The block, the same full weights on every rank, sharded over ``group``."""
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
         parallelize_module,
     )
 
+    torch.manual_seed(0)
+    plan = {
+        "attn_in": ColwiseParallel(),
+        "attn_out": RowwiseParallel(),
+        "up": ColwiseParallel(),
+        "down": RowwiseParallel(),
+    }
+    return parallelize_module(Block(hidden), DeviceMesh.from_group(group, "cpu"), plan)
+
+
+def tp_rank(comm, port: int, backend: str, batch: int, hidden: int, steps: int):
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
+
     dist.init_process_group(
         backend, init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank, world_size=comm.world_size
     )
     try:
-        w = dist.get_world_size()
-        mesh = init_device_mesh("cpu", (w,))
-        torch.manual_seed(0)  # the same full weights on every rank
-
-        class Block(torch.nn.Module):  # attention's projections and the MLP
-            def __init__(self):
-                super().__init__()
-                self.attn_in = torch.nn.Linear(hidden, hidden, bias=False)
-                self.attn_out = torch.nn.Linear(hidden, hidden, bias=False)
-                self.up = torch.nn.Linear(hidden, 4 * hidden, bias=False)
-                self.down = torch.nn.Linear(4 * hidden, hidden, bias=False)
-
-            def forward(self, x):
-                x = x + self.attn_out(torch.tanh(self.attn_in(x)))
-                return x + self.down(torch.relu(self.up(x)))
-
-        model = Block()
-        plan = {
-            "attn_in": ColwiseParallel(),
-            "attn_out": RowwiseParallel(),
-            "up": ColwiseParallel(),
-            "down": RowwiseParallel(),
-        }
-        parallelize_module(model, mesh, plan)
         x = torch.randn(batch, hidden, generator=torch.Generator().manual_seed(1))
-        # the block's compute alone: this rank's weight shards, no collective
-        wi, wo, wu, wd = (
-            m.weight.to_local() for m in (model.attn_in, model.attn_out, model.up, model.down)
-        )
-
-        def alone(step):
-            h = x + torch.tanh(x @ wi.t()) @ wo.t()  # rowwise: a partial sum, not reduced
-            return h + torch.relu(h @ wu.t()) @ wd.t()
-
+        model = tp_block(dist.group.WORLD, hidden)
+        # the compute alone: the same DTensor forward on torch's fake process
+        # group, whose collectives do nothing (DTensor's own work included)
+        free = tp_block(dist.new_group(backend="fake"), hidden)
         with torch.no_grad():
             # DTensor's collectives run inside the module: no exchange time of their own
-            return _timed(lambda s, spent: model(x), steps) + (_alone(alone, steps),)
+            timed = _steps(lambda s, spent: model(x), steps, comm.barrier)
+            return timed + (_steps(lambda s, spent: free(x), steps, comm.barrier)[0],)
     finally:
         dist.destroy_process_group()
 
@@ -215,6 +211,12 @@ WORKLOADS = {
 }
 
 
+def _slowest(per_rank) -> float:
+    """The median over steps of the slowest rank's seconds at each step (a
+    step waits for its slowest rank, whichever that is)."""
+    return statistics.median(max(step) for step in zip(*per_rank))
+
+
 def run(ranks: list, repeat: int, steps: int) -> list:
     rows = []
     for name, (fn, sizes, _meaning) in WORKLOADS.items():
@@ -227,11 +229,11 @@ def run(ranks: list, repeat: int, steps: int) -> list:
                         res = tpcomm.launch(
                             fn, world, args=(_free_port(), backend, a, b, steps), timeout=600
                         )
-                        # the slowest rank's, the best run's
-                        run_ = (max(t for t, _, _, _ in res), max(x for _, x, _, _ in res))
+                        # per step the slowest rank's time, the median over steps
+                        run_ = (_slowest(r[0] for r in res), _slowest(r[1] for r in res))
                         best[backend] = min(best[backend], run_)
-                        checks[backend] = [c for _, _, c, _ in res]
-                        alone = min(alone, max(a for _, _, _, a in res))
+                        checks[backend] = [r[2] for r in res]
+                        alone = min(alone, _slowest(r[3] for r in res))
                 same = all(
                     abs(x - y) <= 1e-6 * max(1.0, abs(x))
                     for x, y in zip(checks["gloo"], checks["cpu:tpcomm"])
@@ -254,20 +256,22 @@ def main(argv=None) -> int:
     )
     print(
         "# workload      ranks  size         gloo(ms)  tpcomm(ms)  gloo/tpcomm  compute alone(ms)"
-        "  bound   exchanges gloo/tpcomm (ms)  same result"
+        "  bound  of the gain   exchanges gloo/tpcomm (ms)  same result"
     )
     for name, world, size, g, t, alone, same in run(args.ranks, args.repeat, args.steps):
+        # the share of what an exchange of no time would save that tpcomm saves
+        share = f"{(g[0] - t[0]) / (g[0] - alone):.0%}" if g[0] > alone else "-"
         ex = f"{g[1] * 1e3:>9.3f} / {t[1] * 1e3:<8.3f} {g[1] / t[1]:>6.1f}x" if t[1] else ""
         print(
             f"{name:<15} {world:>5}  {size:<11} {g[0] * 1e3:>9.3f} {t[0] * 1e3:>11.3f}"
             f" {g[0] / t[0]:>11.2f}x {alone * 1e3:>18.3f} {g[0] / alone:>6.2f}x"
-            f"   {ex:<28} {'yes' if same else 'NO'}"
+            f" {share:>11}   {ex:<28} {'yes' if same else 'NO'}"
         )
     for name, (_, _, meaning) in WORKLOADS.items():
         print(f"# {name}: size = {meaning}")
     print(
         "# bound: gloo's time over the compute alone, the speed-up an exchange of no time"
-        " would give (any backend)"
+        " would give (any backend); of the gain: (gloo - tpcomm) / (gloo - compute alone)"
     )
     return 0
 

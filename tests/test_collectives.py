@@ -510,6 +510,81 @@ def test_all_to_all_single(pools, world):
         assert y == [float(world)] * 2
 
 
+def all_to_all_mixed_paths(comm):
+    """all_to_all_single of plain tensors is one C call; a strided output or
+    split sizes in a tuple take the general path: the same rounds and split
+    table, so ranks on either path work together, with and without split
+    sizes, and a table that does not add up raises the same ValueError on
+    every rank, whichever path each is on; the group stays usable."""
+    r, w = comm.rank, comm.world_size
+    table = [[(3 * q + 2 * j) % 5 for j in range(w)] for q in range(w)]  # zeros too
+    bad = []
+    for even in (True, False):
+        sends = [[3] * w for _ in range(w)] if even else table
+        xs = [make(q, (sum(sends[q]), 4), torch.float32, 90) for q in range(w)]
+        want = torch.cat([xs[q][sum(sends[q][:r]) : sum(sends[q][: r + 1])] for q in range(w)])
+        rows = sum(sends[q][r] for q in range(w))
+        ins, outs = sends[r], [sends[q][r] for q in range(w)]
+        # a strided output: the general path
+        out = torch.zeros(rows, 8)[:, ::2] if r % 3 == 1 else torch.zeros(rows, 4)
+        if even:
+            comm.all_to_all_single(out, xs[r])
+        elif r % 3 == 2:
+            comm.all_to_all_single(out, xs[r], tuple(outs), tuple(ins))  # the general path
+        else:
+            comm.all_to_all_single(out, xs[r], outs, ins)
+        if not torch.equal(out, want):
+            bad.append(("even" if even else "splits", r % 3))
+    errors = []
+    for how in ("list", "tuple"):
+        ins = [2 if (r == 0 and q == 1) else 1 for q in range(w)]
+        outs = [3 if (r == 1 and q == 0) else 1 for q in range(w)]
+        if how == "tuple" and r % 2:
+            ins, outs = tuple(ins), tuple(outs)
+        try:
+            comm.all_to_all_single(torch.zeros(sum(outs)), torch.zeros(sum(ins)), outs, ins)
+            errors.append("no error")
+        except ValueError as e:
+            errors.append(str(e))
+    return bad, errors, comm.all_reduce(torch.ones(2)).tolist()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_to_all_fast_and_general_paths_agree(pools, world):
+    for bad, errors, y in pools.run(world, all_to_all_mixed_paths):
+        assert bad == []
+        assert (
+            errors
+            == ["all_to_all_single: rank 0 sends 2 rows to rank 1, which expects 3 from it"] * 2
+        )
+        assert y == [float(world)] * 2
+
+
+def all_to_all_one_call(comm):
+    """With plain tensors, all_to_all_single never enters the Python rounds
+    (_all_to_all_shm): even blocks, split sizes, and torch's empty lists."""
+
+    def python_rounds(*args):
+        raise AssertionError("all_to_all_single took the Python path")
+
+    comm._all_to_all_shm = python_rounds  # the pool's communicator: put back below
+    try:
+        r, w = comm.rank, comm.world_size
+        x = torch.arange(2 * w, dtype=torch.int64) + 100 * r
+        got = [
+            comm.all_to_all_single(torch.empty(2 * w, dtype=torch.int64), x, *splits)
+            for splits in ((), ([], []), ([2] * w, [2] * w))
+        ]
+    finally:
+        del comm._all_to_all_shm
+    want = torch.cat([torch.arange(2 * r, 2 * r + 2) + 100 * q for q in range(w)])
+    return [torch.equal(t, want) for t in got]
+
+
+def test_all_to_all_of_plain_tensors_is_one_call(pools):
+    assert pools.run(2, all_to_all_one_call) == [[True] * 3] * 2
+
+
 def aliased_in_place(comm):
     """The in-place forms frameworks use: all_gather_into_tensor whose input is
     this rank's chunk of the output (FSDP), reduce_scatter_tensor whose output

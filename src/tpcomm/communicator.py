@@ -1154,6 +1154,18 @@ class Communicator:
         the shape of a row.  Returns ``output``.
         """
         fn = "all_to_all_single"
+        eng = self._engine
+        # the common case (plain tensors of one dtype, split sizes None or lists of
+        # ints): one C call (_native/torch.c fast_all_to_all) with the rounds and
+        # split table of the general path below; None: that path, which checks all
+        if eng is not None:
+            status = eng.fast_all_to_all(
+                output, input, output_split_sizes, input_split_sizes, KIND_ALL_TO_ALL
+            )
+            if status is not None:
+                if status:
+                    eng.raise_status(status, fn)
+                return output
         self._check_open(fn)
         checks.tensor(fn, output, "output")
         checks.writable(fn, output, "output")

@@ -732,6 +732,7 @@ static PyMethodDef eng_methods[] = {
     {"fast_all_gather", (PyCFunction)(void (*)(void))eng_fast_all_gather, METH_FASTCALL, NULL},
     {"fast_reduce_scatter", (PyCFunction)(void (*)(void))eng_fast_reduce_scatter, METH_FASTCALL,
      NULL},
+    {"fast_all_to_all", (PyCFunction)(void (*)(void))eng_fast_all_to_all, METH_FASTCALL, NULL},
     {"p2p_recv_head", (PyCFunction)eng_p2p_recv_head, METH_O, NULL},
     {"p2p_wait_any", (PyCFunction)eng_p2p_wait_any, METH_NOARGS, NULL},
     {"p2p_recv_body", (PyCFunction)eng_p2p_recv_body, METH_O, NULL},

@@ -595,9 +595,15 @@ static int table_verdict(int w, const uint64_t *const *t, char *buf, size_t cap)
 }
 
 /* this rank's W split sizes from a list, or TABLE_BAD in the first (not a list
- * of W ints >= 0: every rank says so, not this one alone) */
-static int table_splits(Engine *e, PyObject *o, uint64_t *v)
+ * of W ints >= 0: every rank says so, not this one alone); NULL: rows cut
+ * evenly (rows / W each, as torch does without split sizes) */
+static int table_splits(Engine *e, PyObject *o, uint64_t rows, uint64_t *v)
 {
+    if (!o) {
+        for (int r = 0; r < e->world; r++)
+            v[r] = rows / (uint64_t)e->world;
+        return 0;
+    }
     if (!PyList_Check(o) || PyList_GET_SIZE(o) != e->world) {
         v[0] = TABLE_BAD;
         return 0;
@@ -616,25 +622,24 @@ static int table_splits(Engine *e, PyObject *o, uint64_t *v)
 }
 
 /*
- * alltoall_splits(kind, x, [rows to each rank], out, [rows from each rank],
- * rows_in, rows_out, row_in, row_out, dtype_in, dtype_out) -> status:
- * all_to_all_single with split sizes, in one call.  Round one carries every
- * rank's table (its splits both ways, rows, bytes per row, dtypes) in its
+ * all_to_all_single with split sizes, in one call: ins, outs the rows this
+ * rank sends to and receives from each rank (lists, or NULL: even), f the
+ * table's fields (rows in, rows out, bytes per row in, out, dtype in, out).
+ * Round one carries every rank's table (its splits both ways and f) in its
  * slot; every rank checks all of them (what q sends j must be what j expects
  * from q; splits sum to the rows; one dtype and row shape), so a bad table is
  * ST_SPLITS on every rank (err_text says why) after a completed round: the
  * communicator stays usable.  Then the rounds of alltoallv_run, keyed by the
- * largest block (the same on every rank: it comes from the same table).
+ * largest block (the same on every rank: it comes from the same table).  A
+ * status, or -1 with an exception set.
  */
-PyObject *eng_alltoall_splits(Engine *e, PyObject *const *args, Py_ssize_t nargs)
+int alltoall_splits_run(Engine *e, uint32_t kind, const char *x, PyObject *ins, char *out,
+                        PyObject *outs, const uint64_t *f)
 {
-    unsigned long long v[11];
-    if (u64_args(args, nargs, 11, "alltoall_splits", v) < 0)
-        return NULL;
     const int w = e->world, me = e->rank, tn = 2 * w + T_EXTRA;
     if ((size_t)tn * sizeof(uint64_t) > e->slot_bytes) {
         PyErr_SetString(PyExc_ValueError, "alltoall_splits: the slot is too small for the table");
-        return NULL;
+        return -1;
     }
     uint64_t *mine = PyMem_Calloc((size_t)tn, sizeof(uint64_t));
     size_t *sizes = PyMem_Calloc(4 * (size_t)w + 1, sizeof(size_t));
@@ -643,16 +648,17 @@ PyObject *eng_alltoall_splits(Engine *e, PyObject *const *args, Py_ssize_t nargs
         PyMem_Free(mine);
         PyMem_Free(sizes);
         PyMem_Free(t);
-        return PyErr_NoMemory();
+        PyErr_NoMemory();
+        return -1;
     }
-    int st = table_splits(e, args[2], mine);
+    int st = table_splits(e, ins, f[T_ROWS_IN], mine);
     if (st == 0)
-        st = table_splits(e, args[4], mine + w);
+        st = table_splits(e, outs, f[T_ROWS_OUT], mine + w);
     if (st == 0) {
         if (mine[0] == TABLE_BAD || mine[w] == TABLE_BAD)
             mine[0] = TABLE_BAD;
         for (int i = 0; i < T_EXTRA; i++)
-            mine[2 * w + i] = v[5 + i];
+            mine[2 * w + i] = f[i];
         st = enter(e); /* -1 (closed: the exception is set), a status, or in */
     }
     if (st == 0) {
@@ -660,7 +666,7 @@ PyObject *eng_alltoall_splits(Engine *e, PyObject *const *args, Py_ssize_t nargs
         PyThreadState *ts = NULL;
         int p = (int)((e->round + 1) & 1);
         memcpy(slot_of(e, me, p), mine, (size_t)tn * sizeof(uint64_t));
-        st = round_sync(e, (uint32_t)v[0], 0, 0, (uint64_t)tn, TABLE_ARG, &ts);
+        st = round_sync(e, kind, 0, 0, (uint64_t)tn, TABLE_ARG, &ts);
         if (ts)
             PyEval_RestoreThread(ts);
         e->busy = 0;
@@ -686,15 +692,47 @@ PyObject *eng_alltoall_splits(Engine *e, PyObject *const *args, Py_ssize_t nargs
                 at_r += rc[j];
             }
             /* the table's slot is read: the next round may overwrite it */
-            st = alltoallv_run(e, (uint32_t)v[0], (const char *)(uintptr_t)v[1], sc, so,
-                               (char *)(uintptr_t)v[3], rc, ro, most, (uint32_t)v[9], most,
-                               flat_key(v[0], most, (uint64_t)w));
+            st = alltoallv_run(e, kind, x, sc, so, out, rc, ro, most, (uint32_t)f[T_CODE_IN],
+                               most, flat_key(kind, most, (uint64_t)w));
         }
     }
     PyMem_Free(mine);
     PyMem_Free(sizes);
     PyMem_Free(t);
-    return status_result(st);
+    return st;
+}
+
+/* alltoall_splits(kind, x, [rows to each rank], out, [rows from each rank],
+ * rows_in, rows_out, row_in, row_out, dtype_in, dtype_out) -> status:
+ * alltoall_splits_run */
+PyObject *eng_alltoall_splits(Engine *e, PyObject *const *args, Py_ssize_t nargs)
+{
+    unsigned long long v[11];
+    if (u64_args(args, nargs, 11, "alltoall_splits", v) < 0)
+        return NULL;
+    uint64_t f[T_EXTRA];
+    for (int i = 0; i < T_EXTRA; i++)
+        f[i] = v[5 + i];
+    return status_result(alltoall_splits_run(e, (uint32_t)v[0], (const char *)(uintptr_t)v[1],
+                                             args[2], (char *)(uintptr_t)v[3], args[4], f));
+}
+
+/*
+ * all_to_all_single without split sizes: W blocks of `block` bytes each way
+ * (the dtype's code `code`), every rank's the same size (checked by the
+ * rounds' metadata, which carries it).  A status, or -1 with an exception.
+ */
+int alltoall_even_run(Engine *e, uint32_t kind, const char *x, char *out, size_t block,
+                      uint32_t code)
+{
+    const int w = e->world;
+    size_t sz[w], at[w];
+    for (int j = 0; j < w; j++) {
+        sz[j] = block;
+        at[j] = (size_t)j * block;
+    }
+    return alltoallv_run(e, kind, x, sz, at, out, sz, at, block, code, block,
+                         flat_key(kind, block, (uint64_t)w));
 }
 
 /* split_table_problem(world, [every rank's 2W + 6 table entries, rank after

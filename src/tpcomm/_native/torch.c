@@ -386,6 +386,95 @@ PyObject *eng_fast_reduce_scatter(Engine *e, PyObject *const *args, Py_ssize_t n
     return status_result(st);
 }
 
+/* A plain tensor's rows along dim 0 (a 0-d one is one row) and bytes per row
+ * (es bytes an element): 0, or -1 (no exception) when its shape is unusual. */
+static int rows_of(Engine *e, PyObject *t, size_t es, uint64_t *rows, uint64_t *row)
+{
+    PyObject *sh = descr_get(e->tv->d_shape, t);
+    if (!sh || !PyTuple_Check(sh)) {
+        Py_XDECREF(sh);
+        PyErr_Clear();
+        return -1;
+    }
+    Py_ssize_t nd = PyTuple_GET_SIZE(sh);
+    uint64_t r = 1, per = es;
+    for (Py_ssize_t d = 0; d < nd; d++) {
+        long long v = PyLong_AsLongLong(PyTuple_GET_ITEM(sh, d));
+        if (v < 0) {
+            Py_DECREF(sh);
+            PyErr_Clear();
+            return -1;
+        }
+        if (d == 0)
+            r = (uint64_t)v;
+        else
+            per *= (uint64_t)v;
+    }
+    Py_DECREF(sh);
+    *rows = r;
+    *row = per;
+    return 0;
+}
+
+/* all_to_all split sizes for the fast path: NULL (None or [], even), the list
+ * itself (an exact list of exact ints: alltoall_splits_run checks the rest
+ * with the peers), or `no` (anything else: the general path). */
+static PyObject *splits_arg(PyObject *v, PyObject *no)
+{
+    if (v == Py_None || (PyList_CheckExact(v) && PyList_GET_SIZE(v) == 0))
+        return NULL;
+    if (!PyList_CheckExact(v))
+        return no;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(v); i++)
+        if (!PyLong_CheckExact(PyList_GET_ITEM(v, i)))
+            return no;
+    return v;
+}
+
+/*
+ * fast_all_to_all(output, input, output_split_sizes, input_split_sizes, kind)
+ * -> status, or None: all_to_all_single's common case in one call (plain
+ * tensors of one dtype that share no memory; split sizes None, [] or lists of
+ * ints); None: the general path, which checks and reports.  Without split
+ * sizes the general path's even rounds (the block size in the metadata,
+ * alltoall_even_run), else its split table and rounds (alltoall_splits_run):
+ * ranks on either path meet the same rounds.
+ */
+PyObject *eng_fast_all_to_all(Engine *e, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5 || !e->base || e->failed || !e->tv->n_any || !e->tv->d_numel ||
+        !e->tv->d_shape || !PyLong_CheckExact(args[4]))
+        Py_RETURN_NONE;
+    long kind = PyLong_AsLong(args[4]);
+    PyObject *no = Py_None; /* a marker: not for the fast path */
+    PyObject *outs = splits_arg(args[2], no), *ins = splits_arg(args[3], no);
+    int co, ci;
+    char *ao, *ai;
+    long long no_, ni;
+    uint64_t f[6]; /* rows in, rows out, row bytes in, out, dtype in, out (rounds.c's table) */
+    if (kind < 0 || outs == no || ins == no || plain_info(e, args[0], &co, &ao, &no_) < 0 ||
+        plain_info(e, args[1], &ci, &ai, &ni) < 0 || co != ci)
+        goto general;
+    size_t es = e->tv->any_size[ci];
+    if (rows_of(e, args[1], es, &f[0], &f[2]) < 0 || rows_of(e, args[0], es, &f[1], &f[3]) < 0)
+        goto general;
+    size_t bi = (size_t)ni * es, bo = (size_t)no_ * es;
+    if (bi && bo && ai < ao + bo && ao < ai + bi) /* overlapping: the general path copies */
+        goto general;
+    f[4] = f[5] = (uint64_t)ci;
+    if (!ins && !outs) {
+        const uint64_t w = (uint64_t)e->world;
+        if (f[0] % w || f[1] != f[0] || f[3] != f[2]) /* the general path's ValueError */
+            goto general;
+        return status_result(alltoall_even_run(e, (uint32_t)kind, ai, ao, (size_t)(f[0] / w * f[2]),
+                                               (uint32_t)ci));
+    }
+    return status_result(alltoall_splits_run(e, (uint32_t)kind, ai, ins, ao, outs, f));
+general:
+    PyErr_Clear();
+    Py_RETURN_NONE;
+}
+
 /* The dtype code of tensor t for a message, or -1.  Only a plain tensor whose
  * memory holds exactly its values qualifies: the exact tensor type, on the
  * CPU, contiguous, no pending negation or conjugation (docs/COLLECTIVES.md). */

@@ -474,6 +474,8 @@ PyObject *eng_broadcast(Engine *e, PyObject *const *args, Py_ssize_t nargs);
 PyObject *eng_reduce_scatterv(Engine *e, PyObject *const *args, Py_ssize_t nargs);
 int rs_rounds(Engine *e, uint32_t kind, const char *x, int dtype, const size_t *sizes, char *out, int op, uint64_t arg, size_t outer);
 PyObject *eng_alltoallv(Engine *e, PyObject *const *args, Py_ssize_t nargs);
+int alltoall_splits_run(Engine *e, uint32_t kind, const char *x, PyObject *ins, char *out, PyObject *outs, const uint64_t *f);
+int alltoall_even_run(Engine *e, uint32_t kind, const char *x, char *out, size_t block, uint32_t code);
 PyObject *eng_alltoall_splits(Engine *e, PyObject *const *args, Py_ssize_t nargs);
 PyObject *mod_split_table_problem(PyObject *self, PyObject *args);
 
@@ -515,6 +517,7 @@ PyObject *eng_fast_all_gather(Engine *e, PyObject *const *args, Py_ssize_t nargs
 PyObject *eng_fast_gather(Engine *e, PyObject *const *args, Py_ssize_t nargs);
 PyObject *eng_fast_broadcast(Engine *e, PyObject *const *args, Py_ssize_t nargs);
 PyObject *eng_fast_reduce_scatter(Engine *e, PyObject *const *args, Py_ssize_t nargs);
+PyObject *eng_fast_all_to_all(Engine *e, PyObject *const *args, Py_ssize_t nargs);
 PyObject *eng_p2p_send_tensors(Engine *e, PyObject *const *args, Py_ssize_t nargs);
 PyObject *eng_plain(Engine *e, PyObject *t);
 PyObject *eng_set_p2p_dtypes(Engine *e, PyObject *args);

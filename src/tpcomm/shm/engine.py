@@ -338,6 +338,7 @@ class ShmEngine:
         self.fast_all_gather = n.fast_all_gather
         self.fast_gather = n.fast_gather
         self.fast_reduce_scatter = n.fast_reduce_scatter
+        self.fast_all_to_all = n.fast_all_to_all
         self.fast_broadcast = n.fast_broadcast
         self.plain = n.plain
         self.sync = n.sync
