@@ -48,6 +48,8 @@ build/test_kernels: tests/c/test_kernels.c $(KERNEL_SRC) src/tpcomm/_native/kern
 
 test-kernels: build/test_kernels
 	build/test_kernels
+	@# AVX-512 without AVX512_BF16 (Ice Lake, Skylake-SP) rounds bfloat16 with integer operations
+	TPCOMM_NO_AVX512BF16=1 build/test_kernels
 
 # the NEON kernels, cross-built for aarch64 and run under qemu (Debian packages, installed if missing)
 test-arm:
