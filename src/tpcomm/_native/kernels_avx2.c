@@ -124,8 +124,15 @@ AVX2 static size_t avx2_f16_sum(void *dst, void *const *srcs, int w, size_t n)
  * even ones are the low halves shifted up, the odd ones the high halves
  * masked (two single-cycle operations for 16 values, where widening costs two
  * shuffles and two shifts).  The results go back in order and round in
- * 16-bit lanes (bf16_pair_finite).  NaN needs the quieting rule instead of the
- * carry: a step holding one (rare) takes the lane-by-lane path.
+ * 16-bit lanes (bf16_pair_finite).
+ *
+ * NaN: every float32 here is a bfloat16 widened, so its low half is zero,
+ * and so is that of any NaN an addition or division makes of them (x86
+ * returns a NaN operand quieted, or the default NaN 0xffc00000): such a NaN
+ * rounds to its own high half, quiet, which is f32_to_bf16's rule.  Only a
+ * NaN that no arithmetic touched can be signalling: MAX/MIN pass values
+ * through, and so does SUM of one source.  Those steps test for NaN and
+ * quiet it (bf16_pair); SUM of two or more sources and AVG need no test.
  */
 AVX2 static inline __m256 bf16_even(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
 
@@ -141,8 +148,8 @@ AVX2 static inline __m256 bf16_odd(__m256i v)
  * into H is L + 0x7fff + (H & 1) >= 0x10000, i.e. L > 0x8000 - (H & 1)
  * unsigned, one signed compare once L's top bit is flipped.  9 operations
  * for 16 values, 2 of them shifts (rounding each float32 on its own took 10,
- * 5 of them shifts).  No NaN may reach it: its carry would turn a NaN whose
- * payload sits in the low half into infinity.
+ * 5 of them shifts).  A NaN must have a zero low half (see above): a carry
+ * would turn one whose payload sits there into infinity.
  */
 AVX2 static inline __m256i bf16_pair_finite(__m256 e, __m256 o)
 {
@@ -161,18 +168,17 @@ AVX2 static inline __m256i bf16_pair_any(__m256 e, __m256 o)
     return _mm256_or_si256(bf16_round8(e), _mm256_slli_epi32(bf16_round8(o), 16));
 }
 
-/* whether e or o holds a NaN in any lane */
-AVX2 static inline __m256 bf16_nan(__m256 e, __m256 o) { return _mm256_cmp_ps(e, o, _CMP_UNORD_Q); }
-
+/* the results of MAX/MIN or of SUM of one source: a NaN may be signalling */
 AVX2 static inline __m256i bf16_pair(__m256 e, __m256 o)
 {
-    __m256 nan = bf16_nan(e, o);
+    __m256 nan = _mm256_cmp_ps(e, o, _CMP_UNORD_Q);
     return _mm256_testz_ps(nan, nan) ? bf16_pair_finite(e, o) : bf16_pair_any(e, o);
 }
 
 #define DEF_AVX2_BF16(NAME, OP)                                                                  \
     AVX2 static size_t NAME(void *dst, void *const *srcs, int w, size_t n)                      \
     {                                                                                           \
+        const int computed = OP == OP_AVG || (OP == OP_SUM && w > 1); /* NaN quiet */           \
         size_t i = 0;                                                                           \
         for (; i + 16 <= n; i += 16) {                                                          \
             __m256i v = _mm256_loadu_si256((const __m256i *)((const uint16_t *)srcs[0] + i));   \
@@ -186,14 +192,14 @@ AVX2 static inline __m256i bf16_pair(__m256 e, __m256 o)
                 e = _mm256_div_ps(e, _mm256_set1_ps((float)w));                                 \
                 o = _mm256_div_ps(o, _mm256_set1_ps((float)w));                                 \
             }                                                                                   \
-            _mm256_storeu_si256((__m256i *)((uint16_t *)dst + i), bf16_pair(e, o));             \
+            _mm256_storeu_si256((__m256i *)((uint16_t *)dst + i),                               \
+                                computed ? bf16_pair_finite(e, o) : bf16_pair(e, o));           \
         }                                                                                       \
         return i;                                                                               \
     }
-DEF_AVX2_BF16(avx2_bf16p_sumw, OP_SUM) /* also the NaN steps of the one below */
+DEF_AVX2_BF16(avx2_bf16p_sumw, OP_SUM)
 
-/* two sources, SUM: the hot case at world size 2, 64 values a step and one
- * NaN test for them */
+/* two sources, SUM: the hot case at world size 2, 32 values a step */
 AVX2 static size_t avx2_bf16p_sum(void *dst, void *const *srcs, int w, size_t n)
 {
     if (w != 2)
@@ -201,22 +207,14 @@ AVX2 static size_t avx2_bf16p_sum(void *dst, void *const *srcs, int w, size_t n)
     const uint16_t *a = srcs[0], *b = srcs[1];
     uint16_t *d = dst;
     size_t i = 0;
-    for (; i + 64 <= n; i += 64) {
-        __m256 e[4], o[4], nan = _mm256_setzero_ps();
-        for (int k = 0; k < 4; k++) {
+    for (; i + 32 <= n; i += 32) {
+        for (int k = 0; k < 2; k++) {
             __m256i va = _mm256_loadu_si256((const __m256i *)(a + i + 16 * k));
             __m256i vb = _mm256_loadu_si256((const __m256i *)(b + i + 16 * k));
-            e[k] = _mm256_add_ps(bf16_even(va), bf16_even(vb));
-            o[k] = _mm256_add_ps(bf16_odd(va), bf16_odd(vb));
-            nan = _mm256_or_ps(nan, bf16_nan(e[k], o[k]));
+            __m256 e = _mm256_add_ps(bf16_even(va), bf16_even(vb));
+            __m256 o = _mm256_add_ps(bf16_odd(va), bf16_odd(vb));
+            _mm256_storeu_si256((__m256i *)(d + i + 16 * k), bf16_pair_finite(e, o));
         }
-        if (__builtin_expect(!_mm256_testz_ps(nan, nan), 0)) {
-            void *const at[2] = {(void *)(a + i), (void *)(b + i)};
-            avx2_bf16p_sumw(d + i, at, 2, 64); /* out of line: no spills here */
-            continue;
-        }
-        for (int k = 0; k < 4; k++)
-            _mm256_storeu_si256((__m256i *)(d + i + 16 * k), bf16_pair_finite(e[k], o[k]));
     }
     return i;
 }

@@ -100,8 +100,8 @@ AVX512 static inline __m512i bf16_round32(__m512 x)
  * word blend), lo its low half; the carry into hi is lo + 0x7fff + (hi & 1)
  * >= 0x10000, i.e. lo > 0x8000 - (hi & 1) unsigned: one compare into a mask
  * and a masked add.  8 operations for 32 values where rounding each float32
- * on its own took 20.  No NaN may reach it: its carry would turn a NaN whose
- * payload sits in the low half into infinity.
+ * on its own took 20.  A NaN must have a zero low half (kernels_avx2.c says
+ * when): a carry would turn one whose payload sits there into infinity.
  */
 AVX512 static inline __m512i bf16_pair_finite(__m512 e, __m512 o)
 {
@@ -173,6 +173,8 @@ AVX512 static inline __m512 bf16_op(int op, __m512 a, __m512 b)
         const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10,  \
                                                25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19,   \
                                                3, 18, 2, 17, 1, 16, 0);                         \
+        /* SUM of two or more sources and AVG quiet every NaN (kernels_avx2.c) */             \
+        const int computed = OP == OP_AVG || (OP == OP_SUM && w > 1);                           \
         size_t i = 0;                                                                           \
         for (; i + 32 <= n; i += 32) {                                                          \
             __m512i v = _mm512_loadu_si512((const uint16_t *)srcs[0] + i);                      \
@@ -189,7 +191,7 @@ AVX512 static inline __m512 bf16_op(int op, __m512 a, __m512 b)
             __m512i out;                                                                        \
             if (NATIVE && !(_mm512_fpclass_ps_mask(e, 0x20) | _mm512_fpclass_ps_mask(o, 0x20)))  \
                 out = _mm512_permutexvar_epi16(order, (__m512i)BF16_CVT2(o, e));               \
-            else if (!NATIVE && !_mm512_cmp_ps_mask(e, o, _CMP_UNORD_Q))                        \
+            else if (!NATIVE && (computed || !_mm512_cmp_ps_mask(e, o, _CMP_UNORD_Q)))          \
                 out = bf16_pair_finite(e, o);                                                   \
             else                                                                                \
                 out = _mm512_or_si512(bf16_round32(e), _mm512_slli_epi32(bf16_round32(o), 16)); \
