@@ -585,6 +585,36 @@ def test_all_to_all_of_plain_tensors_is_one_call(pools):
     assert pools.run(2, all_to_all_one_call) == [[True] * 3] * 2
 
 
+def all_to_all_huge_splits(comm):
+    """Split sizes that do not fit in 64 bits, or whose sums wrap around 2**64
+    (every rank's table consistent with the others'), are a ValueError on
+    every rank, before any data moves; the group stays usable.  Rank 2 takes
+    the general path (a strided output)."""
+    r, w = comm.rank, comm.world_size
+    big = 2**63 - 1
+    wraps = [[big, big, 5], [big, 5, big], [5, big, big]]  # each row and column sums to 3 mod 2**64
+    cases = (
+        ([1] * w, [2**64, 0, 0] if r == 0 else [1] * w),
+        (wraps[r], wraps[r]),  # symmetric: what r receives from q is what q sends r
+    )
+    errors = []
+    for outs, ins in cases:
+        out = torch.zeros(3, 4)[:, ::2] if r == 2 else torch.zeros(3, 2)
+        try:
+            comm.all_to_all_single(out, torch.zeros(3, 2), outs, ins)
+            errors.append("no error")
+        except ValueError as e:
+            errors.append(str(e))
+    return errors, comm.all_reduce(torch.ones(2)).tolist()
+
+
+def test_all_to_all_huge_splits_raise_on_every_rank(pools):
+    for errors, y in pools.run(3, all_to_all_huge_splits):
+        assert "rank 0's split sizes are not 3 sizes >= 0 (and below 2**63)" in errors[0], errors
+        assert "rank 0's split sizes" in errors[1] and "do not sum" in errors[1], errors
+        assert y == [3.0, 3.0]
+
+
 def aliased_in_place(comm):
     """The in-place forms frameworks use: all_gather_into_tensor whose input is
     this rank's chunk of the output (FSDP), reduce_scatter_tensor whose output

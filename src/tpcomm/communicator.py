@@ -1195,7 +1195,8 @@ class Communicator:
         rows_out, out_row = layout.rows(output)
         ins = ins or [rows_in // w] * w
         outs = outs or [rows_out // w] * w
-        ok = len(ins) == len(outs) == w and min(ins + outs) >= 0  # else "not W sizes >= 0"
+        # else "not W sizes >= 0 (and below 2**63)", as the core says
+        ok = len(ins) == len(outs) == w and 0 <= min(ins + outs) <= max(ins + outs) < 2**63
         code_in = protocols.dtype_code_any(input.dtype)
         code_out = protocols.dtype_code_any(output.dtype)
         mine = (ins + outs if ok else [-1] * 2 * w) + [

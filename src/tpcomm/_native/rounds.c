@@ -558,15 +558,17 @@ static int table_verdict(int w, const uint64_t *const *t, char *buf, size_t cap)
         const uint64_t *s = t[q], *r = t[q] + w, *f = t[q] + 2 * w;
         if (s[0] == TABLE_BAD) {
             snprintf(buf, cap,
-                     "rank %d's split sizes are not %d sizes >= 0", q, w);
+                     "rank %d's split sizes are not %d sizes >= 0 (and below 2**63)", q, w);
             return ST_SPLITS;
         }
-        uint64_t sum_s = 0, sum_r = 0;
+        /* no split above its tensor's rows: then no sum wraps around */
+        uint64_t sum_s = 0, sum_r = 0, over = 0;
         for (int j = 0; j < w; j++) {
+            over |= s[j] > f[T_ROWS_IN] || r[j] > f[T_ROWS_OUT];
             sum_s += s[j];
             sum_r += r[j];
         }
-        if (sum_s != f[T_ROWS_IN] || sum_r != f[T_ROWS_OUT]) {
+        if (over || sum_s != f[T_ROWS_IN] || sum_r != f[T_ROWS_OUT]) {
             char a[120], b[120];
             fmt_list(a, sizeof a, s, w);
             fmt_list(b, sizeof b, r, w);
@@ -610,8 +612,12 @@ static int table_splits(Engine *e, PyObject *o, uint64_t rows, uint64_t *v)
     }
     for (int r = 0; r < e->world; r++) {
         long long x = PyLong_AsLongLong(PyList_GET_ITEM(o, r));
-        if (x == -1 && PyErr_Occurred())
-            return -1;
+        if (x == -1 && PyErr_Occurred()) {
+            if (!PyErr_ExceptionMatches(PyExc_OverflowError))
+                return -1;
+            PyErr_Clear(); /* 2**63 or more: bad, and every rank says so */
+            x = -1;
+        }
         if (x < 0) {
             v[0] = TABLE_BAD;
             return 0;
