@@ -279,6 +279,58 @@ def test_mismatched_collectives(pools, what):
         assert ok == [0, 1]
 
 
+def one_rank_refuses(comm):
+    """Arguments only one rank can see are wrong (its tensor against the sizes,
+    its output against its input): that rank raises its own error and the
+    others, in the same call, a ValueError naming it, at once (not after the
+    timeout); the group stays in step."""
+    import time
+
+    r, w = comm.rank, comm.world_size
+    bad = r == 1
+    calls = {
+        "all_gatherv": lambda: comm.all_gatherv(torch.ones(3 if bad else 2), [2] * w),
+        "reduce_scatterv": lambda: comm.reduce_scatterv(torch.ones(2 * w + bad), [2] * w),
+        "all_gather_into_tensor": lambda: comm.all_gather_into_tensor(
+            torch.empty(2 * w + bad), torch.ones(2)
+        ),
+        "reduce_scatter_tensor": lambda: comm.reduce_scatter_tensor(
+            torch.empty(2), torch.ones(2 * w + bad)
+        ),
+        "all_to_all_single": lambda: comm.all_to_all_single(
+            torch.empty(w + bad), torch.ones(w + bad)
+        ),
+        "all_to_all_single dtype": lambda: comm.all_to_all_single(
+            torch.empty(w, dtype=torch.int64 if bad else torch.float32), torch.ones(w)
+        ),
+    }
+    out = {}
+    for name, call in calls.items():
+        t0 = time.monotonic()
+        try:
+            call()
+            said = "no error"
+        except (TypeError, ValueError) as e:
+            said = str(e)
+        out[name] = (said, time.monotonic() - t0)
+    out["after"] = (comm.all_gather(torch.tensor([r])).tolist(), 0.0)
+    return out
+
+
+def test_arguments_one_rank_refuses_raise_on_every_rank(pools):
+    res = pools.run(3, one_rank_refuses)
+    for r, out in enumerate(res):
+        assert out.pop("after")[0] == [0, 1, 2]
+        for name, (said, took) in out.items():
+            fn = name.split()[0]
+            assert said.startswith(fn + ":"), (r, name, said)
+            if r == 1:
+                assert "refused" not in said, (name, said)  # its own reason
+            else:
+                assert "rank 1 refused its own arguments" in said, (r, name, said)
+            assert took < 5.0, (r, name, took)  # not the timeout
+
+
 def gather_bad_out(comm):
     """An out= that does not fit is seen on dst only: the gather still completes
     (the peers are not left waiting), dst raises, and the next collective works."""

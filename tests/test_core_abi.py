@@ -32,7 +32,7 @@ def test_reduce_codes_are_the_cores():
 
 def test_kinds_and_statuses_are_the_cores():
     names = ("ALL_REDUCE", "BARRIER", "ALL_GATHER", "REDUCE_SCATTER", "BROADCAST", "GATHER",
-             "EMPTY", "ALL_TO_ALL", "DUP")  # fmt: skip
+             "EMPTY", "ALL_TO_ALL", "DUP", "REFUSED")  # fmt: skip
     for name in names:
         assert getattr(engine, f"KIND_{name}") == getattr(_native, f"KIND_{name}")
     assert len(engine.KIND_NAMES) == len(names) == len(set(engine.KIND_NAMES))

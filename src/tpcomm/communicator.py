@@ -9,6 +9,7 @@ which raise before anything is touched.
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import os
 import pickle
@@ -443,6 +444,23 @@ class Communicator:
 
     # -- argument checks (one place) ------------------------------------------
 
+    @contextlib.contextmanager
+    def _own_checks(self):
+        """The checks of how this rank's arguments fit together, which may fail
+        on one rank alone (its tensor against the sizes, its output against its
+        input: sizes that come from data): a TypeError or ValueError raised
+        inside comes after one round that tells the peers (ShmEngine.refuse), so
+        theirs, in the same collective, raise a ValueError naming this rank
+        instead of waiting for it until the timeout.  Nothing inside may have
+        started a round.  What every rank's code gets wrong alike (a quantized
+        tensor, a bad op) stays outside: raised at once, no round."""
+        try:
+            yield
+        except (TypeError, ValueError):
+            if self._engine is not None:
+                self._engine.refuse()
+            raise
+
     def _check_open(self, fn: str) -> None:
         if self._closed:
             raise CommError(f"{fn}: the Communicator is closed")
@@ -575,12 +593,13 @@ class Communicator:
         self._check_open(fn)
         checks.tensor(fn, tensor)
         d = checks.dim(fn, tensor, dim)
-        sizes = checks.sizes(fn, sizes, self._world)
-        if tensor.shape[d] != sizes[self._rank]:
-            raise ValueError(
-                f"{fn}: rank {self._rank} has size {tensor.shape[d]} along dim {d} "
-                f"but sizes[{self._rank}] = {sizes[self._rank]}"
-            )
+        with self._own_checks():
+            sizes = checks.sizes(fn, sizes, self._world)
+            if tensor.shape[d] != sizes[self._rank]:
+                raise ValueError(
+                    f"{fn}: rank {self._rank} has size {tensor.shape[d]} along dim {d} "
+                    f"but sizes[{self._rank}] = {sizes[self._rank]}"
+                )
         return self._gather(fn, KIND_ALL_GATHER, tensor, sizes, d, None)
 
     def gather(
@@ -665,12 +684,13 @@ class Communicator:
         checks.tensor(fn, output, "output")
         checks.writable(fn, output, "output")
         checks.tensor(fn, input, "input")
-        checks.same_dtype(fn, output, input)
-        if output.numel() != self._world * input.numel():
-            raise ValueError(
-                f"{fn}: output has {output.numel()} elements, expected world_size "
-                f"x input = {self._world} x {input.numel()}"
-            )
+        with self._own_checks():
+            checks.same_dtype(fn, output, input)
+            if output.numel() != self._world * input.numel():
+                raise ValueError(
+                    f"{fn}: output has {output.numel()} elements, expected world_size "
+                    f"x input = {self._world} x {input.numel()}"
+                )
         res = self._gather(
             fn,
             KIND_ALL_GATHER,
@@ -903,11 +923,12 @@ class Communicator:
         self._check_open(fn)
         op = checks.reduce_op(fn, tensor, op)
         d = checks.dim(fn, tensor, dim)
-        sizes = checks.sizes(fn, sizes, self._world)
-        if sum(sizes) != tensor.shape[d]:
-            raise ValueError(
-                f"{fn}: sizes add up to {sum(sizes)} but dim {d} has size {tensor.shape[d]}"
-            )
+        with self._own_checks():
+            sizes = checks.sizes(fn, sizes, self._world)
+            if sum(sizes) != tensor.shape[d]:
+                raise ValueError(
+                    f"{fn}: sizes add up to {sum(sizes)} but dim {d} has size {tensor.shape[d]}"
+                )
         return self._reduce_scatter(fn, tensor, sizes, d, op)
 
     def reduce_scatter_tensor(
@@ -929,12 +950,13 @@ class Communicator:
         op = checks.reduce_op(fn, input, op)
         checks.tensor(fn, output, "output")
         checks.writable(fn, output, "output")
-        checks.same_dtype(fn, output, input)
-        if input.numel() != self._world * output.numel():
-            raise ValueError(
-                f"{fn}: input has {input.numel()} elements, expected world_size "
-                f"x output = {self._world} x {output.numel()}"
-            )
+        with self._own_checks():
+            checks.same_dtype(fn, output, input)
+            if input.numel() != self._world * output.numel():
+                raise ValueError(
+                    f"{fn}: input has {input.numel()} elements, expected world_size "
+                    f"x output = {self._world} x {output.numel()}"
+                )
         sizes = [output.numel()] * self._world
         res = self._reduce_scatter(fn, input.reshape(-1), sizes, 0, op)
         output.copy_(res.view(output.shape))
@@ -1172,7 +1194,11 @@ class Communicator:
         checks.tensor(fn, input, "input")
         outs = checks.splits(fn, "output_split_sizes", output_split_sizes)
         ins = checks.splits(fn, "input_split_sizes", input_split_sizes)
-        if self._route(fn, routing.Call("all_to_all")) != "shm":  # through all_gathers
+        shm = self._route(fn, routing.Call("all_to_all")) == "shm"
+        if shm and not ins and not outs:
+            with self._own_checks():
+                self._even_all_to_all_check(fn, output, input)
+        if not shm:  # through all_gathers, whose split table checks every rank's
             self._all_to_all_gathered(fn, output, input, outs, ins)
             return output
         eng = self._engine
@@ -1182,6 +1208,19 @@ class Communicator:
         finally:
             eng.release()
         return output
+
+    def _even_all_to_all_check(self, fn: str, output: _Tensor, input: _Tensor) -> None:
+        """Without split sizes: even blocks, checked here and by the rounds'
+        metadata (the block size), before anything is copied."""
+        w = self._world
+        rows_in, row = layout.rows(input)
+        rows_out, out_row = layout.rows(output)
+        if rows_in % w or rows_out != rows_in or input.dtype != output.dtype or row != out_row:
+            raise ValueError(
+                f"{fn}: input {tuple(input.shape)} {input.dtype} and output "
+                f"{tuple(output.shape)} {output.dtype}: without split sizes both need the "
+                f"same shape and dtype, with rows divisible by the {w} ranks"
+            )
 
     def _all_to_all_table(
         self, fn: str, output: _Tensor, input: _Tensor, outs: list, ins: list
@@ -1215,17 +1254,7 @@ class Communicator:
         w = self._world
         rows_in, row = layout.rows(input)
         rows_out, out_row = layout.rows(output)
-        even = not ins and not outs
-        # no splits: even blocks, checked here and by the rounds' metadata (the
-        # block size), before anything is copied
-        if even and (
-            rows_in % w or rows_out != rows_in or input.dtype != output.dtype or row != out_row
-        ):
-            raise ValueError(
-                f"{fn}: input {tuple(input.shape)} {input.dtype} and output "
-                f"{tuple(output.shape)} {output.dtype}: without split sizes both need the "
-                f"same shape and dtype, with rows divisible by the {w} ranks"
-            )
+        even = not ins and not outs  # checked (_even_all_to_all_check), and by the rounds
         x = dense(input)
         res = output if is_dense(output) else torch.empty(output.shape, dtype=output.dtype)
         if layout.dense_overlap(x, res):

@@ -132,7 +132,7 @@ enum { ST_OK = 0, ST_TIMEOUT = 1, ST_PEER_DEAD = 2, ST_MISMATCH = 3, ST_ABORTED 
  * different collectives are told so instead of corrupting each other. */
 enum { KIND_ALL_REDUCE = 1, KIND_BARRIER = 2, KIND_ALL_GATHER = 3, KIND_REDUCE_SCATTER = 4,
        KIND_BROADCAST = 5, KIND_GATHER = 6, KIND_EMPTY = 7, KIND_ALL_TO_ALL = 8,
-       KIND_DUP = 9 };
+       KIND_DUP = 9, KIND_REFUSED = 10 /* a rank's own checks refused its arguments */ };
 
 typedef struct {
     uint64_t magic;

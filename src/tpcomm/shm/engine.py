@@ -91,6 +91,7 @@ KIND_GATHER = _native.KIND_GATHER
 KIND_EMPTY = _native.KIND_EMPTY
 KIND_ALL_TO_ALL = _native.KIND_ALL_TO_ALL
 KIND_DUP = _native.KIND_DUP
+KIND_REFUSED = _native.KIND_REFUSED
 KIND_NAMES = {
     KIND_EMPTY: "empty",
     KIND_ALL_REDUCE: "all_reduce",
@@ -101,6 +102,7 @@ KIND_NAMES = {
     KIND_GATHER: "gather",
     KIND_ALL_TO_ALL: "all_to_all",
     KIND_DUP: "dup",
+    KIND_REFUSED: "refused",
 }
 _REDUCING = (KIND_ALL_REDUCE, KIND_REDUCE_SCATTER)
 
@@ -486,6 +488,12 @@ class ShmEngine:
                 f"calls, or give each thread its own: comm.dup()); nothing was done and "
                 f"the Communicator is still usable"
             )
+        if status == ST_MISMATCH and info["kind"] == KIND_REFUSED:
+            raise ValueError(
+                f"{fn}: rank {peer} refused its own arguments to this call (its error says "
+                f"why) and told the others; nothing was done and the communicator is still "
+                f"usable"
+            )
         if status == ST_MISMATCH:
             me = (info["my_kind"], info["my_dtype"], info["my_op"], info["my_count"])
             them = (info["kind"], info["dtype"], info["op"], info["count"])
@@ -601,6 +609,18 @@ class ShmEngine:
     @property
     def failed(self) -> bool:
         return self._native is not None and self._native.failed
+
+    def refuse(self) -> None:
+        """One round that tells the peers this rank refused its arguments to the
+        collective they are in (or call next): theirs ends in a ValueError naming
+        this rank, at once, instead of a wait for it.  The round's own status is
+        not this rank's concern: its caller raises its own error next."""
+        if self._native is None:
+            return
+        try:
+            self._native.sync(KIND_REFUSED, 0, 0, 0, 0)
+        except Exception:  # noqa: BLE001  (closed meanwhile: nobody to tell)
+            pass
 
     def hold(self, fn: str) -> None:
         """Keep the other threads out until release(): an operation of several
