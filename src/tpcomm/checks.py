@@ -97,6 +97,18 @@ def same_dtype(fn: str, output: _Tensor, input: _Tensor) -> None:
         raise TypeError(f"{fn}: output dtype {output.dtype} differs from input dtype {input.dtype}")
 
 
+def world_times(
+    fn: str, big: _Tensor, big_name: str, small: _Tensor, small_name: str, world: int
+) -> None:
+    """The torch-style gather and scatter pairs: ``big`` holds world_size times
+    ``small``'s elements."""
+    if big.numel() != world * small.numel():
+        raise ValueError(
+            f"{fn}: {big_name} has {big.numel()} elements, expected world_size "
+            f"x {small_name} = {world} x {small.numel()}"
+        )
+
+
 def rank(fn: str, name: str, value: Any, world: int, not_rank: Optional[int] = None) -> int:
     """A rank in [0, world); ``not_rank``: this rank, which a send or recv may not name."""
     if isinstance(value, bool) or not isinstance(value, int):

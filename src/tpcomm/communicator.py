@@ -686,11 +686,7 @@ class Communicator:
         checks.tensor(fn, input, "input")
         with self._own_checks():
             checks.same_dtype(fn, output, input)
-            if output.numel() != self._world * input.numel():
-                raise ValueError(
-                    f"{fn}: output has {output.numel()} elements, expected world_size "
-                    f"x input = {self._world} x {input.numel()}"
-                )
+            checks.world_times(fn, output, "output", input, "input", self._world)
         res = self._gather(
             fn,
             KIND_ALL_GATHER,
@@ -952,11 +948,7 @@ class Communicator:
         checks.writable(fn, output, "output")
         with self._own_checks():
             checks.same_dtype(fn, output, input)
-            if input.numel() != self._world * output.numel():
-                raise ValueError(
-                    f"{fn}: input has {input.numel()} elements, expected world_size "
-                    f"x output = {self._world} x {output.numel()}"
-                )
+            checks.world_times(fn, input, "input", output, "output", self._world)
         sizes = [output.numel()] * self._world
         res = self._reduce_scatter(fn, input.reshape(-1), sizes, 0, op)
         output.copy_(res.view(output.shape))
