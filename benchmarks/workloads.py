@@ -30,6 +30,12 @@ collectives do nothing (DTensor's own dispatch and redistribution stay in).
 give, for any backend.  A row whose bound is below a target cannot reach it
 by any communication library.
 
+Tried and not kept: the three variants (gloo, cpu:tpcomm, the fake group) in
+turns, step by step, in the same processes, so that this VM's speed changes
+would meet them alike: every variant's compute got slower there (the fake
+group's DTensor forward 5.2-6.5 -> 7.8-10 ms at 1 x 2048, world 2) and gloo's
+forward faster, for reasons not found; so each backend keeps its own launch.
+
     python benchmarks/workloads.py --ranks 2 4
 """
 
