@@ -450,15 +450,15 @@ PyObject *eng_fast_all_to_all(Engine *e, PyObject *const *args, Py_ssize_t nargs
     PyObject *outs = splits_arg(args[2], no), *ins = splits_arg(args[3], no);
     int co, ci;
     char *ao, *ai;
-    long long no_, ni;
+    long long n_out, n_in;
     uint64_t f[6]; /* rows in, rows out, row bytes in, out, dtype in, out (rounds.c's table) */
-    if (kind < 0 || outs == no || ins == no || plain_info(e, args[0], &co, &ao, &no_) < 0 ||
-        plain_info(e, args[1], &ci, &ai, &ni) < 0 || co != ci)
+    if (kind < 0 || outs == no || ins == no || plain_info(e, args[0], &co, &ao, &n_out) < 0 ||
+        plain_info(e, args[1], &ci, &ai, &n_in) < 0 || co != ci)
         goto general;
     size_t es = e->tv->any_size[ci];
     if (rows_of(e, args[1], es, &f[0], &f[2]) < 0 || rows_of(e, args[0], es, &f[1], &f[3]) < 0)
         goto general;
-    size_t bi = (size_t)ni * es, bo = (size_t)no_ * es;
+    size_t bi = (size_t)n_in * es, bo = (size_t)n_out * es;
     if (bi && bo && ai < ao + bo && ao < ai + bi) /* overlapping: the general path copies */
         goto general;
     f[4] = f[5] = (uint64_t)ci;
