@@ -303,6 +303,13 @@ def one_rank_refuses(comm):
         "all_to_all_single dtype": lambda: comm.all_to_all_single(
             torch.empty(w, dtype=torch.int64 if bad else torch.float32), torch.ones(w)
         ),
+        "all_gather_into_list": lambda: comm.all_gather_into_list(
+            [torch.empty(2) for _ in range(w + bad)], torch.ones(2)
+        ),
+        # rank 1 is the root: only it reads outputs
+        "gather_into_list": lambda: comm.gather_into_list(
+            [torch.empty(2) for _ in range(w + bad)] if bad else None, torch.ones(2), dst=1
+        ),
     }
     out = {}
     for name, call in calls.items():

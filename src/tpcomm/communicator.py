@@ -719,9 +719,12 @@ class Communicator:
     ) -> Optional[list]:
         mine = root is None or root == self._rank
         if mine:
-            outputs = checks.tensor_list(fn, outputs, written=True)
-            if len(outputs) != self._world:
-                raise ValueError(f"{fn}: expected {self._world} output tensors, got {len(outputs)}")
+            with self._own_checks():  # the root's alone in gather_into_list
+                outputs = checks.tensor_list(fn, outputs, written=True)
+                if len(outputs) != self._world:
+                    raise ValueError(
+                        f"{fn}: expected {self._world} output tensors, got {len(outputs)}"
+                    )
         outs = outputs if mine else [None] * self._world
         if self._gather_into_list(fn, kind, outs, tensor, root):
             return list(outputs) if mine else None
