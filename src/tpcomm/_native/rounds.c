@@ -596,6 +596,24 @@ static int table_verdict(int w, const uint64_t *const *t, char *buf, size_t cap)
     return 0;
 }
 
+/* all_to_all split sizes as the one-call path takes them: 0 with *list NULL
+ * (None or []: even), 0 with *list the list (an exact list of exact ints:
+ * the table round checks the rest with the peers), or -1 (anything else:
+ * the general path). */
+int split_list(PyObject *v, PyObject **list)
+{
+    *list = NULL;
+    if (v == Py_None || (PyList_CheckExact(v) && PyList_GET_SIZE(v) == 0))
+        return 0;
+    if (!PyList_CheckExact(v))
+        return -1;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(v); i++)
+        if (!PyLong_CheckExact(PyList_GET_ITEM(v, i)))
+            return -1;
+    *list = v;
+    return 0;
+}
+
 /* this rank's W split sizes from a list, or TABLE_BAD in the first (not a list
  * of W ints >= 0: every rank says so, not this one alone); NULL: rows cut
  * evenly (rows / W each, as torch does without split sizes) */

@@ -386,49 +386,40 @@ PyObject *eng_fast_reduce_scatter(Engine *e, PyObject *const *args, Py_ssize_t n
     return status_result(st);
 }
 
+/* t.shape into dims (at most max of them): the number of dims, or -1 (no
+ * exception) when it is not a tuple of ints or has more than max. */
+static int shape_of(Engine *e, PyObject *t, long long *dims, int max)
+{
+    PyObject *sh = descr_get(e->tv->d_shape, t);
+    Py_ssize_t nd = sh && PyTuple_Check(sh) ? PyTuple_GET_SIZE(sh) : -1;
+    for (Py_ssize_t j = 0; j < nd && nd <= max; j++)
+        dims[j] = PyLong_AsLongLong(PyTuple_GET_ITEM(sh, j));
+    Py_XDECREF(sh);
+    if (PyErr_Occurred() || nd > max) {
+        PyErr_Clear();
+        return -1;
+    }
+    return (int)nd;
+}
+
 /* A plain tensor's rows along dim 0 (a 0-d one is one row) and bytes per row
  * (es bytes an element): 0, or -1 (no exception) when its shape is unusual. */
 static int rows_of(Engine *e, PyObject *t, size_t es, uint64_t *rows, uint64_t *row)
 {
-    PyObject *sh = descr_get(e->tv->d_shape, t);
-    if (!sh || !PyTuple_Check(sh)) {
-        Py_XDECREF(sh);
-        PyErr_Clear();
+    long long dims[64];
+    int nd = shape_of(e, t, dims, 64);
+    if (nd < 0)
         return -1;
-    }
-    Py_ssize_t nd = PyTuple_GET_SIZE(sh);
-    uint64_t r = 1, per = es;
-    for (Py_ssize_t d = 0; d < nd; d++) {
-        long long v = PyLong_AsLongLong(PyTuple_GET_ITEM(sh, d));
-        if (v < 0) {
-            Py_DECREF(sh);
-            PyErr_Clear();
+    uint64_t per = es;
+    for (int d = 0; d < nd; d++) {
+        if (dims[d] < 0)
             return -1;
-        }
-        if (d == 0)
-            r = (uint64_t)v;
-        else
-            per *= (uint64_t)v;
+        if (d > 0)
+            per *= (uint64_t)dims[d];
     }
-    Py_DECREF(sh);
-    *rows = r;
+    *rows = nd > 0 ? (uint64_t)dims[0] : 1;
     *row = per;
     return 0;
-}
-
-/* all_to_all split sizes for the fast path: NULL (None or [], even), the list
- * itself (an exact list of exact ints: alltoall_splits_run checks the rest
- * with the peers), or `no` (anything else: the general path). */
-static PyObject *splits_arg(PyObject *v, PyObject *no)
-{
-    if (v == Py_None || (PyList_CheckExact(v) && PyList_GET_SIZE(v) == 0))
-        return NULL;
-    if (!PyList_CheckExact(v))
-        return no;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(v); i++)
-        if (!PyLong_CheckExact(PyList_GET_ITEM(v, i)))
-            return no;
-    return v;
 }
 
 /*
@@ -446,13 +437,13 @@ PyObject *eng_fast_all_to_all(Engine *e, PyObject *const *args, Py_ssize_t nargs
         !e->tv->d_shape || !PyLong_CheckExact(args[4]))
         Py_RETURN_NONE;
     long kind = PyLong_AsLong(args[4]);
-    PyObject *no = Py_None; /* a marker: not for the fast path */
-    PyObject *outs = splits_arg(args[2], no), *ins = splits_arg(args[3], no);
+    PyObject *outs, *ins;
     int co, ci;
     char *ao, *ai;
     long long n_out, n_in;
     uint64_t f[6]; /* rows in, rows out, row bytes in, out, dtype in, out (rounds.c's table) */
-    if (kind < 0 || outs == no || ins == no || plain_info(e, args[0], &co, &ao, &n_out) < 0 ||
+    if (kind < 0 || split_list(args[2], &outs) < 0 || split_list(args[3], &ins) < 0 ||
+        plain_info(e, args[0], &co, &ao, &n_out) < 0 ||
         plain_info(e, args[1], &ci, &ai, &n_in) < 0 || co != ci)
         goto general;
     size_t es = e->tv->any_size[ci];
@@ -591,30 +582,17 @@ static int plain_message(Engine *e, PyObject **items, Py_ssize_t n, char *head, 
         int code = plain_code(e, t);
         if (code < 0)
             return -1;
-        PyObject *shape = descr_get(e->tv->d_shape, t);
-        if (!shape) {
-            PyErr_Clear();
+        long long dims[P2P_MAX_DIMS];
+        int nd = shape_of(e, t, dims, P2P_MAX_DIMS);
+        if (nd < 0)
             return -1;
-        }
-        Py_ssize_t nd = PyTuple_Check(shape) ? PyTuple_GET_SIZE(shape) : P2P_MAX_DIMS + 1;
-        if (nd > P2P_MAX_DIMS) {
-            Py_DECREF(shape);
-            return -1;
-        }
         char *p = head + 16 + hl;
         p[0] = (char)code;
         p[1] = (char)nd;
         long long numel = 1;
-        for (Py_ssize_t j = 0; j < nd; j++) {
-            long long v = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, j));
-            memcpy(p + 2 + 8 * j, &v, 8); /* little-endian int64, as struct "<q" */
-            numel *= v;
-        }
-        Py_DECREF(shape);
-        if (PyErr_Occurred()) {
-            PyErr_Clear();
-            return -1;
-        }
+        for (int j = 0; j < nd; j++)
+            numel *= dims[j];
+        memcpy(p + 2, dims, 8 * (size_t)nd); /* little-endian int64s, as struct "<q" */
         hl += 2 + 8 * (size_t)nd;
         size_t nbytes = (size_t)numel * e->tv->any_size[code];
         if (nbytes) {
@@ -736,65 +714,28 @@ static PyObject *fast_head(Engine *e, int src, PyObject **res, const unsigned ch
 PyObject *eng_p2p_recv_into(Engine *e, PyObject *const *args, Py_ssize_t nargs)
 {
     int src;
-    Py_ssize_t n;
+    Py_ssize_t n, np;
     PyObject **items = p2p_args(e, args, nargs, &src, &n);
     if (!items)
         Py_RETURN_NONE;
-    int codes[P2P_MAX_TENSORS];
-    for (Py_ssize_t i = 0; i < n; i++)
-        if ((codes[i] = plain_code(e, items[i])) < 0)
-            Py_RETURN_NONE; /* the general path checks these before receiving */
+    /* the header a message for exactly these tensors has (as sendrecv and
+     * p2p_batch match it), and where their bytes go */
+    char want[P2P_HEAD_BYTES];
+    char *addr[P2P_MAX_TENSORS + 1];
+    size_t len[P2P_MAX_TENSORS + 1];
+    if (plain_message(e, items, n, want, addr, len, &np) < 0)
+        Py_RETURN_NONE; /* the general path checks these before receiving */
     if (take_abort(e))
         Py_RETURN_NONE;
     const unsigned char *h;
-    size_t hl, at = 2;
+    size_t hl;
     PyObject *res, *hdr = fast_head(e, src, &res, &h, &hl);
     if (!hdr)
         return res;
-    int st;
-    if (hl < 2 || h[0] != P2P_BINARY || h[1] != n)
+    if (hl != len[0] - 16 || memcmp(h, want + 16, hl) != 0)
         return hdr;
-    char *addr[P2P_MAX_TENSORS];
-    size_t len[P2P_MAX_TENSORS];
-    Py_ssize_t np = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *t = items[i];
-        if (at + 2 > hl)
-            return hdr;
-        int code = h[at], nd = h[at + 1];
-        if (code >= e->tv->n_any || nd > P2P_MAX_DIMS || at + 2 + 8 * (size_t)nd > hl ||
-            codes[i] != code)
-            return hdr;
-        PyObject *shape = descr_get(e->tv->d_shape, t);
-        if (!shape) {
-            PyErr_Clear();
-            return hdr;
-        }
-        int same = PyTuple_Check(shape) && PyTuple_GET_SIZE(shape) == nd;
-        long long numel = 1;
-        for (int j = 0; same && j < nd; j++) {
-            long long want;
-            memcpy(&want, h + at + 2 + 8 * j, 8);
-            same = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, j)) == want;
-            numel *= want;
-        }
-        Py_DECREF(shape);
-        if (PyErr_Occurred())
-            PyErr_Clear();
-        if (!same)
-            return hdr;
-        at += 2 + 8 * (size_t)nd;
-        size_t nbytes = (size_t)numel * e->tv->any_size[code];
-        if (nbytes) {
-            if (!(addr[np] = data_of(e, t)))
-                return hdr;
-            len[np++] = nbytes;
-        }
-    }
-    if (at != hl)
-        return hdr;
-    pieces_t pc = {addr, len, np};
-    st = recv_body(e, &pc);
+    pieces_t pc = {addr + 1, len + 1, np - 1};
+    int st = recv_body(e, &pc);
     if (st < 0) { /* the sizes disagree with the header: let Python report it */
         PyErr_Clear();
         return hdr;

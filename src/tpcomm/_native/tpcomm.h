@@ -474,6 +474,7 @@ PyObject *eng_broadcast(Engine *e, PyObject *const *args, Py_ssize_t nargs);
 PyObject *eng_reduce_scatterv(Engine *e, PyObject *const *args, Py_ssize_t nargs);
 int rs_rounds(Engine *e, uint32_t kind, const char *x, int dtype, const size_t *sizes, char *out, int op, uint64_t arg, size_t outer);
 PyObject *eng_alltoallv(Engine *e, PyObject *const *args, Py_ssize_t nargs);
+int split_list(PyObject *v, PyObject **list);
 int alltoall_splits_run(Engine *e, uint32_t kind, const char *x, PyObject *ins, char *out, PyObject *outs, const uint64_t *f);
 int alltoall_even_run(Engine *e, uint32_t kind, const char *x, char *out, size_t block, uint32_t code);
 PyObject *eng_alltoall_splits(Engine *e, PyObject *const *args, Py_ssize_t nargs);
