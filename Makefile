@@ -50,6 +50,8 @@ test-kernels: build/test_kernels
 	build/test_kernels
 	@# AVX-512 without AVX512_BF16 (Ice Lake, Skylake-SP) rounds bfloat16 with integer operations
 	TPCOMM_NO_AVX512BF16=1 build/test_kernels
+	@# the 512-bit float16 kernels, which AMD Zen 4 leaves for the 256-bit ones
+	TPCOMM_AVX512_F16=1 build/test_kernels
 
 # the NEON kernels, cross-built for aarch64 and run under qemu (Debian packages, installed if missing)
 test-arm:

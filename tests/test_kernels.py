@@ -125,12 +125,18 @@ _VARIANTS = [("TPCOMM_ISA", isa) for isa in _testing.isa_variants()]
 
 @pytest.mark.parametrize(
     "switch, value",
-    [("TPCOMM_NO_AVX512", "1"), ("TPCOMM_NO_AVX512BF16", "1"), *_VARIANTS],
+    [
+        ("TPCOMM_NO_AVX512", "1"),
+        ("TPCOMM_NO_AVX512BF16", "1"),
+        ("TPCOMM_AVX512_F16", "1"),
+        *_VARIANTS,
+    ],
 )
 def test_other_kernel_paths(switch, value):
     """Every kernel variant this CPU runs (TPCOMM_ISA=scalar, avx2, avx512, neon;
-    AVX-512 without the BF16 instruction) passes the same tests; each runs in a
-    fresh process, as a user's setting would."""
+    AVX-512 without the BF16 instruction, and with its 512-bit float16 kernels
+    where AMD Zen 4 runs the 256-bit ones) passes the same tests; each runs in
+    a fresh process, as a user's setting would."""
     import os
     import subprocess
     import sys
@@ -194,6 +200,37 @@ def test_a_variant_the_cpu_lacks_is_refused():
     env["TPCOMM_ISA"] = "sse9"
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert "TPCOMM_ISA='sse9': no such kernel variant" in r.stderr
+
+
+def _cpuinfo() -> dict:
+    fields = {}
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if not line.strip():
+                break  # the first CPU is enough
+            k, _, v = line.partition(":")
+            fields[k.strip()] = v.strip()
+    return fields
+
+
+@pytest.mark.skipif("avx512" not in _testing.isa_variants(), reason="no AVX-512 here")
+def test_float16_runs_256_bit_on_zen4_only():
+    """The avx512 variant hands float16 to the 256-bit kernels on AMD Zen 4
+    (family 25 with AVX-512) and nowhere else, says so in kernel_isa (doctor,
+    perf), and TPCOMM_AVX512_F16=1 takes it back."""
+    import subprocess
+    import sys
+
+    cpu = _cpuinfo()
+    zen4 = cpu.get("vendor_id") == "AuthenticAMD" and cpu.get("cpu family") == "25"
+    code = "from tpcomm import _testing; print(_testing.kernel_isa())"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TPCOMM_")}
+    said = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert said.stdout.startswith("avx512 ("), said.stderr
+    assert ("float16 by 256-bit F16C (AMD Zen 4)" in said.stdout) == zen4, (said.stdout, cpu)
+    env["TPCOMM_AVX512_F16"] = "1"
+    said = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert said.stdout.startswith("avx512 (") and "256-bit" not in said.stdout
 
 
 @pytest.mark.skipif(not os.path.exists("tests/c/test_kernels.c"), reason="run from the repo root")

@@ -1,10 +1,12 @@
 """Every environment switch tpcomm reads, with its default next to it.
 
 Values are read when a Communicator is created, so tests and users can change
-them between communicators.  Two more switches are read by the C core itself,
+them between communicators.  Three more switches are read by the C core itself,
 once per process, and exist for tests: TPCOMM_NO_AVX512=1 (no AVX-512 kernels:
-the next best variant runs) and TPCOMM_NO_AVX512BF16=1 (round bfloat16 without
-the AVX512_BF16 instruction).  TPCOMM_ISA (isa below) picks a variant outright.
+the next best variant runs), TPCOMM_NO_AVX512BF16=1 (round bfloat16 without
+the AVX512_BF16 instruction) and TPCOMM_AVX512_F16=1 (the 512-bit float16
+kernels even on AMD Zen 4, which runs the faster 256-bit ones).  TPCOMM_ISA
+(isa below) picks a variant outright.
 """
 
 from __future__ import annotations

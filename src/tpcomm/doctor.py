@@ -126,7 +126,7 @@ def _check_core(rep: Report) -> Any:
         rep.fail(f"{e}; every Communicator would refuse to start")
         return engine
     rep.info(f"  kernel variants this CPU runs: {', '.join(engine.isa_variants())} (TPCOMM_ISA)")
-    for var in ("TPCOMM_NO_AVX512", "TPCOMM_NO_AVX512BF16"):
+    for var in ("TPCOMM_NO_AVX512", "TPCOMM_NO_AVX512BF16", "TPCOMM_AVX512_F16"):
         if os.environ.get(var):
             rep.warn(f"{var} is set: a slower kernel path is forced (meant for tests)")
     return engine

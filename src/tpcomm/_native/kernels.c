@@ -314,7 +314,7 @@ void do_reduce(int dtype, int op, void *dst, void *const *srcs, int w, size_t n)
  * has)", for tpcomm doctor and the perf header. */
 const char *kernel_isa(void)
 {
-    static char text[160];
+    static char text[200];
     int isa = kernel_isa_in_use();
     const char *what[ISA_COUNT] = {
         "portable C, compiler-vectorised",
@@ -322,7 +322,8 @@ const char *kernel_isa(void)
         avx512_level() == 2 ? "AVX-512, bfloat16 by AVX512_BF16" : "AVX-512, bfloat16 by integer rounding",
         "NEON",
     };
+    const char *f16 = isa == ISA_AVX512 && avx512_f16_narrow() ? ", float16 by 256-bit F16C (AMD Zen 4)" : "";
     const char *why = isa_forced != ISA_AUTO ? "forced by TPCOMM_ISA" : "the best this CPU has";
-    snprintf(text, sizeof text, "%s (%s; %s)", kernel_isa_name(isa), what[isa], why);
+    snprintf(text, sizeof text, "%s (%s%s; %s)", kernel_isa_name(isa), what[isa], f16, why);
     return text;
 }

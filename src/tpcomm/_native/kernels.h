@@ -50,6 +50,7 @@ void set_nt_min(long long v);
 /* one file per variant; each returns 0 (nothing done) for a dtype it leaves
  * to the portable kernels, or where it is not built */
 int avx512_level(void); /* 0 none (or TPCOMM_NO_AVX512), 1 AVX-512, 2 with AVX512_BF16 */
+int avx512_f16_narrow(void); /* 1: float16 by the 256-bit kernels (AMD Zen 4) */
 int reduce_avx512(int dtype, int op, void *dst, void *const *srcs, int w, size_t n);
 int avx2_present(void);
 int reduce_avx2(int dtype, int op, void *dst, void *const *srcs, int w, size_t n);
