@@ -69,10 +69,9 @@ bench: install build/handoff
 	rm -rf $(BENCH_DIR) && mkdir -p $(BENCH_DIR)
 	for d in float32 bfloat16 float16; do \
 		$(TP) perf all_reduce $(BENCH_ARGS) -d $$d -J $(BENCH_DIR)/all_reduce_$$d.json || exit 1; done
-	# the AVX2 kernels on a CPU that has them beside better ones (issue 15's table)
-	if $(PY) -c "import sys; from tpcomm.shm.engine import isa_variants as v; sys.exit(not {'avx2', 'avx512'} <= set(v()))"; then \
-		for d in float32 bfloat16 float16; do TPCOMM_ISA=avx2 \
-			$(TP) perf all_reduce -b 1K -e 64M -f 4 -d $$d -J $(BENCH_DIR)/all_reduce_avx2_$$d.json || exit 1; done; fi
+	# the three dtypes in turns, auto and (beside AVX-512) AVX2 kernels (issue 15's table)
+	$(PY) benchmarks/dtypes.py -J $(BENCH_DIR)/dtypes.json > $(BENCH_DIR)/dtypes.txt; \
+		st=$$?; cat $(BENCH_DIR)/dtypes.txt; exit $$st
 	for c in all_gather reduce_scatter broadcast gather sendrecv; do \
 		$(TP) perf $$c $(COLL_ARGS) -J $(BENCH_DIR)/$$c.json || exit 1; done
 	$(TP) perf all_gather $(COLL_ARGS) --in-place -J $(BENCH_DIR)/all_gather_in_place.json

@@ -146,27 +146,46 @@ def table(data: dict) -> list[str]:
     return lines
 
 
-def dtype_table(runs: dict, stem: str = "all_reduce_") -> list[str]:
-    """all_reduce per dtype side by side (the runs named ``stem`` + dtype): time,
-    and the ratio to float32."""
-    names = [n for n in ("float32", "bfloat16", "float16") if f"{stem}{n}" in runs]
-    if len(names) < 2 or names[0] != "float32":
+def dtype_tables(bench_dir: str) -> list[str]:
+    """all_reduce per dtype side by side, one table per kernel variant, from
+    benchmarks/dtypes.py (the dtypes timed in turns in the same ranks)."""
+    path = os.path.join(bench_dir, "dtypes.json")
+    if not os.path.exists(path):
         return []
-    base = {r["size"]: r["time"] for r in runs[f"{stem}float32"]["results"]}
-    head = ["size"] + [f"{n} (us)" for n in names] + [f"{n} / float32" for n in names[1:]]
-    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
-    for size in sorted(base):
-        t = {n: {r["size"]: r["time"] for r in runs[f"{stem}{n}"]["results"]}.get(size)
-             for n in names}  # fmt: skip
-        row = [human(size)] + [fmt(t[n]) for n in names]
-        row += [ratio(t[n], base[size]) for n in names[1:]]
-        lines.append("| " + " | ".join(row) + " |")
-    return lines
+    with open(path) as f:
+        res = json.load(f)
+    out = []
+    for variant, v in res["variants"].items():
+        forced = f", `TPCOMM_ISA={variant}`" if variant != "auto" else ""
+        out += [
+            f"## all_reduce by dtype, {'the AVX2 kernels forced' if forced else 'auto kernels'}",
+            "",
+            f"`{res['command']}`{forced}: kernels {v['kernels']}. Time per call (us), the "
+            f"median over {res['rounds']} rounds in which the dtypes took turns in the same "
+            "two ranks; the ratios are the medians of each round's own ratio."
+            + (
+                " What a CPU without AVX-512 (AMD Zen 1-3, Intel before Ice Lake) runs; "
+                "its memory and caches are not this CPU's."
+                if forced
+                else ""
+            ),
+            "",
+        ]
+        head = ["size", "float32 (us)", "bfloat16 (us)", "float16 (us)"]
+        head += ["bfloat16 / float32", "float16 / float32", "#wrong"]
+        out += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+        for r in v["rows"]:
+            row = [human(r["size"])] + [fmt(r[n] * 1e6) for n in DTYPES]
+            row += [f"{r['bfloat16/float32']:.2f}x", f"{r['float16/float32']:.2f}x"]
+            row += [str(sum(r[f"{n}_wrong"] for n in DTYPES))]
+            out.append("| " + " | ".join(row) + " |")
+        out.append("")
+    return out
 
 
 def main(bench_dir: str) -> None:
     runs = {}
-    for stem in [r[0] for r in RUNS] + [f"all_reduce_avx2_{d}" for d in DTYPES]:
+    for stem in [r[0] for r in RUNS]:
         path = os.path.join(bench_dir, stem + ".json")
         if os.path.exists(path):
             with open(path) as f:
@@ -175,7 +194,12 @@ def main(bench_dir: str) -> None:
     # on its own (Known limits: the slow mode), and the page says which
     last = os.path.join(bench_dir, "workloads.txt")
     end = os.path.getmtime(last) if os.path.exists(last) else float("inf")
-    rerun = [s for s in runs if os.path.getmtime(os.path.join(bench_dir, s + ".json")) > end]
+    rerun = [
+        s
+        for s in [*runs, "dtypes"]
+        if os.path.exists(os.path.join(bench_dir, s + ".json"))
+        and os.path.getmtime(os.path.join(bench_dir, s + ".json")) > end
+    ]
     stamps = [os.path.getmtime(os.path.join(bench_dir, f)) for f in os.listdir(bench_dir)]
     when = datetime.datetime.fromtimestamp(
         min(end, max(stamps)) if stamps else 0, datetime.timezone.utc
@@ -215,24 +239,7 @@ def main(bench_dir: str) -> None:
         "columns of one row, not rows of different runs.",
         "",
     ]
-    dt = dtype_table(runs)
-    if dt:
-        out += ["## all_reduce by dtype (time per call, same bytes)", ""] + dt + [""]
-    dt = dtype_table(runs, "all_reduce_avx2_")
-    if dt:
-        kernels = runs["all_reduce_avx2_float32"].get("kernels", "avx2")
-        out += (
-            [
-                "## all_reduce by dtype, the AVX2 kernels forced (time per call, same bytes)",
-                "",
-                f"`TPCOMM_ISA=avx2 tpcomm perf all_reduce -b 1K -e 64M -f 4 -d DTYPE`: {kernels}. "
-                "What a CPU without AVX-512 (AMD Zen 1-3, Intel before Ice Lake) runs; its "
-                "memory and caches are not this CPU's.",
-                "",
-            ]
-            + dt
-            + [""]
-        )
+    out += dtype_tables(bench_dir)
     for stem, heading, cmd in RUNS:
         if stem not in runs:
             continue

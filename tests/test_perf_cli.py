@@ -9,7 +9,10 @@ import sys
 
 import pytest
 
+from tpcomm import _testing
 from tpcomm.perf import parse_size
+
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def test_parse_size():
@@ -220,3 +223,40 @@ def test_touch_keeps_values():
         want = x.clone()
         _testing.touch(x.data_ptr(), x.numel() * 4)
         assert torch.equal(x, want)
+
+
+def test_dtypes_benchmark_and_page(tmp_path):
+    """benchmarks/dtypes.py (make bench: issue 15's table) times the three
+    dtypes in turns, checks every result against the reference, and
+    scripts/perf_page.py renders a table per kernel variant from its JSON."""
+    import pathlib
+
+    root = pathlib.Path(__file__).parents[1]
+    out = tmp_path / "dtypes.json"
+    args = ["-b", "1K", "-e", "64K", "-f", "8", "--rounds", "3", "--seconds", "0.05"]
+    r = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "dtypes.py"), *args, "-J", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    data = json.loads(out.read_text())
+    have = _testing.isa_variants()
+    assert list(data["variants"]) == ["auto"] + (["avx2"] if "avx512" in have else [])
+    for v in data["variants"].values():
+        assert [row["size"] for row in v["rows"]] == [1024, 8192, 65536]
+        for row in v["rows"]:
+            assert all(row[f"{n}_wrong"] == 0 and row[n] > 0 for n in DTYPES)
+            assert row["bfloat16/float32"] > 0 and row["float16/float32"] > 0
+    page = subprocess.run(
+        [sys.executable, str(root / "scripts" / "perf_page.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert page.returncode == 0, page.stderr[-3000:]
+    assert "## all_reduce by dtype, auto kernels" in page.stdout
+    first = data["variants"]["auto"]["rows"][0]
+    want = f"| 1 KiB | {first['float32'] * 1e6:.2f} | {first['bfloat16'] * 1e6:.2f} |"
+    assert want in page.stdout, page.stdout

@@ -1,0 +1,162 @@
+"""all_reduce of float32, bfloat16 and float16 side by side, timed in turns.
+
+Issue 15's table: is a 16-bit all_reduce as fast as a float32 one of the same
+bytes?  Three `tpcomm perf -d DTYPE` runs one after the other cannot say: on
+this shared VM the speed of a whole run moves by 10-30 % (more in its slow
+mode), more than the difference asked about.  Here the dtypes (and the kernel
+variants: the auto choice, and AVX2 forced where the CPU has better) run in
+the same two pinned ranks, one block of calls each in turn, the order rotated
+every round, so that a change of speed meets all of them alike.
+
+Per block: the slowest rank's time per call.  Per size: the median over the
+rounds of each block's time, and the median over the rounds of the ratio
+of a dtype's block to the float32 block of the same round and variant.
+Every (variant, dtype, size) is checked once against the float64 reference
+(``#wrong``).  The same in-place all_reduce as ``tpcomm perf all_reduce``.
+
+Run by `make bench`: python benchmarks/dtypes.py [-J FILE] [-b 1K -e 64M -f 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+import torch
+
+from tpcomm.launch import LocalGroup
+from tpcomm.ops import ReduceOp
+from tpcomm.perf.table import data, expected, parse_size
+from tpcomm.perf.timing import agree, timed
+from tpcomm.shm.engine import isa_variants, kernel_isa, select_kernels
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _use(variant: str) -> str:
+    """Switch this rank's kernels (every variant gives the same bits, so the
+    ranks need not agree); the variant in use and why."""
+    if variant == "auto":
+        os.environ.pop("TPCOMM_ISA", None)
+    else:
+        os.environ["TPCOMM_ISA"] = variant
+    select_kernels()
+    return kernel_isa()
+
+
+def rank(comm, sizes: list, variants: list, rounds: int, seconds: float) -> dict:
+    """One rank: per (variant, dtype, size) its time per call in every round,
+    and the values that differ from the reference."""
+    torch.set_num_threads(1)
+    world = comm.world_size
+    times, wrong, why = {}, {}, {}
+    combos = [(v, d) for v in variants for d in DTYPES]
+    for size in sizes:
+        xs = {}
+        for d in DTYPES:
+            count = max(1, size // d.itemsize)
+            xs[d] = data(comm.rank, count, d, 0)
+            for v in variants:
+                why[v] = _use(v)
+                chk = data(comm.rank, count, d, 1)
+                comm.all_reduce(chk)
+                want = expected(world, count, d, ReduceOp.SUM, 1)
+                wrong[(v, NAMES[d], size)] = int((chk != want).sum())
+                for _ in range(3):  # warm-up
+                    comm.all_reduce(xs[d])
+        _use(variants[0])
+        probe = timed(lambda x=xs[torch.float32]: comm.all_reduce(x), 5)
+        per_block = seconds / (rounds * len(combos))
+        iters = agree(comm, int(min(20000, max(3, per_block / max(probe, 1e-7)))))
+        for r in range(rounds):
+            k = r % len(combos)
+            for v, d in combos[k:] + combos[:k]:
+                _use(v)
+                x = xs[d]
+                comm.barrier()
+                t = timed(lambda x=x: comm.all_reduce(x), iters)
+                times.setdefault((v, NAMES[d], size), []).append(t)
+    _use("auto")
+    return {"times": times, "wrong": wrong, "why": why}
+
+
+def summarise(per_rank: list, sizes: list, variants: list) -> dict:
+    """Slowest rank per block; medians over the rounds; paired ratios."""
+    out = {}
+    for v in variants:
+        rows = []
+        for size in sizes:
+            blocks = {
+                n: [max(ts) for ts in zip(*(r["times"][(v, n, size)] for r in per_rank))]
+                for n in NAMES.values()
+            }
+            row = {"size": size}
+            for n, b in blocks.items():
+                row[n] = statistics.median(b)
+                row[f"{n}_wrong"] = sum(r["wrong"][(v, n, size)] for r in per_rank)
+                if n != "float32":
+                    pairs = [t / f for t, f in zip(b, blocks["float32"])]
+                    row[f"{n}/float32"] = statistics.median(pairs)
+            rows.append(row)
+        out[v] = {"kernels": per_rank[0]["why"][v], "rows": rows}
+    return out
+
+
+def human(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB" if n >= 1 << 10 else f"{n} B"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("1K"))
+    p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("64M"))
+    p.add_argument("-f", "--stepfactor", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--seconds", type=float, default=1.5, help="per size and variant")
+    p.add_argument("-J", "--json", metavar="FILE")
+    args = p.parse_args(argv)
+    sizes, s = [], args.minbytes
+    while s <= args.maxbytes:
+        sizes.append(s)
+        s *= args.stepfactor
+    have = isa_variants()
+    # the auto choice, and AVX2 forced where the CPU has better (issue 15's target CPU)
+    variants = ["auto"] + (["avx2"] if "avx2" in have and "avx512" in have else [])
+    with LocalGroup(2, pin=True, timeout=600) as group:
+        res = group.run(rank, sizes, variants, args.rounds, args.seconds * len(variants))
+    summary = summarise(res, sizes, variants)
+    for v, s in summary.items():
+        print(
+            f"# all_reduce by dtype, 2 ranks pinned, one thread each, kernels {s['kernels']}"
+            f"{' (TPCOMM_ISA=' + v + ')' if v != 'auto' else ''}"
+        )
+        print(f"# time per call (us): median over {args.rounds} rounds of blocks in turns")
+        print(
+            f"# {'size':>8} {'float32':>10} {'bfloat16':>10} {'float16':>10}"
+            f" {'bf16/f32':>9} {'f16/f32':>8} {'#wrong':>7}"
+        )
+        for r in s["rows"]:
+            bad = sum(r[f"{n}_wrong"] for n in NAMES.values())
+            print(
+                f"  {human(r['size']):>8} {r['float32'] * 1e6:>10.2f} {r['bfloat16'] * 1e6:>10.2f}"
+                f" {r['float16'] * 1e6:>10.2f} {r['bfloat16/float32']:>8.2f}x"
+                f" {r['float16/float32']:>7.2f}x {bad:>7}"
+            )
+    if args.json:
+        cmd = (
+            f"python benchmarks/dtypes.py -b {args.minbytes} -e {args.maxbytes} "
+            f"-f {args.stepfactor} --rounds {args.rounds} --seconds {args.seconds:g}"
+        )
+        with open(args.json, "w") as f:
+            json.dump({"command": cmd, "rounds": args.rounds, "variants": summary}, f)
+    wrong = sum(
+        r[f"{n}_wrong"] for s in summary.values() for r in s["rows"] for n in NAMES.values()
+    )
+    return 1 if wrong else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
