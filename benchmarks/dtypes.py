@@ -105,6 +105,18 @@ def summarise(per_rank: list, sizes: list, variants: list) -> dict:
     return out
 
 
+def cpu_model() -> str:
+    """The CPU as lscpu names it (its /proc/cpuinfo "model name")."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
 def human(n: int) -> str:
     return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB" if n >= 1 << 10 else f"{n} B"
 
@@ -130,7 +142,8 @@ def main(argv=None) -> int:
     summary = summarise(res, sizes, variants)
     for v, s in summary.items():
         print(
-            f"# all_reduce by dtype, 2 ranks pinned, one thread each, kernels {s['kernels']}"
+            f"# all_reduce by dtype on {cpu_model()}, 2 ranks pinned, one thread each, "
+            f"kernels {s['kernels']}"
             f"{' (TPCOMM_ISA=' + v + ')' if v != 'auto' else ''}"
         )
         print(f"# time per call (us): median over {args.rounds} rounds of blocks in turns")
@@ -151,7 +164,9 @@ def main(argv=None) -> int:
             f"-f {args.stepfactor} --rounds {args.rounds} --seconds {args.seconds:g}"
         )
         with open(args.json, "w") as f:
-            json.dump({"command": cmd, "rounds": args.rounds, "variants": summary}, f)
+            json.dump(
+                {"command": cmd, "cpu": cpu_model(), "rounds": args.rounds, "variants": summary}, f
+            )
     wrong = sum(
         r[f"{n}_wrong"] for s in summary.values() for r in s["rows"] for n in NAMES.values()
     )

@@ -160,7 +160,8 @@ def dtype_tables(bench_dir: str) -> list[str]:
         out += [
             f"## all_reduce by dtype, {'the AVX2 kernels forced' if forced else 'auto kernels'}",
             "",
-            f"`{res['command']}`{forced}: kernels {v['kernels']}. Time per call (us), the "
+            f"`{res['command']}`{forced} on {res.get('cpu', 'this CPU')}: kernels "
+            f"{v['kernels']}. Time per call (us), the "
             f"median over {res['rounds']} rounds in which the dtypes took turns in the same "
             "two ranks; the ratios are the medians of each round's own ratio."
             + (
