@@ -163,7 +163,9 @@ def dtype_tables(bench_dir: str) -> list[str]:
             f"`{res['command']}`{forced} on {res.get('cpu', 'this CPU')}: kernels "
             f"{v['kernels']}. Time per call (us), the "
             f"median over {res['rounds']} rounds in which the dtypes took turns in the same "
-            "two ranks; the ratios are the medians of each round's own ratio."
+            "two ranks; the ratios are the medians of each round's own ratio (a row whose "
+            "times are several times its neighbours' ran in this VM's slow mode, Known limits: "
+            "the kernels' share, and so the ratio's meaning, is lost there)."
             + (
                 " What a CPU without AVX-512 (AMD Zen 1-3, Intel before Ice Lake) runs; "
                 "its memory and caches are not this CPU's."
