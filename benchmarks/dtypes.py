@@ -52,7 +52,8 @@ def rank(comm, sizes: list, variants: list, rounds: int, seconds: float) -> dict
     and the values that differ from the reference."""
     torch.set_num_threads(1)
     world = comm.world_size
-    times, wrong, why = {}, {}, {}
+    times, wrong = {}, {}
+    why = {v: _use(v) for v in variants}
     combos = [(v, d) for v in variants for d in DTYPES]
     for size in sizes:
         xs = {}
@@ -60,7 +61,7 @@ def rank(comm, sizes: list, variants: list, rounds: int, seconds: float) -> dict
             count = max(1, size // d.itemsize)
             xs[d] = data(comm.rank, count, d, 0)
             for v in variants:
-                why[v] = _use(v)
+                _use(v)
                 chk = data(comm.rank, count, d, 1)
                 comm.all_reduce(chk)
                 want = expected(world, count, d, ReduceOp.SUM, 1)

@@ -5,11 +5,10 @@
 #include <stdlib.h>
 
 #include "kernels.h"
-#if defined(__x86_64__)
-#include <cpuid.h>
-#endif
 
 #if defined(__x86_64__)
+#include <cpuid.h>
+
 /*
  * AVX-512 kernels for the float family, written with intrinsics because gcc
  * does not vectorise the _Float16 conversions and keeps the bfloat16 rounding
