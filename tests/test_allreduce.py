@@ -113,7 +113,7 @@ def repeat_and_rounds(comm):
     big = torch.ones(3 * SLOT // 4 + 5)  # 3 full slots + 5 elements
     comm.all_reduce(big)
     big_rounds = _testing.rounds(comm) - r0
-    two = 0 <= comm._engine.twoshot_min <= big.numel() * 4
+    two = 0 <= _testing.engine(comm).twoshot_min <= big.numel() * 4
     return outs, small_rounds, big_rounds // (2 if two else 1), float(big[0])
 
 

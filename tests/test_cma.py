@@ -25,7 +25,6 @@ import torch
 import tpcomm
 from tpcomm import _env, _testing
 from tpcomm.launch import LocalGroup
-from tpcomm.shm.engine import KIND_ALL_GATHER
 
 from ._ref import assert_survivors_saw, comm_error_of, make, write_json
 
@@ -66,7 +65,7 @@ def _gather(comm, form: str, x: torch.Tensor) -> torch.Tensor:
         own.copy_(x)
         return comm.all_gather_into_tensor(out, own)
     outs = [torch.empty_like(x) for _ in range(w)]  # the list form (dist.all_gather)
-    assert comm._gather_into_list("all_gather", KIND_ALL_GATHER, outs, x, None)
+    assert comm._shm.gather_direct("all_gather", outs, x, None)
     return torch.cat(outs)
 
 

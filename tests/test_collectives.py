@@ -621,12 +621,12 @@ def test_all_to_all_fast_and_general_paths_agree(pools, world):
 
 def all_to_all_one_call(comm):
     """With plain tensors, all_to_all_single never enters the Python rounds
-    (_all_to_all_shm): even blocks, split sizes, and torch's empty lists."""
+    (ShmPath._all_to_all): even blocks, split sizes, and torch's empty lists."""
 
     def python_rounds(*args):
         raise AssertionError("all_to_all_single took the Python path")
 
-    comm._all_to_all_shm = python_rounds  # the pool's communicator: put back below
+    comm._shm._all_to_all = python_rounds  # the pool's communicator: put back below
     try:
         r, w = comm.rank, comm.world_size
         x = torch.arange(2 * w, dtype=torch.int64) + 100 * r
@@ -635,7 +635,7 @@ def all_to_all_one_call(comm):
             for splits in ((), ([], []), ([2] * w, [2] * w))
         ]
     finally:
-        del comm._all_to_all_shm
+        del comm._shm._all_to_all
     want = torch.cat([torch.arange(2 * r, 2 * r + 2) + 100 * q for q in range(w)])
     return [torch.equal(t, want) for t in got]
 

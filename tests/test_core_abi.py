@@ -13,7 +13,7 @@ import torch
 
 from tpcomm import ReduceOp, _native
 from tpcomm.ops import ANY_DTYPE_CODES, DTYPE_CODES
-from tpcomm.shm import engine, protocols
+from tpcomm.shm import engine, keys, messages
 
 
 def test_reduce_codes_are_the_cores():
@@ -42,21 +42,21 @@ def test_kinds_and_statuses_are_the_cores():
 
 def test_message_header_is_what_the_core_reads():
     ts = [torch.zeros(2, 3), torch.ones(5, dtype=torch.int64), torch.empty(0, 4, 1)]
-    head = protocols._binary_header(ts)
+    head = messages._binary_header(ts)
     assert head[0] == _native.P2P_BINARY and head[1] == len(ts)
-    assert protocols._parse_binary(head) == [(t.dtype, tuple(t.shape)) for t in ts]
-    assert protocols._binary_header([torch.zeros(1)] * (_native.P2P_MAX_TENSORS + 1)) is None
+    assert messages._parse_binary(head) == [(t.dtype, tuple(t.shape)) for t in ts]
+    assert messages._binary_header([torch.zeros(1)] * (_native.P2P_MAX_TENSORS + 1)) is None
     deep = torch.zeros((1,) * (_native.P2P_MAX_DIMS + 1))
-    assert protocols._binary_header([deep]) is None
+    assert messages._binary_header([deep]) is None
     assert len(ANY_DTYPE_CODES) <= 32  # the core's table of message dtypes (torch.c MAX_ANY)
 
 
 def test_flat_layout_key_is_the_cores():
     for kind, n, w in ((engine.KIND_ALL_GATHER, 7, 2), (engine.KIND_GATHER, 1 << 40, 8)):
-        assert protocols.layout_key(kind, (), 0, (n,) * w, None) == _native.flat_key(kind, n, w)
+        assert keys.gather_key(kind, (), 0, (n,) * w, None) == _native.flat_key(kind, n, w)
         tag = (3 + 1) << 32
-        assert protocols.layout_key(kind, (), 0, (n,) * w, 3) == _native.flat_key(kind + tag, n, w)
-    key = protocols.layout_key((), 0, (5, 5, 5))
+        assert keys.gather_key(kind, (), 0, (n,) * w, 3) == _native.flat_key(kind + tag, n, w)
+    key = keys.reduce_scatter_key((), 0, (5, 5, 5))
     assert key == _native.flat_key(_native.RS_FLAT, 5, 3)
     # the definition, written out once more here, as the reference
     x = (engine.KIND_ALL_GATHER * 0x100000001B3) & (2**64 - 1)

@@ -60,7 +60,12 @@ def in_dist_job(comm, port):
             with cs.dup() as cd:
                 z = torch.full((4,), float(rank), dtype=torch.float64)
                 cd.all_reduce(z)
-                out["dup"] = (cd.rank, cd.world_size, cd._engine is not cs._engine, z.tolist())
+                out["dup"] = (
+                    cd.rank,
+                    cd.world_size,
+                    cd._shm.engine is not cs._shm.engine,
+                    z.tolist(),
+                )
         return out
     finally:
         dist.destroy_process_group()

@@ -42,15 +42,15 @@ def many_shapes(comm, big):
     if comm.rank == 1:
         # plain messages take recv's one C call (p2p_recv_new); pickled headers
         # (more than 255 tensors, more than 8 dims) the Python path: count those
-        from tpcomm.shm import protocols
+        from tpcomm.shm import messages
 
-        real, python = protocols.recv_rest, []
+        real, python = messages.recv_rest, []
 
         def spy(*args):
             python.append(1)
             return real(*args)
 
-        protocols.recv_rest = spy
+        messages.recv_rest = spy
         try:
             a = comm.recv(src=0)
             b = comm.recv(src=0)
@@ -58,7 +58,7 @@ def many_shapes(comm, big):
             c = comm.recv(src=0)
             (d,) = comm.recv(src=0)
         finally:
-            protocols.recv_rest = real
+            messages.recv_rest = real
         if (plain, len(python)) != (0, 2):
             return f"Python receives: {plain} of the plain messages, {len(python)} in all"
         want = _payload(1, big)
@@ -208,27 +208,31 @@ def killed_while_others_wait(comm, where, outdir):
         elif where == "reduce_scatter rows":
             comm.reduce_scatter(torch.ones(2, 3 * 10), dim=-1)
         elif where == "all_to_all":  # the backend's all_to_all_single rounds
-            from tpcomm.shm import protocols
+            from tpcomm.shm.engine import KIND_ALL_TO_ALL
+            from tpcomm.shm.keys import flat_key
 
             x, out, n = torch.ones(30), torch.empty(30), 40
-            protocols.alltoallv(
-                comm._engine, x.data_ptr(), [n] * 3, [0, n, 2 * n], out.data_ptr(),
-                [n] * 3, [0, n, 2 * n], n, 0,
+            eng = _testing.engine(comm)
+            status = eng.alltoallv(
+                KIND_ALL_TO_ALL, x.data_ptr(), [n] * 3, [0, n, 2 * n], out.data_ptr(),
+                [n] * 3, [0, n, 2 * n], n, 0, n, flat_key(KIND_ALL_TO_ALL, n, 3),
             )  # fmt: skip
+            if status:
+                eng.raise_status(status, "all_to_all")
         elif where == "recv_into":
             comm.recv(src=0, out=[torch.empty(10)])
         elif where == "batch":  # sends and a recv progressed together (p2p_batch)
-            from tpcomm.shm import protocols
+            from tpcomm.shm import messages
 
             big = torch.ones(1 << 20)  # more than the ring: the send waits for rank 0
             got = torch.empty(10)
             ops = [
-                (1, 0, protocols.message_pieces([big], None)),
-                (0, 0, protocols.expected_header([got]), [(got.data_ptr(), 40)]),
+                (1, 0, messages.message_pieces([big], None)),
+                (0, 0, messages.expected_header([got]), [(got.data_ptr(), 40)]),
             ]
-            protocols.batch(comm._engine, "send/recv", ops)
+            messages.batch(_testing.engine(comm), "send/recv", ops)
         elif where == "send":  # fill the channel's ring, then wait for a receiver that is gone
-            for _ in range(comm._engine.p2p_ring + 1):
+            for _ in range(_testing.engine(comm).p2p_ring + 1):
                 comm.send([torch.ones(10)], dst=0)
         res = "no error"
     except tpcomm.PeerFailedError as e:
@@ -270,7 +274,7 @@ def crossed_calls(comm, which):
         elif which == "all_reduce":
             comm.recv(src=0)
         else:  # the sender waits: the ring to rank 0 is full, rank 0 never receives
-            for _ in range(comm._engine.p2p_ring + 1):
+            for _ in range(_testing.engine(comm).p2p_ring + 1):
                 comm.send([torch.ones(4)], dst=0)
 
     t0 = time.time()
@@ -332,7 +336,7 @@ def test_recv_into_buffers(pools):
 def eager_up_to_the_ring(comm):
     """A channel holds p2p_ring messages: that many sends return before the
     receiver takes any (the next one would wait), and they arrive in order."""
-    ring = comm._engine.p2p_ring
+    ring = _testing.engine(comm).p2p_ring
     if comm.rank == 0:
         for k in range(ring):
             comm.send([torch.tensor([k])], dst=1)

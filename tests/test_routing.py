@@ -32,7 +32,7 @@ ONE_HOST, TWO_HOSTS, ALONE = plan(4), plan(4, 2, "the group spans 2 hosts (a, b)
         (Call("gather", rooted=True), "shm", "dist"),
         (Call("broadcast"), "shm", "hier"),
         (Call("barrier"), "shm", "hier"),
-        (Call("all_to_all"), "shm", "hier"),
+        (Call("all_to_all"), "shm", "dist"),
         (Call("p2p"), "shm", "dist"),
     ],
 )
@@ -53,10 +53,10 @@ def test_reasons_name_what_the_engine_lacks():
 
 
 def test_real_paths_have_the_same_predicates():
-    """The Communicator routes over its real paths (ShmEngine, DistPath, ...);
+    """The Communicator routes over its real paths (ShmPath, DistPath, ...);
     doctor over plan()'s stand-ins: both must decide alike."""
-    from tpcomm.dist_fallback import DistPath
-    from tpcomm.shm.engine import ShmEngine
+    from tpcomm.dist_path import DistPath
+    from tpcomm.shm.path import ShmPath
 
     calls = [
         Call("all_reduce", dtype=torch.float64, op=ReduceOp.SUM),
@@ -66,6 +66,6 @@ def test_real_paths_have_the_same_predicates():
         Call("p2p"),
     ]
     for call in calls:
-        assert ShmEngine.should_use(call) == ONE_HOST[1].should_use(call)
+        assert ShmPath.should_use(call) == ONE_HOST[1].should_use(call)
         assert DistPath.should_use(call) is None and ONE_HOST[2].should_use(call) is None
-    assert [p.name for p in ONE_HOST] == ["cuda", ShmEngine.name, DistPath.name]
+    assert [p.name for p in ONE_HOST] == ["cuda", ShmPath.name, DistPath.name]

@@ -123,7 +123,7 @@ def _noop(comm):
 
 
 def segment_gone(comm):
-    eng = comm._engine
+    eng = _testing.engine(comm)
     return os.path.exists(eng.path), os.path.dirname(eng.path), _testing.peer_pids(eng)
 
 

@@ -204,8 +204,8 @@ AS_NOBODY = (
 import os
 import torch.distributed
 import tpcomm
-from tpcomm import bootstrap, checks, communicator, dist_fallback, errors, routing
-from tpcomm.shm import engine, protocols, segment, symmetric
+from tpcomm import bootstrap, checks, communicator, construction, dist_path, errors, routing
+from tpcomm.shm import engine, messages, path, segment, symmetric
 os.setgroups([])
 os.setgid(65534)
 os.setuid(65534)

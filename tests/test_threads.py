@@ -17,9 +17,10 @@ import pytest
 import torch
 
 import tpcomm
+from tpcomm import _testing
 from tpcomm.launch import LocalGroup
 from tpcomm.shm import engine as shm_engine
-from tpcomm.shm import protocols
+from tpcomm.shm import messages
 
 
 def _wait_for(cond, seconds=10.0):
@@ -78,7 +79,7 @@ def refused_while_inside(comm):
 
     t = threading.Thread(target=inside)
     t.start()
-    _wait_for(lambda: comm._engine.in_use)
+    _wait_for(lambda: _testing.engine(comm).in_use)
     refused = _refused_calls(comm)
     still_waiting = t.is_alive()
     t.join(30)
@@ -100,7 +101,7 @@ def test_a_second_thread_is_refused_and_the_first_unharmed(pools):
 
 
 class _SlowPickle:
-    """protocols.pickle, whose loads waits for an event: a receiving thread
+    """messages.pickle, whose loads waits for an event: a receiving thread
     stops between a message's header and its body."""
 
     def __init__(self, real):
@@ -122,8 +123,8 @@ def refused_between_header_and_body(comm):
     if r == 1:
         comm.send_tensor_dict({"w": torch.arange(5.0), "step": 7}, dst=0)
         return comm.all_reduce(torch.ones(2)).tolist()
-    slow = _SlowPickle(protocols.pickle)
-    protocols.pickle = slow
+    slow = _SlowPickle(messages.pickle)
+    messages.pickle = slow
     try:
         box = {}
         t = threading.Thread(target=lambda: box.setdefault("d", comm.recv_tensor_dict(1)))
@@ -135,7 +136,7 @@ def refused_between_header_and_body(comm):
         slow.go.set()
         t.join(30)
     finally:
-        protocols.pickle = slow.real
+        messages.pickle = slow.real
     d = box.get("d")
     ok = d is not None and d["step"] == 7 and torch.equal(d["w"], torch.arange(5.0))
     return ok, comm.all_reduce(torch.ones(2)).tolist(), refused
@@ -180,7 +181,7 @@ def closed_by_another_thread(comm, where):
 
     t = threading.Thread(target=inside)
     t.start()
-    _wait_for(lambda: comm._engine is not None and comm._engine.in_use)
+    _wait_for(lambda: _testing.engine(comm) is not None and _testing.engine(comm).in_use)
     time.sleep(0.2)
     t0 = time.monotonic()
     comm.close()
@@ -213,8 +214,8 @@ def close_gives_up_on_a_thread_that_stays(comm):
             return "no error"
         except tpcomm.PeerFailedError as e:
             return e.rank
-    slow = _SlowPickle(protocols.pickle)
-    protocols.pickle = slow
+    slow = _SlowPickle(messages.pickle)
+    messages.pickle = slow
     wait = shm_engine.CLOSE_WAIT_S
     shm_engine.CLOSE_WAIT_S = 0.3
     box = {}
@@ -239,7 +240,7 @@ def close_gives_up_on_a_thread_that_stays(comm):
         slow.go.set()
         t.join(30)
     finally:
-        protocols.pickle = slow.real
+        messages.pickle = slow.real
         shm_engine.CLOSE_WAIT_S = wait
     comm.close()
     return first, open_after, box.get("err"), comm.closed

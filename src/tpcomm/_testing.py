@@ -43,8 +43,14 @@ def reduce_kernel(dtype: int, op: int, dst: int, srcs: list, count: int, nthread
     _engine.reduce_kernel(dtype, op, dst, srcs, count, nthreads)
 
 
+def engine(comm: Any) -> Optional[_engine.ShmEngine]:
+    """The shared-memory engine of ``comm`` (None: world size 1, across hosts, closed)."""
+    shm = comm._shm
+    return None if shm is None else shm.engine
+
+
 def _eng(comm: Any) -> _engine.ShmEngine:
-    eng = comm._engine
+    eng = engine(comm)
     if eng is None:
         raise ValueError("this Communicator has no shared-memory engine (world size 1?)")
     return eng
@@ -52,7 +58,8 @@ def _eng(comm: Any) -> _engine.ShmEngine:
 
 def rounds(comm: Any) -> int:
     """Collective rounds this rank has published so far (0 without an engine)."""
-    return comm._engine.round if comm._engine is not None else 0
+    eng = engine(comm)
+    return eng.round if eng is not None else 0
 
 
 def threads(comm: Any) -> int:
@@ -95,7 +102,7 @@ def send_raw(comm: Any, dst: int, stream: bytes) -> Any:
 
 def peer_pids(comm_or_engine: Any) -> list:
     """Every rank's pid as written in the segment."""
-    eng = getattr(comm_or_engine, "_engine", comm_or_engine)
+    eng = engine(comm_or_engine) if hasattr(comm_or_engine, "_shm") else comm_or_engine
     return eng.peer_pids()
 
 

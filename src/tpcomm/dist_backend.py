@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from . import _env
 from .communicator import Communicator
-from .dist_fallback import DistPath, private_gloo, private_nccl
+from .dist_path import DistPath, private_gloo, private_nccl
 from .dist_work import _WAITING as _WAITING
 from .dist_work import DONE, Deferred, Done, Received, flush_waiting
 from .errors import CommError
@@ -52,10 +52,6 @@ _OPS = {
     _RED.MAX: ReduceOp.MAX,
     _RED.MIN: ReduceOp.MIN,
 }
-
-# all_to_all through shared memory gathers every rank's whole input; above
-# this many bytes per rank it goes to gloo instead
-ALLTOALL_SHM_MAX = 1 << 20
 
 
 def _op(red: Any) -> Any:
@@ -292,8 +288,6 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
     def scatter(self, outputs: list, input_lists: list, opts: Any) -> Any:
         if (g := self._gpu(outputs)) is not None:
             return g.scatter(outputs, input_lists, opts)
-        if not self._comm.shared_memory:  # across hosts (or one rank): gloo, as send/recv
-            return self._private_gloo().scatter(outputs, input_lists, opts)
         root = opts.rootRank
         for i, out in enumerate(outputs):
             self._comm.scatter(out, input_lists[i] if self._rank == root else None, root)
@@ -311,41 +305,17 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
     ) -> Any:
         if (g := self._gpu([input])) is not None:
             return g.alltoall_base(output, input, out_splits, in_splits, opts)
-        comm = self._comm
-        if not comm.shared_memory:  # world 1, or across hosts
-            return self._alltoall_gather(output, input, out_splits, in_splits, opts)
-        comm.all_to_all_single(output, input, out_splits, in_splits)
+        self._comm.all_to_all_single(output, input, out_splits, in_splits)
         return Done([output])
 
     all_to_all_single = alltoall_base  # the name torch 2.13 calls
-
-    def _alltoall_gather(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,
-        out_splits: list,
-        in_splits: list,
-        opts: Any,
-    ) -> Any:
-        """all_to_all_single through one all_gather (world size 1, groups across
-        hosts: the Communicator routes it), or gloo for uneven or large ones."""
-        nbytes = input.numel() * input.element_size()
-        if out_splits or in_splits or nbytes > ALLTOALL_SHM_MAX or input.numel() % self._world:
-            self._fallback.note("all_to_all_single", "uneven or large all_to_all")
-            return self._private_gloo().alltoall_base(output, input, out_splits, in_splits, opts)
-        w = self._world
-        everyone = torch.empty(w * input.numel(), dtype=input.dtype)
-        self._comm.all_gather_into_tensor(everyone, input)
-        mine = everyone.view(w, w, -1)[:, self._rank]
-        output.copy_(mine.reshape(output.shape))
-        return Done([output])
 
     def alltoall(self, outputs: list, inputs: list, opts: Any) -> Any:
         if (g := self._gpu(inputs)) is not None:
             return g.alltoall(outputs, inputs, opts)
         shapes = {(t.shape, t.dtype) for t in (*inputs, *outputs)}
         if len(shapes) != 1:
-            self._fallback.note("all_to_all", "tensors of different shapes, or large")
+            self._fallback.note("all_to_all", "tensors of different shapes")
             return self._private_gloo().alltoall(outputs, inputs, opts)
         flat = torch.cat([_flat(t) for t in inputs])
         res = torch.empty_like(flat)

@@ -18,8 +18,9 @@ lowest rank.
   other hosts.
 * barrier: inside each host, between the leaders, inside each host again.
 
-Everything else (gather, uneven all_gather, point-to-point) goes to the flat
-torch.distributed path of the Communicator.
+Everything else (gather, uneven all_gather, all_to_all, point-to-point)
+goes to the flat torch.distributed path of the Communicator.  A path of the
+Communicator (``paths.Path``): ``should_use`` says which calls it serves.
 
 Failures: errors of the local Communicator name local ranks; they are raised
 again with the group's rank.  When the leaders' gloo group fails (a rank on
@@ -37,9 +38,10 @@ from typing import Any, Callable, Optional, Sequence, TypeVar
 import torch
 
 from . import routing
-from .dist_fallback import DistPath, private_gloo
+from .dist_path import DistPath, private_gloo
 from .errors import CommError, CommTimeoutError, PeerFailedError
 from .ops import ReduceOp, dense
+from .paths import DimFirst
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -51,7 +53,7 @@ def _guarded(method: _F) -> _F:
     @functools.wraps(method)
     def run(self: Hierarchy, *args: Any) -> Any:
         # the whole operation (local engine and gloo) is one thread's turn
-        eng = self.local._engine
+        eng = self._local_engine()
         if eng is not None:
             eng.hold(method.__name__)
         try:
@@ -80,7 +82,7 @@ __all__ = ["Hierarchy"]
 _WIDE = (torch.bfloat16, torch.float16)
 
 
-class Hierarchy:
+class Hierarchy(DimFirst):
     """The per-host and between-host halves of one Communicator."""
 
     def __init__(
@@ -100,6 +102,7 @@ class Hierarchy:
         self.members = [[r for r in range(world) if hosts[r] == h] for h in order]
         self.hosts = len(order)
         self.world = world
+        self.rank = rank
         self.host = order.index(hosts[rank])
         self.host_of = [order.index(h) for h in hosts]
         mine = self.members[self.host]
@@ -145,8 +148,12 @@ class Hierarchy:
         out._translated = True  # type: ignore[attr-defined]
         return out
 
+    def _local_engine(self) -> Any:
+        shm = self.local._shm
+        return None if shm is None else shm.engine
+
     def _abort_local(self) -> None:
-        eng = self.local._engine
+        eng = self._local_engine()
         if eng is not None:
             eng.abort()
 
@@ -172,8 +179,11 @@ class Hierarchy:
         return t
 
     @_guarded
-    def all_gather(self, moved: torch.Tensor) -> torch.Tensor:
-        """``moved``: this rank's part, gathered dim first, the same size on every rank."""
+    def gather0(
+        self, moved: torch.Tensor, sizes: Sequence[int], root: Optional[int]
+    ) -> torch.Tensor:
+        """``moved``: this rank's part, gathered dim first, the same size on every
+        rank (routing sends the rest to torch.distributed); ``root`` None."""
         s, rest = moved.shape[0], tuple(moved.shape[1:])
         block = self.local.gather(moved, 0)
         if self.cross is not None:
@@ -186,21 +196,19 @@ class Hierarchy:
         return out
 
     @_guarded
-    def reduce_scatterv(
-        self, moved: torch.Tensor, sizes: Sequence[int], op: Any, me: int
-    ) -> torch.Tensor:
+    def reduce_scatter0(self, moved: torch.Tensor, sizes: Sequence[int], op: Any) -> torch.Tensor:
         full = self.all_reduce(moved.clone(), op)
-        start = sum(sizes[:me])
-        return full[start : start + sizes[me]].clone()
+        start = sum(sizes[: self.rank])
+        return full[start : start + sizes[self.rank]].clone()
 
     @_guarded
-    def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
+    def broadcast(self, fn: str, t: torch.Tensor, src: int) -> torch.Tensor:
         work = dense(t)
         src_host = self.host_of[src]
         if self.host == src_host:
             self.local.broadcast(work, self.members[src_host].index(src))
         if self.cross is not None:
-            self.cross.broadcast(work, src_host)
+            self.cross.broadcast(fn, work, src_host)
         if self.host != src_host:
             self.local.broadcast(work, 0)
         if work is not t:
@@ -208,7 +216,7 @@ class Hierarchy:
         return t
 
     @_guarded
-    def barrier(self) -> None:
+    def barrier(self, fn: str = "barrier") -> None:
         self.local.barrier()
         if self.cross is not None:
             self.cross.barrier()

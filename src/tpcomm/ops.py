@@ -93,6 +93,11 @@ ANY_DTYPE_CODES = {dt: i for i, dt in enumerate(ALL_DTYPES)}
 ANY_CODE_DTYPES = {i: dt for dt, i in ANY_DTYPE_CODES.items()}
 
 
+def any_code(dtype: torch.dtype) -> int:
+    """The metadata code of any dtype (data-moving collectives; 255: none)."""
+    return ANY_DTYPE_CODES.get(dtype, 255)
+
+
 def is_dense(t: torch.Tensor) -> bool:
     """Whether ``t``'s memory holds exactly its values, contiguously.
 

@@ -3,11 +3,11 @@
 A Communicator holds its paths in the order they are tried; a call goes to the
 first whose ``should_use(call)`` has no objection, and the objection of the one
 it passed over says why (logged once when the call leaves shared memory).  The
-paths are the real ones (``ShmEngine``, ``Hierarchy``, ``DistPath``, and
-``LOCAL`` / ``CUDA`` here), each with ``name``, ``should_use(call)`` and
-``all_reduce(tensor, op) -> tensor``; ``plan`` gives stand-ins with the same
-predicates for a group that does not exist (``tpcomm doctor``).
-The order:
+paths are the real ones (``paths.LocalPath``, ``cuda.path.CudaPath``,
+``shm.path.ShmPath``, ``hierarchical.Hierarchy``, ``dist_path.DistPath``),
+each with the methods of ``paths.Path``; ``plan`` gives stand-ins with the
+same predicates for a group that does not exist (``tpcomm doctor``).
+The order (``order``, written once):
 
 1. ``local``: world size 1, every result is this rank's own (a copy at most);
 2. ``cuda``: a CUDA tensor: the custom all-reduce over CUDA IPC, then NCCL;
@@ -28,9 +28,11 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from .cuda.path import CudaPath
 from .ops import DTYPE_CODES, ReduceOp
+from .paths import LOCAL
 
-__all__ = ["CUDA", "LOCAL", "Call", "Route", "engine_objection", "hier_objection", "plan", "route"]
+__all__ = ["Call", "Route", "engine_objection", "hier_objection", "order", "plan", "route"]
 
 # the calls that reduce (the engine's dtypes and ops matter)
 REDUCING = frozenset({"all_reduce", "reduce_scatter"})
@@ -71,34 +73,6 @@ class Route:
     via: Any = None
 
 
-class _Local:
-    """World size 1: every result is this rank's own."""
-
-    name = "local"
-
-    @staticmethod
-    def should_use(call: Call) -> Optional[str]:
-        return None
-
-    @staticmethod
-    def all_reduce(tensor: torch.Tensor, op: Any) -> torch.Tensor:
-        return tensor  # the reduction over one rank
-
-
-class _Cuda:
-    """CUDA tensors: the Communicator's CUDA path (the custom all-reduce over
-    CUDA IPC, then NCCL) takes them before any CPU check."""
-
-    name = "cuda"
-
-    @staticmethod
-    def should_use(call: Call) -> Optional[str]:
-        return None if call.cuda else "not a CUDA tensor"
-
-
-LOCAL, CUDA = _Local(), _Cuda()
-
-
 def engine_objection(call: Call) -> Optional[str]:
     """Why the shared-memory engine does not do this call, or None."""
     if call.kind not in REDUCING:
@@ -119,10 +93,10 @@ class _Shm:
         return engine_objection(call)
 
 
-# what a hierarchy serves (all_to_all through its all_gathers; empty as ordinary
-# memory): the rest of a multi-host group's calls go to dist
+# what a hierarchy serves (empty as ordinary memory): the rest of a multi-host
+# group's calls go to dist
 _HIER_KINDS = frozenset(
-    {"all_reduce", "reduce_scatter", "broadcast", "barrier", "all_gather", "all_to_all", "empty"}
+    {"all_reduce", "reduce_scatter", "broadcast", "barrier", "all_gather", "empty"}
 )
 
 
@@ -156,13 +130,21 @@ class _Dist:
         return None
 
 
-def plan(world: int, hosts: int = 1, why_hosts: str = "") -> list:
-    """The paths of a group of ``world`` ranks on ``hosts`` hosts, in the order
-    they are tried (``why_hosts``: how a multi-host group is described)."""
+def order(world: int, cuda: Any, middle: Any, dist: Any) -> list:
+    """The paths of a group of ``world`` ranks, in the order ``route`` tries
+    them (``middle``: shared memory, or the hierarchy of a group across hosts).
+    The one place the order is written."""
     if world == 1:
         return [LOCAL]
+    return [cuda, middle, dist]
+
+
+def plan(world: int, hosts: int = 1, why_hosts: str = "") -> list:
+    """Stand-ins for the paths of a group of ``world`` ranks on ``hosts`` hosts
+    that does not exist (``tpcomm doctor``), in ``order``, with the real paths'
+    objections (``why_hosts``: how a multi-host group is described)."""
     middle = _Shm() if hosts == 1 else _Hier(why_hosts or f"the group spans {hosts} hosts")
-    return [CUDA, middle, _Dist()]
+    return order(world, CudaPath(None, None), middle, _Dist())
 
 
 def route(paths: Sequence[Any], call: Call) -> Route:

@@ -272,7 +272,7 @@ static int flat_pair(Engine *e, PyObject *big, PyObject *small, int *code, char 
 }
 
 /*
- * fast_all_gather(output, input, kind) -> status, or None: the torch-style
+ * fast_all_gather(output, input) -> status, or None: the torch-style
  * all_gather_into_tensor's common case in one call (plain tensors of one
  * dtype, output = world x input elements); None sends the caller down the
  * general path.  The metadata is the general path's (its layout key is
@@ -280,60 +280,57 @@ static int flat_pair(Engine *e, PyObject *big, PyObject *small, int *code, char 
  */
 PyObject *eng_fast_all_gather(Engine *e, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 3 || !e->base || e->failed || !e->tv->n_any || !e->tv->d_numel ||
-        !PyLong_CheckExact(args[2]))
+    if (nargs != 2 || !e->base || e->failed || !e->tv->n_any || !e->tv->d_numel)
         Py_RETURN_NONE;
-    long kind = PyLong_AsLong(args[2]);
     int ci;
     char *ai, *ao;
     long long ni;
-    if (kind < 0 || flat_pair(e, args[0], args[1], &ci, &ao, &ai, &ni) < 0) {
+    if (flat_pair(e, args[0], args[1], &ci, &ao, &ai, &ni) < 0) {
         PyErr_Clear();
         Py_RETURN_NONE;
     }
-    return flat_gather(e, (uint32_t)kind, 0, ai, ci, ni, (size_t)ni * e->tv->any_size[ci], ao);
+    return flat_gather(e, KIND_ALL_GATHER, 0, ai, ci, ni, (size_t)ni * e->tv->any_size[ci], ao);
 }
 
 /*
- * fast_gather(input, out | None, dst, kind) -> status, or None: gather's
+ * fast_gather(input, out | None, dst) -> status, or None: gather's
  * common case in one call (a plain 1-d input; on dst a plain out of the same
  * dtype with world x its elements; the caller checks the dims).  None: the
  * general path.  The key is protocols.layout_key's for a flat, even layout with
- * a root: flat_key(kind + ((dst + 1) << 32), n, w).
+ * a root: flat_key(KIND_GATHER + ((dst + 1) << 32), n, w).
  */
 PyObject *eng_fast_gather(Engine *e, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 4 || !e->base || e->failed || !e->tv->n_any || !e->tv->d_numel ||
-        !PyLong_CheckExact(args[2]) || !PyLong_CheckExact(args[3]))
+    if (nargs != 3 || !e->base || e->failed || !e->tv->n_any || !e->tv->d_numel ||
+        !PyLong_CheckExact(args[2]))
         Py_RETURN_NONE;
-    long dst = PyLong_AsLong(args[2]), kind = PyLong_AsLong(args[3]);
+    long dst = PyLong_AsLong(args[2]);
     int ci, co;
     char *ai, *ao = NULL;
     long long ni, no;
-    if (dst < 0 || dst >= e->world || kind < 0 || plain_info(e, args[0], &ci, &ai, &ni) < 0 ||
+    if (dst < 0 || dst >= e->world || plain_info(e, args[0], &ci, &ai, &ni) < 0 ||
         (dst == e->rank && (args[1] == Py_None || plain_info(e, args[1], &co, &ao, &no) < 0 ||
                             co != ci || no != ni * e->world))) {
         PyErr_Clear();
         Py_RETURN_NONE;
     }
-    return flat_gather(e, (uint32_t)kind, (uint64_t)(dst + 1) << 32, ai, ci, ni,
+    return flat_gather(e, KIND_GATHER, (uint64_t)(dst + 1) << 32, ai, ci, ni,
                        (size_t)ni * e->tv->any_size[ci],
                        dst == e->rank ? ao : NULL);
 }
 
 /*
- * fast_broadcast(t, src, kind) -> status, or None: Communicator.broadcast's
+ * fast_broadcast(t, src) -> status, or None: Communicator.broadcast's
  * common case in one call (a plain tensor, an exact int src in range); None
  * sends the caller down the general Python path, which checks and reports.
  * The metadata is the general path's (dtype code, element count, src).
  */
 PyObject *eng_fast_broadcast(Engine *e, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 3 || !e->base || e->failed || !e->tv->n_any || !e->tv->d_numel ||
-        !PyLong_CheckExact(args[1]) || !PyLong_CheckExact(args[2]))
+    if (nargs != 2 || !e->base || e->failed || !e->tv->n_any || !e->tv->d_numel ||
+        !PyLong_CheckExact(args[1]))
         Py_RETURN_NONE;
     long src = PyLong_AsLong(args[1]);
-    long kind = PyLong_AsLong(args[2]);
     if (PyErr_Occurred()) {
         PyErr_Clear();
         Py_RETURN_NONE;
@@ -345,12 +342,12 @@ PyObject *eng_fast_broadcast(Engine *e, PyObject *const *args, Py_ssize_t nargs)
     long long n;
     if (plain_info(e, args[0], &code, &a, &n) < 0)
         Py_RETURN_NONE;
-    return status_result(bcast_rounds(e, (uint32_t)kind, a, (size_t)n * e->tv->any_size[code],
+    return status_result(bcast_rounds(e, KIND_BROADCAST, a, (size_t)n * e->tv->any_size[code],
                                       (int)src, (uint32_t)code, (uint64_t)n));
 }
 
 /*
- * fast_reduce_scatter(output, input, op, kind) -> status, or None: the
+ * fast_reduce_scatter(output, input, op) -> status, or None: the
  * torch-style reduce_scatter_tensor's common case in one call (plain tensors
  * of one reducible dtype, input = world x output elements, a ReduceOp the
  * engine does, AVG on floats only); None: the general path.  The metadata is
@@ -358,17 +355,15 @@ PyObject *eng_fast_broadcast(Engine *e, PyObject *const *args, Py_ssize_t nargs)
  */
 PyObject *eng_fast_reduce_scatter(Engine *e, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 4 || !e->base || e->failed || !e->tv->n_any || !e->tv->d_numel ||
-        !PyLong_CheckExact(args[3]))
+    if (nargs != 3 || !e->base || e->failed || !e->tv->n_any || !e->tv->d_numel)
         Py_RETURN_NONE;
     int opc = -1, dtc = -1, ci;
     for (int i = 0; i < OP_COUNT; i++)
         if (args[2] == e->tv->ops[i])
             opc = i;
-    long kind = PyLong_AsLong(args[3]);
     char *ai, *ao;
     long long no;
-    if (opc < 0 || kind < 0 || flat_pair(e, args[1], args[0], &ci, &ai, &ao, &no) < 0) {
+    if (opc < 0 || flat_pair(e, args[1], args[0], &ci, &ai, &ao, &no) < 0) {
         PyErr_Clear();
         Py_RETURN_NONE;
     }
@@ -380,7 +375,7 @@ PyObject *eng_fast_reduce_scatter(Engine *e, PyObject *const *args, Py_ssize_t n
     size_t *sizes = even_sizes(e, (size_t)no);
     if (!sizes)
         return NULL;
-    int st = rs_rounds(e, (uint32_t)kind, ai, dtc, sizes, ao, opc,
+    int st = rs_rounds(e, KIND_REDUCE_SCATTER, ai, dtc, sizes, ao, opc,
                        flat_key(RS_FLAT, (uint64_t)no, (uint64_t)e->world), 1);
     PyMem_Free(sizes);
     return status_result(st);
@@ -423,7 +418,7 @@ static int rows_of(Engine *e, PyObject *t, size_t es, uint64_t *rows, uint64_t *
 }
 
 /*
- * fast_all_to_all(output, input, output_split_sizes, input_split_sizes, kind)
+ * fast_all_to_all(output, input, output_split_sizes, input_split_sizes)
  * -> status, or None: all_to_all_single's common case in one call (plain
  * tensors of one dtype that share no memory; split sizes None, [] or lists of
  * ints); None: the general path, which checks and reports.  Without split
@@ -433,16 +428,15 @@ static int rows_of(Engine *e, PyObject *t, size_t es, uint64_t *rows, uint64_t *
  */
 PyObject *eng_fast_all_to_all(Engine *e, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 5 || !e->base || e->failed || !e->tv->n_any || !e->tv->d_numel ||
-        !e->tv->d_shape || !PyLong_CheckExact(args[4]))
+    if (nargs != 4 || !e->base || e->failed || !e->tv->n_any || !e->tv->d_numel ||
+        !e->tv->d_shape)
         Py_RETURN_NONE;
-    long kind = PyLong_AsLong(args[4]);
     PyObject *outs, *ins;
     int co, ci;
     char *ao, *ai;
     long long n_out, n_in;
     uint64_t f[6]; /* rows in, rows out, row bytes in, out, dtype in, out (rounds.c's table) */
-    if (kind < 0 || split_list(args[2], &outs) < 0 || split_list(args[3], &ins) < 0 ||
+    if (split_list(args[2], &outs) < 0 || split_list(args[3], &ins) < 0 ||
         plain_info(e, args[0], &co, &ao, &n_out) < 0 ||
         plain_info(e, args[1], &ci, &ai, &n_in) < 0 || co != ci)
         goto general;
@@ -457,10 +451,10 @@ PyObject *eng_fast_all_to_all(Engine *e, PyObject *const *args, Py_ssize_t nargs
         const uint64_t w = (uint64_t)e->world;
         if (f[0] % w || f[1] != f[0] || f[3] != f[2]) /* the general path's ValueError */
             goto general;
-        return status_result(alltoall_even_run(e, (uint32_t)kind, ai, ao, (size_t)(f[0] / w * f[2]),
+        return status_result(alltoall_even_run(e, KIND_ALL_TO_ALL, ai, ao, (size_t)(f[0] / w * f[2]),
                                                (uint32_t)ci));
     }
-    return status_result(alltoall_splits_run(e, (uint32_t)kind, ai, ins, ao, outs, f));
+    return status_result(alltoall_splits_run(e, KIND_ALL_TO_ALL, ai, ins, ao, outs, f));
 general:
     PyErr_Clear();
     Py_RETURN_NONE;

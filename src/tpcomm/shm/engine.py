@@ -33,7 +33,7 @@ __all__ = [
     "touch",
 ]
 
-# The core's engine type (compiled.py traces its fast_all_reduce) and segment magic.
+# The core's engine type (custom_ops.py traces its fast_all_reduce) and segment magic.
 NativeEngine = _native.Engine
 MAGIC = _native.MAGIC
 
@@ -334,7 +334,7 @@ class ShmEngine:
         """Bind the core's calls the callers make per collective: bound C methods,
         no Python frame in between (the hot path)."""
         n = self._native
-        self.ident = id(n)  # compiled.py finds the communicator of a traced call by it
+        self.ident = id(n)  # custom_ops.py finds the communicator of a traced call by it
         self.all_reduce_raw = n.all_reduce
         self.fast_all_reduce = n.fast_all_reduce
         self.fast_all_gather = n.fast_all_gather
@@ -349,6 +349,10 @@ class ShmEngine:
         self.p2p_sendrecv = n.p2p_sendrecv
         self.p2p_wait_any = n.p2p_wait_any
         self.alltoall_splits = n.alltoall_splits
+        self.alltoallv = n.alltoallv
+        self.gatherv = n.gatherv
+        self.reduce_scatterv = n.reduce_scatterv
+        self.broadcast = n.broadcast
 
     # -- as a path of the Communicator (routing.py) ---------------------------
 

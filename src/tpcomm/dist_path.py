@@ -1,6 +1,7 @@
 """The torch.distributed path: what the shared-memory engine does not do.
 
-Used per call for a dtype or op the engine does not implement (complex,
+A path of the Communicator (``paths.Path``), the last one: it takes every
+call.  Used per call for a dtype or op the engine does not implement (complex,
 float64 sums, PRODUCT, ...), for the calls of a group that spans hosts that
 the hierarchy (hierarchical.py) does not cover, and by the torch.distributed
 backend (dist_backend.py) for everything it routes away from shared memory.
@@ -25,10 +26,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from . import _env
+from . import _env, layout
 from .bootstrap import threaded
 from .errors import CommError
-from .ops import ReduceOp, dense
+from .ops import ReduceOp, dense, is_dense
+from .paths import DimFirst, copy_in
 
 __all__ = ["DistPath", "private_gloo", "private_nccl"]
 
@@ -70,7 +72,7 @@ def private_nccl(store: Any, prefix: str, rank: int, world: int, timeout: float)
     return threaded(ProcessGroupNCCL(PrefixStore(f"{prefix}/", store), rank, world, opts))
 
 
-class DistPath:
+class DistPath(DimFirst):
     """Collectives over one torch ProcessGroup, in that group's ranks.
 
     Args:
@@ -155,8 +157,13 @@ class DistPath:
         self.group.allreduce([t], opts).wait()
         return t
 
-    def all_gatherv(self, moved: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+    def gather0(
+        self, moved: torch.Tensor, sizes: Sequence[int], root: Optional[int]
+    ) -> Optional[torch.Tensor]:
         """``moved``: this rank's part with the gathered dim first."""
+        return self.all_gatherv(moved, sizes) if root is None else self.gather(moved, root)
+
+    def all_gatherv(self, moved: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
         top = max(sizes)
         if all(s == top for s in sizes):
             pad = dense(moved)
@@ -180,11 +187,28 @@ class DistPath:
         self.group.gather(into, [_real(dense(moved))], opts).wait()
         return torch.cat(parts) if mine else None
 
-    def reduce_scatterv(self, moved: torch.Tensor, sizes: Sequence[int], op: Any) -> torch.Tensor:
+    def reduce_scatter0(self, moved: torch.Tensor, sizes: Sequence[int], op: Any) -> torch.Tensor:
         full = self.all_reduce(moved.clone(), op)
         return full.split(list(sizes))[self.rank].clone()
 
-    def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
+    def all_to_all(
+        self, fn: str, output: torch.Tensor, input: torch.Tensor, outs: list, ins: list
+    ) -> None:
+        """The split table checked by every rank alike (``split_table``), then
+        the group's own all-to-all."""
+        sends = self.split_table(fn, output, input, outs, ins)
+        res = output if is_dense(output) else torch.empty(output.shape, dtype=output.dtype)
+        x = dense(input)
+        if layout.dense_overlap(x, res):
+            x = x.clone()
+        me = self.rank
+        self.group.alltoall_base(
+            _real(res), _real(x), [s[me] for s in sends], sends[me], c10d.AllToAllOptions()
+        ).wait()
+        if res is not output:
+            output.copy_(res)
+
+    def broadcast(self, fn: str, t: torch.Tensor, src: int) -> torch.Tensor:
         work = dense(t)
         opts = c10d.BroadcastOptions()
         opts.rootRank = src
@@ -194,7 +218,7 @@ class DistPath:
             t.copy_(work)
         return t
 
-    def barrier(self) -> None:
+    def barrier(self, fn: str = "barrier") -> None:
         self.group.barrier(c10d.BarrierOptions()).wait()
 
     def _post(self, tensors: Sequence[torch.Tensor], dst: int, extra: Any) -> list:
@@ -207,22 +231,35 @@ class DistPath:
         parts += [_real(dense(t)) for t in tensors if t.numel()]
         return [(g.send([part], dst, 0), part) for part in parts]
 
-    def send(self, tensors: Sequence[torch.Tensor], dst: int, extra: Any) -> None:
+    def send(self, fn: str, dst: int, tensors: Sequence[torch.Tensor], extra: Any) -> None:
         for work, _ in self._post(tensors, dst, extra):
             work.wait()
 
     def sendrecv(
-        self, tensors: Sequence[torch.Tensor], dst: int, src: int
-    ) -> tuple[list[torch.Tensor], Any]:
+        self,
+        fn: str,
+        tensors: Sequence[torch.Tensor],
+        dst: int,
+        src: int,
+        out: Optional[Sequence[torch.Tensor]],
+    ) -> list:
         """Send to dst while receiving from src: the sends are posted first and
         waited for last, so a ring of ranks doing this cannot wait on each other."""
         posted = self._post(tensors, dst, None)
-        got = self.recv(src)
+        got, extra = self._recv(src)
         for work, _ in posted:
             work.wait()
-        return got
+        if extra is not None:
+            raise CommError(f"{fn}: rank {src} sent a dict, not a tensor list")
+        return got if out is None else copy_in(out, got)
 
-    def recv(self, src: int) -> tuple[list[torch.Tensor], Any]:
+    def recv(
+        self, fn: str, src: int, out: Optional[Sequence[torch.Tensor]] = None
+    ) -> tuple[list, Any]:
+        got, extra = self._recv(src)
+        return (got if out is None else copy_in(out, got)), extra
+
+    def _recv(self, src: int) -> tuple[list[torch.Tensor], Any]:
         g = self.group
         n = torch.empty(1, dtype=torch.int64)
         g.recv([n], src, 0).wait()

@@ -1,31 +1,18 @@
-"""The data-moving collectives and point-to-point messages, over the segment.
+"""Point-to-point messages over the segment: their format and their calls.
 
-Each collective is a sequence of rounds of the collective channel (see
-``_native/tpcomm.h``): before a round a rank writes its slot of parity
-``(round + 1) & 1``; ``sync`` publishes the round's metadata and waits for
-every peer; after it a rank reads the peers' slots of that parity.  A slot is
-rewritten two rounds later, by which time every peer has finished reading it,
-so one wait per round suffices.  Data larger than a slot takes several
-rounds.  The rounds' loops run in C (``gatherv``, ``reduce_scatterv``,
-``broadcast`` in ``_native/rounds.c``: in Python they cost 5-8 us per call); this
-module passes addresses and sizes and turns a status into an exception.
-
-Point-to-point messages use a channel per ordered pair (sender -> receiver):
-a ring of 64 small chunks (``_native/tpcomm.h`` P2P_RING), a "sent" counter in the
-sender's control block and a "consumed" counter in the receiver's.  Chunk k
-of the byte stream goes to ring entry k % 64 once the receiver has consumed
-chunk k - 64, so ``send`` returns without waiting for the receiver whenever
-the ring has room, and a large message is copied out by the receiver while
-the sender is still copying its next chunks in.  A message is
-``[header length, data length] + pickled header + tensor bytes``; the header
-carries every tensor's dtype and shape (and, for tensor dicts, the rest of
-the dict).
+A channel per ordered pair (sender -> receiver) holds a ring of 64 small
+chunks (``_native/tpcomm.h`` P2P_RING), a "sent" counter in the sender's
+control block and a "consumed" counter in the receiver's.  Chunk k of the
+byte stream goes to ring entry k % 64 once the receiver has consumed chunk
+k - 64, so ``send`` returns without waiting for the receiver whenever the
+ring has room, and a large message is copied out by the receiver while the
+sender is still copying its next chunks in.  A message is ``[header length,
+data length] + header + tensor bytes``; the header carries every tensor's
+dtype and shape (and, for tensor dicts and scatter parts, the rest).
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import pickle
 import struct
 from typing import TYPE_CHECKING, Any, Sequence
@@ -35,128 +22,21 @@ import torch
 from .. import _native
 from ..errors import CommError
 from ..ops import ANY_DTYPE_CODES, dense, is_dense
-from .engine import KIND_ALL_TO_ALL, KIND_BROADCAST, KIND_REDUCE_SCATTER
 
 if TYPE_CHECKING:
     from .engine import ShmEngine
 
 __all__ = [
-    "layout_key",
-    "gatherv",
-    "reduce_scatterv",
-    "broadcast",
-    "send",
+    "batch",
+    "decode_header",
+    "expected_header",
+    "message_pieces",
     "recv",
+    "send",
+    "tensors_from_bytes",
 ]
 
 _PREFIX = struct.Struct("<QQ")  # header bytes, data bytes
-
-
-# the key of a flat, even layout (every rank n rows of nothing else, dim 0, no
-# root): the core's flat_key, which its one-call fast paths compute too
-flat_key = _native.flat_key
-RS_FLAT = _native.RS_FLAT  # flat_key's kind for reduce_scatter layouts
-
-
-@functools.lru_cache(maxsize=4096)
-def layout_key(*parts: Any) -> int:
-    """A 64-bit digest of shapes, dims, sizes, roots: the metadata's `arg`.
-    ``(kind, (), 0, (n,) * w, None)`` is flat_key(kind, n, w), and with a root
-    flat_key(kind + ((root + 1) << 32), n, w), so the C fast paths and the
-    Python paths agree on it."""
-    if len(parts) == 5 and parts[1] == () and parts[2] == 0:
-        sizes, root = parts[3], parts[4]
-        if sizes and all(s == sizes[0] for s in sizes):
-            tag = 0 if root is None else (root + 1) << 32
-            return flat_key(parts[0] + tag, sizes[0], len(sizes))
-    if len(parts) == 3 and parts[0] == () and parts[1] == 0:  # reduce_scatter's (rest, d, sizes)
-        sizes = parts[2]
-        if sizes and all(s == sizes[0] for s in sizes):
-            return flat_key(RS_FLAT, sizes[0], len(sizes))
-    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & 0x7FFFFFFFFFFFFFFF
-
-
-def gatherv(
-    eng: ShmEngine,
-    fn: str,
-    kind: int,
-    mine: int,
-    counts: Sequence[int],
-    out: int | list[int] | None,
-    dtype_code: int,
-    numel: int,
-    arg: int,
-    rows: int = 1,
-) -> None:
-    """Every rank contributes ``counts[r]`` bytes (at address ``mine`` here);
-    the buffer at ``out`` (None on ranks that receive nothing, as in gather)
-    gets them all in rank order; a list of addresses (one per rank, rows 1)
-    receives rank r's bytes at ``out[r]``.  With ``rows`` > 1 (a gather along a dim
-    other than 0), every contribution is ``rows`` equal blocks and row ``a`` of
-    ``out`` is every rank's block ``a`` in rank order.  The rounds run in C
-    (_native/rounds.c gatherv)."""
-    status = eng._native.gatherv(kind, mine, counts, out, dtype_code, numel, arg, rows)
-    if status:
-        eng.raise_status(status, fn)
-
-
-def reduce_scatterv(
-    eng: ShmEngine,
-    fn: str,
-    xa: int,
-    code: int,
-    sizes: Sequence[int],
-    oa: int,
-    op: int,
-    arg: int,
-    rows: int = 1,
-) -> None:
-    """The buffer at ``xa`` (contiguous elements of the dtype with DTYPE_CODES
-    ``code``) is ``rows`` rows, each the concatenation of W blocks of
-    ``sizes[j]`` elements; rank r gets the reduction of its blocks (block r of
-    every row, in row order) into the buffer at ``oa``.  The rounds run in C
-    (_native/rounds.c reduce_scatterv)."""
-    status = eng._native.reduce_scatterv(KIND_REDUCE_SCATTER, xa, code, sizes, oa, op, arg, rows)
-    if status:
-        eng.raise_status(status, fn)
-
-
-def alltoallv(
-    eng: ShmEngine,
-    x: int,
-    send: Sequence[int],
-    send_at: Sequence[int],
-    out: int,
-    recv: Sequence[int],
-    recv_at: Sequence[int],
-    most: int,
-    dtype_code: int,
-) -> None:
-    """All to all of bytes: ``send[j]`` bytes at ``x + send_at[j]`` go to rank j,
-    which receives them at its ``out + recv_at[this rank]``.  ``most`` (the
-    largest block of any rank, the same on every rank) sets the rounds.  The
-    rounds run in C (_native/rounds.c alltoallv); the metadata is the rounds' count, so
-    ranks must have checked their splits against each other first."""
-    arg = flat_key(KIND_ALL_TO_ALL, most, eng.world)
-    status = eng._native.alltoallv(
-        KIND_ALL_TO_ALL, x, list(send), list(send_at), out, list(recv), list(recv_at),
-        most, dtype_code, most, arg,
-    )  # fmt: skip
-    if status:
-        eng.raise_status(status, "all_to_all")
-
-
-def broadcast(
-    eng: ShmEngine, fn: str, data: int, total: int, src: int, dtype_code: int, numel: int
-) -> None:
-    """Overwrite ``total`` bytes at ``data`` everywhere with ``src``'s bytes (in C)."""
-    status = eng._native.broadcast(KIND_BROADCAST, data, total, src, dtype_code, numel)
-    if status:
-        eng.raise_status(status, fn)
-
-
-# -- point to point ----------------------------------------------------------
 
 
 # A message's header says what tensors follow.  Plain tensor lists (no extra)
@@ -341,8 +221,3 @@ def _recv_body(
 
 def show(specs: Sequence[tuple]) -> list:
     return [(str(dt).rsplit(".", 1)[-1], tuple(shape)) for dt, shape in specs]
-
-
-def dtype_code_any(dtype: torch.dtype) -> int:
-    """The metadata code of any dtype (data-moving collectives)."""
-    return ANY_DTYPE_CODES.get(dtype, 255)

@@ -39,15 +39,15 @@ def register(comm: Any) -> str:
     """Give ``comm`` a name the ops can find it by."""
     name = f"c{next(_ids)}"
     _comms[name] = weakref.ref(comm)
-    if comm._engine is not None:
-        _engines[comm._engine.ident] = name
+    if comm._shm is not None:
+        _engines[comm._shm.engine.ident] = name
     return name
 
 
 def unregister(comm: Any) -> None:
     _comms.pop(getattr(comm, "_op_name", ""), None)
-    if comm._engine is not None:
-        _engines.pop(comm._engine.ident, None)
+    if comm._shm is not None:
+        _engines.pop(comm._shm.engine.ident, None)
 
 
 def _comm(name: str) -> Any:
