@@ -21,6 +21,9 @@ setup(
                 "-Wall",
                 "-Wextra",
                 "-Wno-missing-field-initializers",
+                # the files share their functions through tpcomm.h; outside the
+                # module only PyInit__native is seen (PyMODINIT_FUNC exports it)
+                "-fvisibility=hidden",
             ],
         )
     ]

@@ -43,17 +43,12 @@ int cma_failed(Engine *e, int r, int err)
 {
     if (take_abort(e))
         return ST_ABORTED;
-    e->err_rank = r;
-    e->failed = 1;
     /* ESRCH: the process is gone or going (a killed rank is exiting and may
      * still hold its liveness lock for a moment): the peer died */
-    if (err == ESRCH || !peer_alive(e, r)) {
-        set_abort(e, ST_PEER_DEAD, r);
-        return ST_PEER_DEAD;
-    }
+    if (err == ESRCH || !peer_alive(e, r))
+        return fail(e, ST_PEER_DEAD, r, r);
     e->err_errno = err;
-    set_abort(e, ST_CMA, e->rank);
-    return ST_CMA;
+    return fail(e, ST_CMA, r, e->rank);
 }
 
 /* CMA_IOV iovecs at most, CMA_PIECE bytes at most, from byte `off` of piece

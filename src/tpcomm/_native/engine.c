@@ -664,7 +664,7 @@ static PyObject *eng_cma_init(Engine *e, PyObject *args)
 }
 
 /* Fault injection for tests: every slow wait of p2p_batch sleeps this long
- * (microseconds) between its last pass and its verdicts (see batch_run), and
+ * (microseconds) between its last pass and its verdicts (see batch_verdict), and
  * a single-copy all_gather, all_to_all or message read by reference before each
  * read of a peer (cma_read, cma_recv). */
 static PyObject *eng_fault_check_delay(Engine *e, PyObject *arg)

@@ -231,10 +231,7 @@ int p2p_malformed(Engine *e, int src, uint64_t w0, uint64_t dl)
 {
     if (P2P_HL(w0) <= P2P_MAX_HEADER && dl <= P2P_MAX_DATA && P2P_NP(w0) <= P2P_MAX_PIECES)
         return 0;
-    e->err_rank = src;
-    e->failed = 1;
-    set_abort(e, ST_PROTO, src);
-    return ST_PROTO;
+    return fail(e, ST_PROTO, src, src);
 }
 
 PyObject *recv_head(Engine *e, int src, int *st)
@@ -314,12 +311,36 @@ static int any_pending(Engine *e)
     return -1;
 }
 
+/* recv_any's wait: some peer's next message to this rank has begun */
+typedef struct {
+    waiter_t w;
+    int src;
+} any_wait_t;
+
+static int any_poll(Engine *e, waiter_t *w, PyThreadState **ts)
+{
+    (void)ts;
+    any_wait_t *a = (any_wait_t *)w;
+    a->src = any_pending(e);
+    return a->src >= 0 ? WAIT_DONE : WAIT_IDLE;
+}
+
+/* any peer that died: every one may be the sender */
+static int any_verdict(Engine *e, waiter_t *w, int *who)
+{
+    (void)w;
+    for (int r = 0; r < e->world; r++)
+        if (r != e->rank && !peer_alive(e, r)) {
+            *who = r;
+            return ST_PEER_DEAD;
+        }
+    return ST_OK;
+}
+
 /* p2p_wait_any() -> (status, src): wait until some peer's next message to
  * this rank has begun to arrive (receive it with the src-given calls); src is
  * -1 unless the status is ST_OK.  Several channels cannot share one futex:
- * spin, then (GIL released) yield, then sleep 50 us at a time, with the
- * checks of every other wait (abort word, every peer's liveness every 2 ms,
- * the deadline, signal handlers). */
+ * wait_until naps 50 us at a time once it would sleep. */
 PyObject *eng_p2p_wait_any(Engine *e, PyObject *unused)
 {
     (void)unused;
@@ -328,55 +349,15 @@ PyObject *eng_p2p_wait_any(Engine *e, PyObject *unused)
         return NULL;
     if (st > 0)
         return Py_BuildValue("(ii)", st, -1);
-    int src = any_pending(e);
-    if (src < 0) {
-        PyThreadState *ts = NULL;
-        uint64_t t0 = now_ns(), t = t0;
-        uint64_t deadline = t0 + e->timeout_ns, next_check = t0 + 2000000ull;
-        uint64_t next_signal = t0 + 50000000ull;
-        while ((src = any_pending(e)) < 0) {
-            t = now_ns();
-            if (t - t0 < e->spin_ns) {
-                cpu_relax();
-                continue;
-            }
-            if (!ts)
-                ts = PyEval_SaveThread();
-            if (t >= next_check) {
-                next_check = t + 2000000ull;
-                if (take_abort(e)) {
-                    st = ST_ABORTED;
-                    break;
-                }
-                for (int r = 0; r < e->world && st == ST_OK; r++) {
-                    if (r == e->rank || peer_alive(e, r))
-                        continue;
-                    e->err_rank = r;
-                    e->failed = 1;
-                    set_abort(e, ST_PEER_DEAD, r);
-                    st = ST_PEER_DEAD;
-                }
-                if (st == ST_OK)
-                    st = deadline_and_signals(e, t >= deadline, e->rank, t, &next_signal, &ts);
-                if (st != ST_OK)
-                    break;
-            }
-            if (t - t0 < e->yield_ns) {
-                sched_yield();
-            } else {
-                struct timespec nap = {0, 50000};
-                nanosleep(&nap, NULL);
-            }
-        }
-        if (ts)
-            PyEval_RestoreThread(ts);
-    }
+    any_wait_t a = {{any_poll, any_verdict, NULL, 50000, e->rank}, -1};
+    PyThreadState *ts = NULL;
+    st = wait_until(e, &a.w, &ts);
+    if (ts)
+        PyEval_RestoreThread(ts);
     e->busy = 0;
-    if (src >= 0) {
-        e->any_last = src;
-        st = ST_OK;
-    }
-    return Py_BuildValue("(ii)", st, st == ST_OK ? src : -1);
+    if (st == ST_OK)
+        e->any_last = a.src;
+    return Py_BuildValue("(ii)", st, st == ST_OK ? a.src : -1);
 }
 
 /* The end of recv_head's hold: the body is read, or Python gave up on it. */

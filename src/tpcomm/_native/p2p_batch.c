@@ -17,8 +17,8 @@
  * interleave chunk by chunk.  A received message that does not match (another
  * header, or data of another size) is received into a new bytearray instead,
  * so the channel stays in step and nothing is written, and comes back as
- * (index, its header, its data) for Python to judge.  The wait is the one
- * of wait_seq (spin, yield, sleep; liveness, crossed calls, the deadline
+ * (index, its header, its data) for Python to judge.  The wait is
+ * wait_until's (spin, yield, sleep; liveness, crossed calls, the deadline
  * since the last progress, abort, signals) over every blocked peer.
  */
 
@@ -166,102 +166,72 @@ static _Atomic uint64_t *bop_waits_on(Engine *e, bop_t *o, uint64_t *n)
     return &ctrl_line(e, o->peer, P2P_SENT_LINE(e->rank))->seq;
 }
 
-static int batch_run(Engine *e, bop_t *ops, Py_ssize_t n, PyThreadState **ts)
+/* A batch as wait_until sees it: every operation stepped in each poll */
+typedef struct {
+    waiter_t w;
+    bop_t *ops;
+    Py_ssize_t n;
+    bop_t *first; /* the first blocked operation: the one to sleep on */
+} batch_wait_t;
+
+static int batch_poll(Engine *e, waiter_t *w, PyThreadState **ts)
 {
-    uint64_t last = now_ns(), next_check = last + 2000000ull, next_signal = last + 50000000ull;
-    hdr_t *h = HDR(e);
-    /* a verdict (peer dead, calls crossed) is only given after one more pass
-     * over the operations that moved nothing: the peer may have sent this
-     * rank's message and then gone on (into a collective, or out) between the
-     * last pass and the check.  Its counters were published before its round
-     * or its exit, so the pass after seeing either sees them too. */
-    int recheck = 0;
-    for (;;) {
-        int moved = 0, pending = 0;
-        bop_t *first = NULL; /* the first blocked operation: the one to sleep on */
-        for (Py_ssize_t i = 0; i < n; i++) {
-            bop_t *o = &ops[i];
-            if (o->done)
-                continue;
-            pending = 1;
-            int behind = 0; /* an earlier one, same peer and direction, is not done */
-            for (Py_ssize_t j = 0; j < i && !behind; j++)
-                behind = !ops[j].done && ops[j].send == o->send && ops[j].peer == o->peer;
-            if (behind)
-                continue;
-            int m = o->send ? bsend_step(e, o) : brecv_step(e, o, ts);
-            if (m < 0)
-                return -1;
-            if (o->err)
-                return o->err;
-            moved |= m;
-            if (!o->done && !first)
-                first = o;
-        }
-        if (!pending)
-            return ST_OK;
-        uint64_t t = now_ns();
-        if (moved) {
-            last = t;
-            recheck = 0;
+    batch_wait_t *b = (batch_wait_t *)w;
+    int moved = 0, pending = 0;
+    b->first = NULL;
+    for (Py_ssize_t i = 0; i < b->n; i++) {
+        bop_t *o = &b->ops[i];
+        if (o->done)
             continue;
-        }
-        if (t >= next_check || recheck) {
-            next_check = t + 2000000ull;
-            if (take_abort(e))
-                return ST_ABORTED;
-            fault_pause(e); /* tests: widen the race the recheck closes */
-            int verdict = ST_OK, who = -1;
-            for (Py_ssize_t i = 0; i < n && verdict == ST_OK; i++) {
-                bop_t *o = &ops[i];
-                if (o->done)
-                    continue;
-                who = o->peer;
-                if (!peer_alive(e, o->peer))
-                    verdict = ST_PEER_DEAD;
-                else if (peer_ahead(e, o->peer)) /* crossed: see wait_seq */
-                    verdict = ST_CROSSED;
-            }
-            if (verdict != ST_OK && !recheck) {
-                recheck = 1; /* one more pass first (above) */
-                continue;
-            }
-            recheck = 0;
-            if (verdict != ST_OK) {
-                e->err_rank = who;
-                e->failed = 1;
-                set_abort(e, verdict, verdict == ST_PEER_DEAD ? who : e->rank);
-                return verdict;
-            }
-            int st = deadline_and_signals(e, t - last >= e->timeout_ns, first ? first->peer : -1,
-                                          t, &next_signal, ts);
-            if (st != ST_OK)
-                return st;
-        }
-        if (t - last < e->spin_ns) {
-            cpu_relax();
-        } else if (t - last < e->yield_ns) {
-            sched_yield();
-        } else if (first) {
-            uint64_t want;
-            _Atomic uint64_t *c = bop_waits_on(e, first, &want);
-            atomic_fetch_add_explicit(&h->sleepers, 1, memory_order_seq_cst);
-            uint64_t v = atomic_load_explicit(c, memory_order_seq_cst);
-            if (v < want && !atomic_load_explicit(&h->abort_word, memory_order_relaxed)) {
-                /* short: the other blocked operations are not watched here */
-                struct timespec to = {0, 200000};
-                syscall(SYS_futex, futex_word(c), FUTEX_WAIT, (uint32_t)v, &to, NULL, 0);
-            }
-            atomic_fetch_sub_explicit(&h->sleepers, 1, memory_order_relaxed);
-        }
+        pending = 1;
+        int behind = 0; /* an earlier one, same peer and direction, is not done */
+        for (Py_ssize_t j = 0; j < i && !behind; j++)
+            behind = !b->ops[j].done && b->ops[j].send == o->send && b->ops[j].peer == o->peer;
+        if (behind)
+            continue;
+        int m = o->send ? bsend_step(e, o) : brecv_step(e, o, ts);
+        if (m < 0)
+            return -1;
+        if (o->err)
+            return o->err;
+        moved |= m;
+        if (!o->done && !b->first)
+            b->first = o;
     }
+    w->peer = b->first ? b->first->peer : -1;
+    return !pending ? WAIT_DONE : moved ? WAIT_MOVED : WAIT_IDLE;
+}
+
+/* the first operation not done whose peer died or is crossed (see wait_p2p) */
+static int batch_verdict(Engine *e, waiter_t *w, int *who)
+{
+    batch_wait_t *b = (batch_wait_t *)w;
+    fault_pause(e); /* tests: widen the race the recheck closes */
+    for (Py_ssize_t i = 0; i < b->n; i++) {
+        bop_t *o = &b->ops[i];
+        if (o->done)
+            continue;
+        *who = o->peer;
+        if (!peer_alive(e, o->peer))
+            return ST_PEER_DEAD;
+        if (peer_ahead(e, o->peer))
+            return ST_CROSSED;
+    }
+    return ST_OK;
+}
+
+/* short sleeps: the other blocked operations are not watched meanwhile */
+static _Atomic uint64_t *batch_sleep_on(Engine *e, waiter_t *w, uint64_t *want)
+{
+    batch_wait_t *b = (batch_wait_t *)w;
+    return b->first ? bop_waits_on(e, b->first, want) : NULL;
 }
 
 /* Run a batch with the GIL released: the one entry of p2p_batch and
  * p2p_sendrecv.  Where the batch also receives, its large sends go by
  * reference (see cma_message): the rule lives here, not in the callers.
- * The status of batch_run. */
-int run_batch(Engine *e, bop_t *ops, Py_ssize_t n)
+ * The status of wait_until. */
+int batch_progress(Engine *e, bop_t *ops, Py_ssize_t n)
 {
     int receives = 0;
     for (Py_ssize_t i = 0; i < n; i++)
@@ -277,7 +247,8 @@ int run_batch(Engine *e, bop_t *ops, Py_ssize_t n)
     e->busy = 1;
     e->in_p2p = 1;
     PyThreadState *ts = PyEval_SaveThread();
-    int st = batch_run(e, ops, n, &ts);
+    batch_wait_t b = {{batch_poll, batch_verdict, batch_sleep_on, 200000, -1}, ops, n, NULL};
+    int st = wait_until(e, &b.w, &ts);
     PyEval_RestoreThread(ts);
     e->in_p2p = 0;
     e->busy = 0;
@@ -348,7 +319,7 @@ PyObject *eng_p2p_batch(Engine *e, PyObject *list)
             o->want_len = (size_t)PyBytes_GET_SIZE(want);
         }
     }
-    int st = run_batch(e, ops, n);
+    int st = batch_progress(e, ops, n);
     PyObject *bad = st < 0 ? NULL : PyList_New(0);
     for (Py_ssize_t i = 0; bad && st == ST_OK && i < n; i++) {
         if (ops[i].send || !ops[i].drop)

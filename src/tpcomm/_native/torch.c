@@ -827,7 +827,7 @@ PyObject *eng_p2p_recv_new(Engine *e, PyObject *arg)
  * cost ~30 us per call on the development VM, ten times the exchange).  With
  * out=None the message is received whole into a bytearray, as p2p_batch does
  * for a receive that expects nothing, and Python makes the tensors.
- * The send and the receive progress together (batch_run).  None: nothing was
+ * The send and the receive progress together (batch_progress).  None: nothing was
  * sent or received (a tensor that is not plain, an out that overlaps what is
  * sent, a closed or failed engine...): the general path runs.  (header, data):
  * the message did not match out and was received whole into data (a
@@ -872,7 +872,7 @@ PyObject *eng_p2p_sendrecv(Engine *e, PyObject *const *args, Py_ssize_t nargs)
     ops[1].pc = (pieces_t){raddr + 1, rlen + 1, npr - 1};
     ops[1].want = rhead + 16;
     ops[1].want_len = rlen[0] - 16;
-    int st = run_batch(e, ops, 2);
+    int st = batch_progress(e, ops, 2);
     PyObject *res;
     if (st < 0)
         res = PyErr_NoMemory();

@@ -440,12 +440,25 @@ void par_copy(pool_t *P, char *dst, const char *src, size_t n);
 void par_reduce(pool_t *P, int dtype, int op, void *dst, void *const *srcs, int w, size_t n);
 int pool_threads(const pool_t *P);
 
-/* wait.c */
+/* wait.c: the one waiting loop (wait_until) and what it needs */
+enum { WAIT_IDLE = -100, WAIT_MOVED = -101, WAIT_DONE = -102 }; /* a poll's answers */
+typedef struct waiter waiter_t;
+struct waiter {
+    /* WAIT_DONE, WAIT_MOVED, WAIT_IDLE, or a status / -1 (exception) to return */
+    int (*poll)(Engine *e, waiter_t *w, PyThreadState **ts);
+    /* ST_OK, or ST_PEER_DEAD / ST_CROSSED naming the rank in *who; NULL: none */
+    int (*verdict)(Engine *e, waiter_t *w, int *who);
+    /* the futex word to sleep on and the value awaited; NULL (or none): a nap */
+    _Atomic uint64_t *(*sleep_on)(Engine *e, waiter_t *w, uint64_t *want);
+    uint64_t sleep_ns; /* the longest sleep (< 1 s) */
+    int peer;          /* the rank waited for: a timeout names it */
+};
+int wait_until(Engine *e, waiter_t *w, PyThreadState **ts);
+int fail(Engine *e, int st, int err_rank, int blame);
 int peer_alive(Engine *e, int r);
 void set_abort(Engine *e, uint64_t reason, int rank);
 int take_abort(Engine *e);
 int peer_ahead(Engine *e, int peer);
-int deadline_and_signals(Engine *e, int over, int peer, uint64_t t, uint64_t *next_signal, PyThreadState **ts);
 int wait_p2p(Engine *e, _Atomic uint64_t *seq, uint64_t n, int peer, PyThreadState **ts);
 int round_sync(Engine *e, uint32_t kind, uint32_t dtype, uint32_t op, uint64_t count, uint64_t arg, PyThreadState **ts);
 
@@ -505,7 +518,7 @@ int recv_body(Engine *e, const pieces_t *pc);
 PyObject *eng_p2p_recv_body(Engine *e, PyObject *list);
 
 /* p2p_batch.c */
-int run_batch(Engine *e, bop_t *ops, Py_ssize_t n);
+int batch_progress(Engine *e, bop_t *ops, Py_ssize_t n);
 PyObject *eng_p2p_batch(Engine *e, PyObject *list);
 
 /* torch.c */

@@ -69,106 +69,174 @@ static int signal_raised(Engine *e, PyThreadState **ts)
         e->pending = value;
     }
     *ts = PyEval_SaveThread();
-    if (raised) {
-        e->err_rank = e->rank;
-        e->failed = 1;
-        set_abort(e, ST_INTERRUPTED, e->rank);
-    }
+    if (raised)
+        fail(e, ST_INTERRUPTED, e->rank, e->rank);
     return raised;
 }
 
-/* The end of a slow wait's periodic checks: the deadline (over: it passed;
- * peer: the rank waited for), then Python's signal handlers every 50 ms:
- * Ctrl-C (or any handler that raises) must not wait for the timeout.  A
- * status, or ST_OK to go on waiting. */
-int deadline_and_signals(Engine *e, int over, int peer, uint64_t t, uint64_t *next_signal,
-                                PyThreadState **ts)
+/* Fail the communicator: record the rank the error names (err_rank), tell
+ * every peer (the abort word, naming `blame`), return st. */
+int fail(Engine *e, int st, int err_rank, int blame)
 {
-    if (over) {
-        e->err_rank = peer;
-        e->failed = 1;
-        set_abort(e, ST_TIMEOUT, e->rank);
-        return ST_TIMEOUT;
-    }
-    if (t >= *next_signal) {
-        *next_signal = t + 50000000ull;
-        if (signal_raised(e, ts))
-            return ST_INTERRUPTED;
-    }
-    return ST_OK;
+    e->err_rank = err_rank;
+    e->failed = 1;
+    set_abort(e, (uint64_t)st, blame);
+    return st;
 }
 
+#define CHECK_NS 2000000ull   /* the periodic checks: liveness, abort, deadline */
+#define SIGNAL_NS 50000000ull /* Python's signal handlers */
+
 /*
- * Wait until *seq >= n.  Spin (GIL held: most waits end here), then release
- * the GIL and yield, then sleep on the futex.  `peer` is the rank whose
- * liveness decides whether waiting still makes sense.  *ts holds the saved
- * thread state once the GIL has been released (the caller restores it).
+ * The one waiting loop; every wait of the engine (a collective round, a
+ * point-to-point counter, recv_any, a batch) passes its condition in.
+ *
+ * w->poll says whether the wait is over (WAIT_DONE), moved something
+ * (WAIT_MOVED: the deadline and the backoff start again), or not
+ * (WAIT_IDLE); anything else is returned as it is (a status, or -1 with an
+ * exception set).  Between polls: spin with pause (GIL held: most waits end
+ * here), then, GIL released (*ts), sched_yield (cheap when a peer shares the
+ * core), then sleep: on the futex word w->sleep_on names (announced in the
+ * header's sleepers, re-checked, bounded by w->sleep_ns), or a nap of
+ * w->sleep_ns where there is none.
+ *
+ * Every 2 ms: the abort word (ST_ABORTED), then w->verdict: a peer that died
+ * (ST_PEER_DEAD) or waits for this rank in a collective while this rank
+ * waits for it (ST_CROSSED).  A verdict is given only after one more poll:
+ * the peer may have published what this rank waits for and then gone on
+ * (into a collective, or out) between the poll and the check; what it
+ * published before that, the next poll sees.  Then the deadline (the
+ * timeout since the last move; err_rank: w->peer) and, every 50 ms, Python's
+ * signal handlers (Ctrl-C must not wait for the timeout).
  */
-static int wait_seq(Engine *e, _Atomic uint64_t *seq, uint64_t n, int peer, PyThreadState **ts)
+int wait_until(Engine *e, waiter_t *w, PyThreadState **ts)
 {
-    if (atomic_load_explicit(seq, memory_order_acquire) >= n)
+    int st = w->poll(e, w, ts);
+    if (st == WAIT_DONE)
         return ST_OK;
-    uint64_t t0 = now_ns(), t = t0;
-    uint64_t deadline = t0 + e->timeout_ns;
-    while (t - t0 < e->spin_ns) {
-        for (int i = 0; i < 64; i++) {
-            cpu_relax();
-            if (atomic_load_explicit(seq, memory_order_acquire) >= n)
-                return ST_OK;
-        }
-        t = now_ns();
-    }
-    if (*ts == NULL)
-        *ts = PyEval_SaveThread();
-    uint64_t next_check = t + 2000000ull; /* liveness every 2 ms */
-    uint64_t next_signal = t + 50000000ull; /* Python signal handlers every 50 ms */
+    if (st != WAIT_IDLE && st != WAIT_MOVED)
+        return st;
+    uint64_t last = now_ns(), t = last;
+    uint64_t next_check = last + CHECK_NS, next_signal = last + SIGNAL_NS;
     hdr_t *h = HDR(e);
+    int recheck = 0;
     for (;;) {
-        uint64_t v = atomic_load_explicit(seq, memory_order_acquire);
-        if (v >= n)
-            return ST_OK;
         t = now_ns();
-        if (t >= next_check) {
-            next_check = t + 2000000ull;
+        if (t - last < e->spin_ns) {
+            for (int i = 0; i < 64; i++) {
+                cpu_relax();
+                if ((st = w->poll(e, w, ts)) != WAIT_IDLE)
+                    break;
+            }
+        } else {
+            if (*ts == NULL)
+                *ts = PyEval_SaveThread();
+            st = w->poll(e, w, ts);
+        }
+        if (st == WAIT_DONE)
+            return ST_OK;
+        if (st == WAIT_MOVED) {
+            last = now_ns();
+            recheck = 0;
+            continue;
+        }
+        if (st != WAIT_IDLE)
+            return st;
+        if (t - last < e->spin_ns)
+            continue;
+        if (t >= next_check || recheck) {
+            next_check = t + CHECK_NS;
             if (take_abort(e))
                 return ST_ABORTED;
-            if (!peer_alive(e, peer)) {
-                if (atomic_load_explicit(seq, memory_order_acquire) >= n)
-                    return ST_OK; /* it published, then left: fine */
-                e->err_rank = peer;
-                e->failed = 1;
-                set_abort(e, ST_PEER_DEAD, peer);
-                return ST_PEER_DEAD;
+            int who = -1, verdict = w->verdict ? w->verdict(e, w, &who) : ST_OK;
+            if (verdict != ST_OK && !recheck) {
+                recheck = 1; /* one more poll first (above) */
+                continue;
             }
-            if (e->in_p2p && peer_ahead(e, peer)) {
-                /* this rank waits for the peer in a send or recv while the peer
-                 * waits for this rank in a collective: neither can move, so
-                 * both (and every rank of the communicator) fail now instead
-                 * of at the timeout */
-                if (atomic_load_explicit(seq, memory_order_acquire) >= n)
-                    return ST_OK;
-                e->err_rank = peer;
-                e->failed = 1;
-                set_abort(e, ST_CROSSED, e->rank);
-                return ST_CROSSED;
+            recheck = 0;
+            if (verdict != ST_OK)
+                return fail(e, verdict, who, verdict == ST_PEER_DEAD ? who : e->rank);
+            if (t - last >= e->timeout_ns)
+                return fail(e, ST_TIMEOUT, w->peer, e->rank);
+            if (t >= next_signal) {
+                next_signal = t + SIGNAL_NS;
+                if (signal_raised(e, ts))
+                    return ST_INTERRUPTED;
             }
-            int st = deadline_and_signals(e, t >= deadline, peer, t, &next_signal, ts);
-            if (st != ST_OK)
-                return st;
         }
-        if (t - t0 < e->yield_ns) {
+        if (t - last < e->yield_ns) {
             sched_yield();
             continue;
         }
-        /* sleep: announce, re-check, wait on the futex (bounded), retract */
-        atomic_fetch_add_explicit(&h->sleepers, 1, memory_order_seq_cst);
-        v = atomic_load_explicit(seq, memory_order_seq_cst);
-        if (v < n && !atomic_load_explicit(&h->abort_word, memory_order_relaxed)) {
-            struct timespec to = {0, 2000000}; /* 2 ms: the liveness period */
-            syscall(SYS_futex, futex_word(seq), FUTEX_WAIT, (uint32_t)v, &to, NULL, 0);
+        uint64_t want = 0;
+        _Atomic uint64_t *word = w->sleep_on ? w->sleep_on(e, w, &want) : NULL;
+        struct timespec to = {0, (long)w->sleep_ns};
+        if (!word) {
+            nanosleep(&to, NULL);
+            continue;
         }
+        atomic_fetch_add_explicit(&h->sleepers, 1, memory_order_seq_cst);
+        uint64_t v = atomic_load_explicit(word, memory_order_seq_cst);
+        if (v < want && !atomic_load_explicit(&h->abort_word, memory_order_relaxed))
+            syscall(SYS_futex, futex_word(word), FUTEX_WAIT, (uint32_t)v, &to, NULL, 0);
         atomic_fetch_sub_explicit(&h->sleepers, 1, memory_order_relaxed);
     }
+}
+
+/* A wait for one counter of one peer: *seq >= n. */
+typedef struct {
+    waiter_t w;
+    _Atomic uint64_t *seq;
+    uint64_t n;
+    int p2p; /* a point-to-point wait: a peer stuck in a collective is a verdict */
+} seq_wait_t;
+
+static int seq_poll(Engine *e, waiter_t *w, PyThreadState **ts)
+{
+    (void)e, (void)ts;
+    seq_wait_t *s = (seq_wait_t *)w;
+    return atomic_load_explicit(s->seq, memory_order_acquire) >= s->n ? WAIT_DONE : WAIT_IDLE;
+}
+
+static int seq_verdict(Engine *e, waiter_t *w, int *who)
+{
+    seq_wait_t *s = (seq_wait_t *)w;
+    *who = w->peer;
+    if (!peer_alive(e, w->peer))
+        return ST_PEER_DEAD;
+    /* this rank waits for the peer in a send or recv while the peer waits for
+     * this rank in a collective: neither can move, so both (and every rank of
+     * the communicator) fail now instead of at the timeout */
+    if (s->p2p && peer_ahead(e, w->peer))
+        return ST_CROSSED;
+    return ST_OK;
+}
+
+static _Atomic uint64_t *seq_sleep_on(Engine *e, waiter_t *w, uint64_t *want)
+{
+    (void)e;
+    seq_wait_t *s = (seq_wait_t *)w;
+    *want = s->n;
+    return s->seq;
+}
+
+/* Wait until *seq >= n, `peer` being the rank whose liveness decides
+ * whether waiting still makes sense.  *ts holds the saved thread state once
+ * the GIL has been released (the caller restores it). */
+static int wait_seq(Engine *e, _Atomic uint64_t *seq, uint64_t n, int peer, int p2p,
+                    PyThreadState **ts)
+{
+    if (atomic_load_explicit(seq, memory_order_acquire) >= n)
+        return ST_OK;
+    seq_wait_t s = {{seq_poll, seq_verdict, seq_sleep_on, CHECK_NS, peer}, seq, n, p2p};
+    return wait_until(e, &s.w, ts);
+}
+
+/* wait_seq for a point-to-point counter: also notices a peer stuck in a
+ * collective (ST_CROSSED) */
+int wait_p2p(Engine *e, _Atomic uint64_t *seq, uint64_t n, int peer, PyThreadState **ts)
+{
+    return wait_seq(e, seq, n, peer, 1, ts);
 }
 
 /*
@@ -176,16 +244,6 @@ static int wait_seq(Engine *e, _Atomic uint64_t *seq, uint64_t n, int peer, PyTh
  * for every peer, check they all called the same thing.  Copy-in happens
  * before (the caller writes its slot).  Returns a status code.
  */
-/* wait_seq for a point-to-point counter: also notices a peer stuck in a
- * collective (ST_CROSSED) */
-int wait_p2p(Engine *e, _Atomic uint64_t *seq, uint64_t n, int peer, PyThreadState **ts)
-{
-    e->in_p2p = 1;
-    int st = wait_seq(e, seq, n, peer, ts);
-    e->in_p2p = 0;
-    return st;
-}
-
 int round_sync(Engine *e, uint32_t kind, uint32_t dtype, uint32_t op, uint64_t count,
                       uint64_t arg, PyThreadState **ts)
 {
@@ -202,7 +260,7 @@ int round_sync(Engine *e, uint32_t kind, uint32_t dtype, uint32_t op, uint64_t c
     for (int i = 1; i < e->world; i++) {
         int r = (e->rank + i) % e->world; /* stagger: ranks look at different peers first */
         line_t *l = line_of(e, r, 0, p);
-        int st = wait_seq(e, &l->seq, n, r, ts);
+        int st = wait_seq(e, &l->seq, n, r, 0, ts);
         if (st != ST_OK)
             return st;
         if (mismatch < 0 && (l->kind != kind || l->dtype != dtype || l->op != op ||
