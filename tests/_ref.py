@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 
 import torch
 
@@ -72,49 +70,3 @@ def digest(t: torch.Tensor) -> str:
     if t.numel() == 0:
         return "empty"
     return hashlib.sha1(t.view(torch.uint8).numpy().tobytes()).hexdigest()
-
-
-def unexpected_errors(cases) -> list[str]:
-    """Run ``(call, exception type, text)`` cases; list every one that did not raise
-    that type with ``text`` in its message.  A case whose type is None, or whose
-    text is "no error", expects no error and is not run here."""
-    problems = []
-    for call, exc, text in cases:
-        if exc is None or text == "no error":
-            continue
-        try:
-            call()
-            problems.append(f"{text}: no error")
-        except exc as e:
-            if text not in str(e):
-                problems.append(f"{text}: got {e}")
-        except Exception as e:
-            problems.append(f"{text}: raised {type(e).__name__}: {e}")
-    return problems
-
-
-def comm_error_of(call) -> object:
-    """What call() ended in: "no error", or [the CommError's type name, its message]."""
-    try:
-        call()
-    except tpcomm.CommError as e:
-        return [type(e).__name__, str(e)]
-    return "no error"
-
-
-def write_json(path: str, value) -> None:
-    """What a rank saw, for the test process to read after the rank is gone."""
-    with open(path, "w") as f:
-        json.dump(value, f)
-
-
-def assert_survivors_saw(outdir, dead: int, survivors) -> None:
-    """Every survivor wrote [PeerFailedError.rank, time] (write_json) naming the
-    dead rank, less than 2 s after the dead rank wrote its time to `killed`."""
-    with open(os.path.join(outdir, "killed")) as f:
-        killed = json.load(f)
-    for r in survivors:
-        with open(os.path.join(outdir, f"rank{r}")) as f:
-            rank, t = json.load(f)
-        assert rank == dead, (r, rank)
-        assert t - killed < 2.0, (r, t - killed)

@@ -10,7 +10,6 @@ written.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -19,8 +18,7 @@ import torch
 import tpcomm
 from tpcomm import _testing
 
-from ._ref import unexpected_errors
-from .test_dist import free_port
+from ._helpers import script_ranks, unexpected_errors
 
 
 class NotATensor:
@@ -323,7 +321,6 @@ def test_from_env_needs_the_variables(monkeypatch):
 def test_launch_explains_a_function_the_ranks_cannot_load():
     """A function that exists only in the parent (a REPL, a dynamic module) gives a
     LaunchError that says what to do, not a bare crash of the rank."""
-    import sys
     import types
 
     mod = types.ModuleType("tpcomm_ghost_module")
@@ -364,23 +361,7 @@ def test_a_bad_setting_fails_every_rank_at_once(name, value):
     """A bad TPCOMM_* value is read before the segment exists: every rank raises
     the same ValueError at once; none waits for a rank that will never come
     (rank 1 used to wait for rank 0's segment until the rendezvous timeout)."""
-    port = free_port()
-    procs = []
-    for r in range(2):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
-        env.update(MASTER_PORT=str(port), **{name: value})
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-c", BAD_SETTING], env=env, stdout=subprocess.PIPE, text=True
-            )
-        )
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=60)[0].strip())
-    finally:
-        for p in procs:
-            p.kill()
+    outs = [out for _, out in script_ranks(BAD_SETTING, [{name: value}] * 2, 60, drop=())]
     for line in outs:
         kind, _, rest = line.partition(" ")
         assert kind == "ValueError" and f"{name}={value!r}" in rest, line

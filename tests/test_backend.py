@@ -17,21 +17,17 @@ import torch.distributed as dist
 import tpcomm
 from tpcomm import _testing
 
-from .test_dist import free_port
+from ._helpers import free_port, init_dist
 
 
-def _init(comm, port, backend="cpu:tpcomm"):
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=comm.rank,
-        world_size=comm.world_size,
-    )
+def _tpcomm_world(comm, port, backend="cpu:tpcomm"):
+    """The world on ``backend`` (tpcomm's), and a gloo group to compare with."""
+    init_dist(comm, port, backend)
     return dist.new_group(backend="gloo")
 
 
 def routed(comm, port):
-    gloo = _init(comm, port)
+    gloo = _tpcomm_world(comm, port)
     r, w = dist.get_rank(), dist.get_world_size()
     checks = {}
     try:
@@ -268,7 +264,7 @@ def test_every_routed_collective_matches_gloo(world):
 
 
 def a2a_bad_splits(comm, port):
-    _init(comm, port)
+    _tpcomm_world(comm, port)
     r, w = dist.get_rank(), dist.get_world_size()
     errors = []
     try:
@@ -310,7 +306,7 @@ def test_all_to_all_bad_splits_raise_on_every_rank():
 
 
 def subgroups(comm, port):
-    _init(comm, port)
+    _tpcomm_world(comm, port)
     r = dist.get_rank()
     try:
         a = dist.new_group([0, 1])
@@ -355,7 +351,7 @@ def _model():
 
 
 def ddp(comm, port):
-    gloo = _init(comm, port)
+    gloo = _tpcomm_world(comm, port)
     r = dist.get_rank()
     try:
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -394,7 +390,7 @@ def test_ddp_matches_gloo():
 
 
 def fallbacks(comm, port):
-    _init(comm, port)
+    _tpcomm_world(comm, port)
     rec = []
 
     class H(logging.Handler):
@@ -438,7 +434,7 @@ def test_what_the_engine_lacks_goes_to_gloo_and_errors_are_clear():
 def from_any_source(comm, port):
     """dist.recv / irecv without src at world 3: rank 0 takes each message from
     whoever sent it, and is told who (as gloo tells)."""
-    _init(comm, port)
+    _tpcomm_world(comm, port)
     r = dist.get_rank()
     try:
         got = []
@@ -537,7 +533,7 @@ def backend_across_hosts(comm, port):
     import os
 
     os.environ["TPCOMM_HOST_ID"] = "a" if comm.rank in (0, 2) else "b"
-    gloo = _init(comm, port)
+    gloo = _tpcomm_world(comm, port)
     r = dist.get_rank()
     try:
         pg = dist.group.WORLD
@@ -579,7 +575,7 @@ def _peer_dies_in_dist_all_reduce(comm, port, outdir):
     import os
     import time
 
-    _init(comm, port)
+    _tpcomm_world(comm, port)
     r = dist.get_rank()
     x = torch.ones(1000)
     for _ in range(3):
@@ -610,7 +606,7 @@ def test_dead_peer_under_dist_all_reduce_raises_peer_failed(tmp_path):
 
 
 def shut_down(comm, port):
-    _init(comm, port)
+    _tpcomm_world(comm, port)
     pg = dist.group.WORLD
     x = torch.ones(4) * (dist.get_rank() + 1)
     dist.all_reduce(x)
@@ -639,7 +635,7 @@ def p2p_batches(comm, port):
     wait; a recv whose shape differs but whose element count agrees (gloo takes
     it); a recv of the wrong dtype (ValueError for that recv only, the channel
     stays in step)."""
-    _init(comm, port)
+    _tpcomm_world(comm, port)
     r, w = dist.get_rank(), dist.get_world_size()
     nxt, prv = (r + 1) % w, (r - 1) % w
     big = 1 << 20  # 4 MiB of float32 each way: several times the ring
@@ -752,7 +748,7 @@ def late_look_at_a_sent_message(comm, port):
     collectives, but its message is there: that is not a crossed call.  (The
     fault knob holds rank 1 100 ms between its last look and its verdicts, the
     window a preempted rank gets on a busy machine.)"""
-    _init(comm, port)
+    _tpcomm_world(comm, port)
     r = dist.get_rank()
     try:
         got = None
@@ -777,7 +773,7 @@ def test_a_message_sent_before_a_collective_is_not_a_crossed_call():
 
 
 def waits_past_tpcomm_timeout(comm, port):
-    _init(comm, port)
+    _tpcomm_world(comm, port)
     try:
         if dist.get_rank() == 1:
             time.sleep(6.0)  # never joins the all_reduce in time
@@ -812,7 +808,7 @@ def _shape_of(v):
 def works_beside_gloo(comm, port):
     """Every async collective on cpu:tpcomm and on gloo, same calls: what
     wait(), result(), get_future() and is_completed() give (as shapes)."""
-    gloo = _init(comm, port)
+    gloo = _tpcomm_world(comm, port)
     r, w = dist.get_rank(), dist.get_world_size()
 
     def calls(g):

@@ -26,7 +26,8 @@ import tpcomm
 from tpcomm import _env, _testing
 from tpcomm.launch import LocalGroup
 
-from ._ref import assert_survivors_saw, comm_error_of, make, write_json
+from ._helpers import assert_survivors_saw, comm_error_of, write_json
+from ._ref import make
 
 # the forms of all_gather, each returning the gathered tensor; "rows" gathers
 # along dim 1 of an (m, n / m) view: every rank's part is m blocks of the result
@@ -182,7 +183,7 @@ NO_CMA = (
 )
 
 
-def one_rank_refuses(comm):
+def rank_1_refuses_single_copy(comm):
     st, on = _testing.cma_init(comm, comm.rank != 1, 0)
     x = make(comm.rank, 70_000, torch.float32, 5)
     got = comm.all_gather(x)
@@ -192,7 +193,7 @@ def one_rank_refuses(comm):
 
 
 def test_one_rank_without_single_copy_turns_it_off_for_every_rank(pools):
-    assert pools.run(3, one_rank_refuses) == [(0, False, True)] * 3
+    assert pools.run(3, rank_1_refuses_single_copy) == [(0, False, True)] * 3
 
 
 def _noop(comm):

@@ -14,7 +14,8 @@ import torch
 import tpcomm
 from tpcomm import _env
 
-from ._ref import DTYPES, FLOATS, MOVE_DTYPES, digest, make, reference, unexpected_errors
+from ._helpers import unexpected_errors
+from ._ref import DTYPES, FLOATS, MOVE_DTYPES, digest, make, reference
 
 WORLDS = [1, 2, 3, 4, 8]
 BIG = _env.DEFAULT_SLOT_BYTES // 4 + 37  # float32 elements: more than one slot

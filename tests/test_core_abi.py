@@ -9,11 +9,13 @@ peers wrongly.
 
 from __future__ import annotations
 
+import struct
+
 import torch
 
-from tpcomm import ReduceOp, _native
+from tpcomm import ReduceOp, _native, _testing
 from tpcomm.ops import ANY_DTYPE_CODES, DTYPE_CODES
-from tpcomm.shm import engine, keys, messages
+from tpcomm.shm import engine, keys
 
 
 def test_reduce_codes_are_the_cores():
@@ -40,14 +42,29 @@ def test_kinds_and_statuses_are_the_cores():
     assert len(codes) == len(set(codes)) == 12
 
 
-def test_message_header_is_what_the_core_reads():
+def _headers(comm):
+    """The core's header of a few messages (an engine's: it knows the dtypes),
+    read back by the core, and by hand (the format pinned here)."""
+    eng = _testing.engine(comm)
     ts = [torch.zeros(2, 3), torch.ones(5, dtype=torch.int64), torch.empty(0, 4, 1)]
-    head = messages._binary_header(ts)
-    assert head[0] == _native.P2P_BINARY and head[1] == len(ts)
-    assert messages._parse_binary(head) == [(t.dtype, tuple(t.shape)) for t in ts]
-    assert messages._binary_header([torch.zeros(1)] * (_native.P2P_MAX_TENSORS + 1)) is None
+    head = eng.message_header(ts)
+    by_hand = bytes((_native.P2P_BINARY, len(ts))) + b"".join(
+        struct.pack(f"<BB{t.dim()}q", ANY_DTYPE_CODES[t.dtype], t.dim(), *t.shape) for t in ts
+    )
     deep = torch.zeros((1,) * (_native.P2P_MAX_DIMS + 1))
-    assert messages._binary_header([deep]) is None
+    return (
+        head == by_hand,
+        eng.parse_header(head) == [(t.dtype, tuple(t.shape)) for t in ts],
+        eng.message_header([torch.zeros(1)] * (_native.P2P_MAX_TENSORS + 1)) is None,
+        eng.message_header([deep]) is None,
+        eng.message_header([torch.zeros(4)[::2]]) is None,  # not plain: pickled instead
+        eng.parse_header(head[:-1]) is None,  # cut short: not a header the core knows
+        eng.parse_header(b"\x80\x05") is None,  # a pickle
+    )
+
+
+def test_message_header_is_what_the_core_reads(pools):
+    assert pools.run(2, _headers) == [(True,) * 7] * 2
     assert len(ANY_DTYPE_CODES) <= 32  # the core's table of message dtypes (torch.c MAX_ANY)
 
 

@@ -4,19 +4,12 @@ Results are compared with gloo on the same data."""
 
 from __future__ import annotations
 
-import os
-import socket
-
 import torch
 import torch.distributed as dist
 
 import tpcomm
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ._helpers import free_port, torchrun_env
 
 
 def in_dist_job(comm, port):
@@ -85,17 +78,6 @@ def test_communicator_in_torch_distributed_job():
         assert out["interleaved"] == [
             ([base, k, base + 1, k], [4.0 * k] * 3, [float(base + 1)] * 2) for k in range(3)
         ]
-
-
-def torchrun_env(comm, port, **extra):
-    """Set the variables torchrun would set for this rank (and ``extra``)."""
-    os.environ.update(
-        RANK=str(comm.rank),
-        WORLD_SIZE=str(comm.world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        **extra,
-    )
 
 
 def from_env(comm, port):

@@ -15,7 +15,7 @@ from tpcomm import _testing, doctor
 from tpcomm.cli import main
 from tpcomm.shm.segment import PREFIX
 
-from .test_segments import _mount_tiny_tmpfs
+from ._helpers import mount_tiny_tmpfs
 
 
 def _doctor(*argv):
@@ -80,7 +80,7 @@ def test_stale_segments_found_and_cleaned(shm_dir):
 
 
 def test_tiny_shm_dir_fails_with_the_fix(monkeypatch):
-    d = _mount_tiny_tmpfs("1m")
+    d = mount_tiny_tmpfs("1m")
     try:
         monkeypatch.setenv("TPCOMM_SHM_DIR", d)
         rc, text = _doctor("-n", "8")

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import tpcomm
 
-from .test_dist import free_port
+from ._helpers import free_port, init_dist
 
 
 class _Records(logging.Handler):
@@ -30,10 +30,9 @@ class _Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def _init(comm, port):
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank, world_size=comm.world_size
-    )
+def _gloo_world_logged(comm, port):
+    """A gloo world, and the records of tpcomm's log from here on."""
+    init_dist(comm, port)
     rec = _Records()
     logging.getLogger("tpcomm").addHandler(rec)
     return rec
@@ -47,7 +46,7 @@ def _gloo_all_gather(x, dim=0):
 
 def across_hosts(comm, port):
     os.environ["TPCOMM_HOST_ID"] = "host-a" if comm.rank < 2 else "host-b"
-    rec = _init(comm, port)
+    rec = _gloo_world_logged(comm, port)
     r, w = comm.rank, comm.world_size
     checks = {}
     try:
@@ -108,7 +107,7 @@ def test_group_spanning_hosts_goes_to_torch_distributed():
 
 
 def unsupported_on_one_host(comm, port):
-    rec = _init(comm, port)
+    rec = _gloo_world_logged(comm, port)
     r, w = comm.rank, comm.world_size
     checks = {}
     try:

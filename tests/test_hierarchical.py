@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import tpcomm
 
-from .test_dist import free_port, torchrun_env
+from ._helpers import free_port, torchrun_env
 
 # rank -> host; the second layout has hosts of 2, 2 and 1 ranks, not consecutive
 LAYOUTS = {

@@ -20,7 +20,8 @@ import tpcomm
 from tpcomm import _testing
 from tpcomm.launch import LocalGroup
 
-from ._ref import MOVE_DTYPES, assert_survivors_saw, comm_error_of, make, unexpected_errors
+from ._helpers import assert_survivors_saw, comm_error_of, unexpected_errors
+from ._ref import MOVE_DTYPES, make
 
 
 def _payload(seed: int, big: int):
@@ -224,13 +225,14 @@ def killed_while_others_wait(comm, where, outdir):
         elif where == "batch":  # sends and a recv progressed together (p2p_batch)
             from tpcomm.shm import messages
 
+            eng = _testing.engine(comm)
             big = torch.ones(1 << 20)  # more than the ring: the send waits for rank 0
             got = torch.empty(10)
             ops = [
-                (1, 0, messages.message_pieces([big], None)),
-                (0, 0, messages.expected_header([got]), [(got.data_ptr(), 40)]),
+                (1, 0, messages.message_pieces(eng, [big], None)),
+                (0, 0, messages.expected_header(eng, [got]), [(got.data_ptr(), 40)]),
             ]
-            messages.batch(_testing.engine(comm), "send/recv", ops)
+            messages.batch(eng, "send/recv", ops)
         elif where == "send":  # fill the channel's ring, then wait for a receiver that is gone
             for _ in range(_testing.engine(comm).p2p_ring + 1):
                 comm.send([torch.ones(10)], dst=0)

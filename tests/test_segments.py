@@ -11,13 +11,14 @@ from __future__ import annotations
 import os
 import stat
 import subprocess
-import tempfile
 
 import pytest
 
 import tpcomm
 from tpcomm import _testing
 from tpcomm.shm import segment
+
+from ._helpers import mount_tiny_tmpfs
 
 
 def test_create_names_modes_and_space(shm_dir):
@@ -67,19 +68,8 @@ def test_engine_rejects_a_foreign_header(shm_dir):
         segment.unlink_quietly(p)
 
 
-def _mount_tiny_tmpfs(size: str):
-    d = tempfile.mkdtemp(prefix="tpc-tiny-")
-    r = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", d], capture_output=True
-    )
-    if r.returncode != 0:
-        os.rmdir(d)
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
-    return d
-
-
 def test_tiny_shm_dir_gives_clear_error(monkeypatch):
-    d = _mount_tiny_tmpfs("64k")
+    d = mount_tiny_tmpfs("64k")
     try:
         monkeypatch.setenv("TPCOMM_SHM_DIR", d)
         with pytest.raises(tpcomm.CommError) as info:
@@ -100,7 +90,7 @@ def test_tiny_shm_dir_gives_clear_error(monkeypatch):
 
 def test_fallocate_failure_is_caught(monkeypatch):
     """statvfs can say yes and the reservation still fail (a race with other users)."""
-    d = _mount_tiny_tmpfs("256k")
+    d = mount_tiny_tmpfs("256k")
     try:
         monkeypatch.setenv("TPCOMM_SHM_DIR", d)
         real = os.statvfs

@@ -11,12 +11,10 @@ next from_env too, so peers still connected to it are not cut off.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 
-from .test_dist import free_port
+from ._helpers import free_port, script_ranks
 
 
 def _listening(port: int) -> list:
@@ -65,27 +63,7 @@ def _two_ranks(script: str, envs: list, timeout: float = 120, scripts: list = ()
     """Run ``script`` (or each rank's of ``scripts``) as ranks 0 and 1 of a from_env
     job (``envs``: each rank's extra variables; the caller's TPCOMM_* are left
     out): (exit status, stdout)."""
-    port = free_port()
-    procs = []
-    for r, extra in enumerate(envs):
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TPCOMM_")}
-        env.update(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        env.update(extra)
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-c", scripts[r] if scripts else script],
-                env=env,
-                stdout=subprocess.PIPE,
-                text=True,
-                cwd="/",
-            )
-        )
-    try:
-        outs = [p.communicate(timeout=timeout)[0].strip() for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    return [(p.returncode, out) for p, out in zip(procs, outs)]
+    return script_ranks(list(scripts) or script, envs, timeout)
 
 
 def test_from_env_again_in_the_same_process():
@@ -127,28 +105,9 @@ def test_a_late_peer_fills_no_log():
     They waited in the store's own wait, 20 ms at a time, and torch logs two
     warning lines ("waitForInput ... likely a timeout") for every such wait that
     times out: 150 lines for this 1.5 s."""
-    port = free_port()
-    procs = []
-    for r in range(2):
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("TPCOMM_", "TORCH_"))}
-        env.update(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-c", LATE],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                cwd="/",
-            )
-        )
-    try:
-        outs = [p.communicate(timeout=90) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0 and out.strip() == "[2.0, 2.0, 2.0, 2.0]", (out, err)
+    ranks = script_ranks(LATE, [{}, {}], 90, drop=("TPCOMM_", "TORCH_"), stderr=True)
+    for code, out, err in ranks:
+        assert code == 0 and out == "[2.0, 2.0, 2.0, 2.0]", (out, err)
         assert err.strip() == "", err[:2000]
 
 

@@ -11,15 +11,13 @@ Each case runs ranks of a from_env job (timeout 60 s); one rank kills itself
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 
 import pytest
 
 from tpcomm.shm import segment
 
-from .test_dist import free_port
+from ._helpers import script_ranks
 
 SCRIPT = r"""
 import os, signal, time, torch, tpcomm
@@ -72,25 +70,9 @@ except Exception as e:
 
 def _job(world: int, victim: int, point: str, timeout: float = 120) -> list:
     """(rank, exit status, first word of its report, the report) of every rank."""
-    port = free_port()
-    procs = []
-    for r in range(world):
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TPCOMM_")}
-        env.update(
-            RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-            VICTIM=str(victim), POINT=point, TPCOMM_SHM_DIR=os.environ["TPCOMM_SHM_DIR"],
-        )  # fmt: skip
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-c", SCRIPT], env=env, stdout=subprocess.PIPE, text=True
-            )
-        )
-    try:
-        outs = [p.communicate(timeout=timeout)[0].strip() for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    return [(r, p.returncode, out) for r, (p, out) in enumerate(zip(procs, outs))]
+    envs = [{"VICTIM": str(victim), "POINT": point}] * world
+    ranks = script_ranks(SCRIPT, envs, timeout, keep=("TPCOMM_SHM_DIR",))
+    return [(r, code, out) for r, (code, out) in enumerate(ranks)]
 
 
 def _survivors_saw_the_death(results: list, victim: int) -> None:

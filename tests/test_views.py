@@ -17,8 +17,8 @@ import torch.distributed as dist
 import tpcomm
 from tpcomm import ReduceOp
 
+from ._helpers import free_port
 from ._ref import digest, make, reference
-from .test_dist import free_port
 
 
 def _view(base: torch.Tensor, odd: bool) -> torch.Tensor:

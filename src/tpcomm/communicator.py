@@ -318,7 +318,7 @@ class Communicator:
         """This call's path (routing.route over this communicator's paths); a
         call leaving for torch.distributed is logged once, with why."""
         r = routing.route(self._paths, call)
-        if r.path == "dist":
+        if r.reason:  # passed over shared memory (or the hierarchy): torch.distributed
             self._dist.note(fn, r.reason)
         return r.via
 

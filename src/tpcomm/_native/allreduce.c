@@ -99,19 +99,18 @@ static struct sym *find_sym(Engine *e, const char *t, size_t bytes)
  * The chunked all-reduce of `count` elements at t, in place: one-shot (every
  * rank reduces the whole chunk: one round) below twoshot_min bytes, two-shot
  * (two rounds) from there.  The choice travels in the metadata (arg 1 or 2),
- * so ranks configured differently get a mismatch error, not garbage.
+ * so ranks configured differently get a mismatch error, not garbage.  Runs
+ * inside a begun call (call_begin: *tsp the GIL's saved state, if released).
  */
-int run_all_reduce(Engine *e, char *t, size_t count, int dtype, int op, uint32_t kind)
+int all_reduce_rounds(Engine *e, char *t, size_t count, int dtype, int op, uint32_t kind,
+                   PyThreadState **tsp)
 {
     const size_t es = dt_size[dtype];
     const size_t chunk = e->slot_bytes / es;
     const int two = count * es >= e->twoshot_min;
-    PyThreadState *ts = NULL;
-    if (count * es >= GIL_RELEASE_BYTES)
-        ts = PyEval_SaveThread();
+    PyThreadState *ts = *tsp;
     int st = ST_OK;
     size_t done = 0;
-    e->busy = 1;
     struct sym *sb = e->nsym && count * es >= e->twoshot_min ? find_sym(e, t, count * es) : NULL;
     if (sb) {
         size_t off = (size_t)(t - sb->base);
@@ -138,9 +137,7 @@ int run_all_reduce(Engine *e, char *t, size_t count, int dtype, int op, uint32_t
             break;
         done += m;
     }
-    if (ts)
-        PyEval_RestoreThread(ts);
-    e->busy = 0;
+    *tsp = ts;
     return st;
 }
 
@@ -162,12 +159,14 @@ PyObject *eng_all_reduce(Engine *e, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_ValueError, "all_reduce: bad dtype, op or count code");
         return NULL;
     }
-    int en = enter(e);
-    if (en < 0)
+    PyThreadState *ts = NULL;
+    int st = call_enter(e, (size_t)count * dt_size[dtype], &ts);
+    if (st < 0)
         return NULL;
-    if (en > 0)
-        return PyLong_FromLong(en);
-    int st = run_all_reduce(e, (char *)(uintptr_t)addr, (size_t)count, (int)dtype, (int)op,
-                            (uint32_t)kind);
+    if (st == 0) {
+        st = all_reduce_rounds(e, (char *)(uintptr_t)addr, (size_t)count, (int)dtype, (int)op,
+                            (uint32_t)kind, &ts);
+        st = call_end(e, st, ts); /* ts is set by all_reduce_rounds: two statements */
+    }
     return PyLong_FromLong(st);
 }

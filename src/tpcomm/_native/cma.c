@@ -28,9 +28,9 @@ uint64_t cma_tag(uint64_t pid, int rank)
 /* Fault injection (tests only, fault_check_delay): sleep where a race can be widened */
 void fault_pause(Engine *e)
 {
-    if (e->fault_check_delay_ns) {
-        struct timespec d = {(time_t)(e->fault_check_delay_ns / 1000000000ull),
-                             (long)(e->fault_check_delay_ns % 1000000000ull)};
+    if (e->fault.check_delay_ns) {
+        struct timespec d = {(time_t)(e->fault.check_delay_ns / 1000000000ull),
+                             (long)(e->fault.check_delay_ns % 1000000000ull)};
         nanosleep(&d, NULL);
     }
 }
@@ -47,7 +47,7 @@ int cma_failed(Engine *e, int r, int err)
      * still hold its liveness lock for a moment): the peer died */
     if (err == ESRCH || !peer_alive(e, r))
         return fail(e, ST_PEER_DEAD, r, r);
-    e->err_errno = err;
+    e->err.errnum = err;
     return fail(e, ST_CMA, r, e->rank);
 }
 
@@ -147,13 +147,13 @@ int cma_rounds(Engine *e, uint32_t kind, uint32_t dtype, uint64_t numel, uint64_
 {
     const int w = e->world, me = e->rank;
     PyThreadState *ts = NULL;
-    int st = enter_data(e, total, &ts);
+    int st = call_enter(e, total, &ts);
     if (st != 0)
         return st;
     const int p = (int)((e->round + 1) & 1);
     if (offs)
         memcpy(slot_of(e, me, p), offs, (size_t)w * sizeof(uint64_t));
-    line_of(e, me, 0, p)->addr = e->fault_cma_addr ? 4096u : (uint64_t)(uintptr_t)mine;
+    line_of(e, me, 0, p)->addr = e->fault.cma_addr ? 4096u : (uint64_t)(uintptr_t)mine;
     st = round_sync(e, kind, dtype, 0, numel, arg, &ts);
     if (st == ST_OK && own && n[me])
         put_blocks(dst[me], own, 0, n[me], blk[me], row[me], 0);
@@ -167,7 +167,7 @@ int cma_rounds(Engine *e, uint32_t kind, uint32_t dtype, uint64_t numel, uint64_
     }
     if (st == ST_OK) /* nobody reads this rank's input after this round */
         st = round_sync(e, kind, dtype, 0, numel, arg, &ts);
-    return leave_data(e, st, ts);
+    return call_end(e, st, ts);
 }
 
 /* all_gather by cma_rounds: rank r's contribution goes to `outer` blocks of
@@ -235,7 +235,7 @@ int cma_message(Engine *e, const pieces_t *pc, char **buf, char **addr, size_t *
     memcpy(*buf + 16, pc->addr[0] + 16, (size_t)lens[0]);
     char *d = *buf + 16 + lens[0];
     for (Py_ssize_t i = 0; i < np; i++) {
-        uint64_t where[2] = {e->fault_cma_addr ? 4096u : (uint64_t)(uintptr_t)pc->addr[i + 1],
+        uint64_t where[2] = {e->fault.cma_addr ? 4096u : (uint64_t)(uintptr_t)pc->addr[i + 1],
                              (uint64_t)pc->len[i + 1]};
         memcpy(d + 16 * i, where, 16);
     }
@@ -267,4 +267,49 @@ int cma_recv(Engine *e, int r, const char *desc, Py_ssize_t np, size_t dl,
                  : cma_copy(e, r, loc, dst->n, rem, np, dl);
     PyMem_RawFree(rem);
     return st;
+}
+
+/*
+ * cma_init(kind, want, min_bytes, twoshot_min) -> (status, enabled): collective.
+ * The round also compares the switch points every rank must share (min_bytes,
+ * twoshot_min: a difference is ST_MISMATCH, both sides in error_info).  Every rank
+ * tries to read every peer's check word (cma_tag) with process_vm_readv, then
+ * one round (kind: a barrier's) tells every rank what every other found;
+ * single-copy all_gathers are on only if every rank can read every peer and
+ * wants them (want: 0 from TPCOMM_CMA=0 turns them off everywhere).
+ */
+PyObject *eng_cma_init(Engine *e, PyObject *args)
+{
+    unsigned int kind;
+    int want;
+    unsigned long long min_bytes, twoshot;
+    if (!PyArg_ParseTuple(args, "IpKK", &kind, &want, &min_bytes, &twoshot))
+        return NULL;
+    if (!e->base)
+        return eng_closed_error();
+    PyThreadState *ts = NULL;
+    int en = call_enter(e, 0, &ts);
+    if (en < 0)
+        return NULL;
+    if (en > 0)
+        return Py_BuildValue("(iO)", en, Py_False);
+    int ok = want;
+    for (int r = 0; ok && r < e->world; r++) {
+        if (r == e->rank)
+            continue;
+        uint64_t v = 0, where = ((uint64_t *)ctrl_of(e, r))[1];
+        struct iovec l = {&v, sizeof v}, rm = {(void *)(uintptr_t)where, sizeof v};
+        ok = process_vm_readv(peer_pid(e, r), &l, 1, &rm, 1, 0) == (ssize_t)sizeof v &&
+             v == cma_tag((uint64_t)peer_pid(e, r), r);
+    }
+    int p = (int)((e->round + 1) & 1);
+    line_of(e, e->rank, 0, p)->_r = (uint32_t)ok;
+    int st = round_sync(e, kind, 0, 0, twoshot, min_bytes, &ts);
+    st = call_end(e, st, ts); /* ts is set by round_sync: two statements */
+    int all = st == ST_OK;
+    for (int r = 0; all && r < e->world; r++)
+        all = line_of(e, r, 0, p)->_r == 1;
+    e->cma = all;
+    e->cma_min = min_bytes;
+    return Py_BuildValue("(iO)", st, all ? Py_True : Py_False);
 }

@@ -51,10 +51,22 @@ PyObject *eng_closed_error(void)
     return NULL;
 }
 
-/* Start a call: 0 go (busy is set), -1 error, or a status: ST_BUSY (another
- * thread is in; nothing touched, the communicator stays usable) or
- * ST_ABORTED. */
-int enter(Engine *e)
+/*
+ * The one way into a call that touches the segment, and out of it:
+ *
+ *   call_check   may the call start?  0, -1 (closed: the exception is set),
+ *                or a status the call returns at once, nothing touched:
+ *                ST_BUSY (another thread is in; the communicator stays
+ *                usable) or ST_ABORTED (it failed before)
+ *   call_begin   this thread is in (busy); the GIL is released when the
+ *                call moves `bytes` or more (*ts), else the waits release it
+ *   call_end     the GIL back, busy cleared; returns st
+ *   call_enter   call_check, then call_begin when it says go
+ *
+ * A call that must parse Python arguments after the check (holding the GIL)
+ * uses call_check, then call_begin once they are parsed.
+ */
+int call_check(Engine *e)
 {
     if (!e->base) {
         eng_closed_error();
@@ -62,27 +74,29 @@ int enter(Engine *e)
     }
     if (other_thread(e))
         return ST_BUSY;
-    if (e->failed || take_abort(e))
-        return ST_ABORTED;
-    e->busy = 1;
-    return 0;
+    return e->failed || take_abort(e) ? ST_ABORTED : 0;
 }
 
-/* enter() for the collectives below: 0 go, 1 aborted (status), -1 error */
-int enter_data(Engine *e, size_t bytes, PyThreadState **ts)
+void call_begin(Engine *e, size_t bytes, PyThreadState **ts)
 {
-    int en = enter(e);
-    if (en == 0 && bytes >= GIL_RELEASE_BYTES)
+    e->busy = 1;
+    if (bytes >= GIL_RELEASE_BYTES && !*ts)
         *ts = PyEval_SaveThread();
-    return en;
 }
 
-/* the end of what enter_data began; returns st */
-int leave_data(Engine *e, int st, PyThreadState *ts)
+int call_end(Engine *e, int st, PyThreadState *ts)
 {
     if (ts)
         PyEval_RestoreThread(ts);
     e->busy = 0;
+    return st;
+}
+
+int call_enter(Engine *e, size_t bytes, PyThreadState **ts)
+{
+    int st = call_check(e);
+    if (st == 0)
+        call_begin(e, bytes, ts);
     return st;
 }
 
@@ -97,13 +111,13 @@ static PyObject *eng_error_info(Engine *e, PyObject *unused)
 {
     (void)unused;
     return Py_BuildValue(
-        "{s:i,s:I,s:I,s:I,s:K,s:K,s:I,s:I,s:I,s:K,s:K,s:K,s:i,s:s}", "rank", e->err_rank, "kind",
-        e->err_kind, "dtype", e->err_dtype, "op", e->err_op, "count",
-        (unsigned long long)e->err_count, "arg", (unsigned long long)e->err_arg, "my_kind",
-        e->err_my_kind, "my_dtype", e->err_my_dtype, "my_op", e->err_my_op, "my_count",
-        (unsigned long long)e->err_my_count, "my_arg", (unsigned long long)e->err_my_arg,
-        "reason", (unsigned long long)e->err_reason, "errno", e->err_errno, "text",
-        e->err_text);
+        "{s:i,s:I,s:I,s:I,s:K,s:K,s:I,s:I,s:I,s:K,s:K,s:K,s:i,s:s}", "rank", e->err.rank, "kind",
+        e->err.kind, "dtype", e->err.dtype, "op", e->err.op, "count",
+        (unsigned long long)e->err.count, "arg", (unsigned long long)e->err.arg, "my_kind",
+        e->err.my_kind, "my_dtype", e->err.my_dtype, "my_op", e->err.my_op, "my_count",
+        (unsigned long long)e->err.my_count, "my_arg", (unsigned long long)e->err.my_arg,
+        "reason", (unsigned long long)e->err.reason, "errno", e->err.errnum, "text",
+        e->err.text);
 }
 
 static PyObject *eng_header(Engine *e, PyObject *unused)
@@ -221,7 +235,7 @@ void after_fork_child(void)
         e->fd = -1;
         e->base = NULL;  /* every call now fails; the mapping stays (tensors of empty()) */
         e->pool = NULL;  /* its threads are the parent's: never join them here */
-        e->busy = e->held = e->rx_held = 0; /* close() must not abort the parent's */
+        e->busy = e->held = e->rx.held = 0; /* close() must not abort the parent's */
         e->live = 0;
     }
     live_engines = NULL;
@@ -289,7 +303,7 @@ static PyObject *eng_hold(Engine *e, PyObject *unused)
 static PyObject *eng_release(Engine *e, PyObject *unused)
 {
     (void)unused;
-    if (e->held > e->rx_held && e->holder == PyThread_get_thread_ident())
+    if (e->held > e->rx.held && e->holder == PyThread_get_thread_ident())
         e->held--;
     Py_RETURN_NONE;
 }
@@ -413,7 +427,7 @@ static int eng_init(Engine *e, PyObject *args, PyObject *kw)
         return -1;
     }
     e->p2p_recvd = e->p2p_sent + world;
-    e->rx_src = -1;
+    e->rx.src = -1;
     e->base = p;
     e->size = (size_t)size;
     e->fd = myfd;
@@ -427,11 +441,11 @@ static int eng_init(Engine *e, PyObject *args, PyObject *kw)
     e->p2p_piece = 2 * e->p2p_bytes / P2P_RING; /* p2p_bytes: a multiple of 4 KiB, >= 64 KiB */
     e->p2p_off = e->slot_off + (size_t)world * 2 * slot_bytes;
     e->round = 0;
-    e->timeout_ns = ns_of(timeout);
+    e->waits.timeout_ns = ns_of(timeout);
     /* spinning holds the GIL and checks nothing: at most one liveness period
      * (2 ms), whatever the setting; the waits after it check every 2 ms */
-    e->spin_ns = ns_of(spin_us * 1e-6) < 2000000ull ? ns_of(spin_us * 1e-6) : 2000000ull;
-    e->yield_ns = ns_of(yield_us * 1e-6);
+    e->waits.spin_ns = ns_of(spin_us * 1e-6) < 2000000ull ? ns_of(spin_us * 1e-6) : 2000000ull;
+    e->waits.yield_ns = ns_of(yield_us * 1e-6);
     e->busy = 0;
     e->failed = 0;
     e->twoshot_min = UINT64_MAX;
@@ -618,51 +632,6 @@ static PyObject *eng_set_twoshot_min(Engine *e, PyObject *arg)
     Py_RETURN_NONE;
 }
 
-/*
- * cma_init(kind, want, min_bytes, twoshot_min) -> (status, enabled): collective.
- * The round also compares the switch points every rank must share (min_bytes,
- * twoshot_min: a difference is ST_MISMATCH, both sides in error_info).  Every rank
- * tries to read every peer's check word (cma_tag) with process_vm_readv, then
- * one round (kind: a barrier's) tells every rank what every other found;
- * single-copy all_gathers are on only if every rank can read every peer and
- * wants them (want: 0 from TPCOMM_CMA=0 turns them off everywhere).
- */
-static PyObject *eng_cma_init(Engine *e, PyObject *args)
-{
-    unsigned int kind;
-    int want;
-    unsigned long long min_bytes, twoshot;
-    if (!PyArg_ParseTuple(args, "IpKK", &kind, &want, &min_bytes, &twoshot))
-        return NULL;
-    if (!e->base)
-        return eng_closed_error();
-    int en = enter(e);
-    if (en < 0)
-        return NULL;
-    if (en > 0)
-        return Py_BuildValue("(iO)", en, Py_False);
-    int ok = want;
-    for (int r = 0; ok && r < e->world; r++) {
-        if (r == e->rank)
-            continue;
-        uint64_t v = 0, where = ((uint64_t *)ctrl_of(e, r))[1];
-        struct iovec l = {&v, sizeof v}, rm = {(void *)(uintptr_t)where, sizeof v};
-        ok = process_vm_readv(peer_pid(e, r), &l, 1, &rm, 1, 0) == (ssize_t)sizeof v &&
-             v == cma_tag((uint64_t)peer_pid(e, r), r);
-    }
-    int p = (int)((e->round + 1) & 1);
-    line_of(e, e->rank, 0, p)->_r = (uint32_t)ok;
-    PyThreadState *ts = NULL;
-    int st = round_sync(e, kind, 0, 0, twoshot, min_bytes, &ts);
-    st = leave_data(e, st, ts); /* ts is set by round_sync: two statements */
-    int all = st == ST_OK;
-    for (int r = 0; all && r < e->world; r++)
-        all = line_of(e, r, 0, p)->_r == 1;
-    e->cma = all;
-    e->cma_min = min_bytes;
-    return Py_BuildValue("(iO)", st, all ? Py_True : Py_False);
-}
-
 /* Fault injection for tests: every slow wait of p2p_batch sleeps this long
  * (microseconds) between its last pass and its verdicts (see batch_verdict), and
  * a single-copy all_gather, all_to_all or message read by reference before each
@@ -672,7 +641,7 @@ static PyObject *eng_fault_check_delay(Engine *e, PyObject *arg)
     double us = PyFloat_AsDouble(arg);
     if (us == -1.0 && PyErr_Occurred())
         return NULL;
-    e->fault_check_delay_ns = us > 0 ? (uint64_t)(us * 1e3) : 0;
+    e->fault.check_delay_ns = us > 0 ? (uint64_t)(us * 1e3) : 0;
     Py_RETURN_NONE;
 }
 
@@ -684,60 +653,132 @@ static PyObject *eng_fault_cma_addr(Engine *e, PyObject *arg)
     int v = PyObject_IsTrue(arg);
     if (v < 0)
         return NULL;
-    e->fault_cma_addr = v;
+    e->fault.cma_addr = v;
     Py_RETURN_NONE;
 }
 
+/* layout() -> the segment offsets and sizes Python needs (shm/engine.py) */
+PyObject *eng_layout(Engine *e, PyObject *unused)
+{
+    (void)unused;
+    if (!e->base)
+        return eng_closed_error();
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:i,s:i,s:i}", "slot_off",
+                         (unsigned long long)e->slot_off, "slot_bytes",
+                         (unsigned long long)e->slot_bytes, "p2p_off",
+                         (unsigned long long)e->p2p_off, "p2p_bytes",
+                         (unsigned long long)e->p2p_bytes, "p2p_piece",
+                         (unsigned long long)e->p2p_piece, "size", (unsigned long long)e->size,
+                         "p2p_sent_line", P2P_SENT_LINE(0), "p2p_done_line",
+                         P2P_DONE_LINE(e->world, 0), "p2p_ring", P2P_RING);
+}
+
+/* The engine's methods, by family; the Python side is shm/engine.py (its
+ * one caller), the stubs _native.pyi. */
 static PyMethodDef eng_methods[] = {
-    {"fault_check_delay", (PyCFunction)eng_fault_check_delay, METH_O, NULL},
-    {"cma_init", (PyCFunction)eng_cma_init, METH_VARARGS, NULL},
-    {"fault_cma_addr", (PyCFunction)eng_fault_cma_addr, METH_O, NULL},
-    {"all_reduce", (PyCFunction)(void (*)(void))eng_all_reduce, METH_FASTCALL, NULL},
-    {"fast_all_reduce", (PyCFunction)(void (*)(void))eng_fast_all_reduce,
-     METH_FASTCALL | METH_KEYWORDS, NULL},
-    {"set_fast_path", (PyCFunction)eng_set_fast_path, METH_VARARGS, NULL},
-    {"error_info", (PyCFunction)eng_error_info, METH_NOARGS, NULL},
-    {"header", (PyCFunction)eng_header, METH_NOARGS, NULL},
-    {"attach", (PyCFunction)eng_attach, METH_NOARGS, NULL},
-    {"wait_attached", (PyCFunction)eng_wait_attached, METH_O, NULL},
-    {"peer_pids", (PyCFunction)eng_peer_pids, METH_NOARGS, NULL},
-    {"abort", (PyCFunction)eng_abort, METH_O, NULL},
-    {"close", (PyCFunction)eng_close, METH_O, NULL},
-    {"hold", (PyCFunction)eng_hold, METH_NOARGS, NULL},
-    {"release", (PyCFunction)eng_release, METH_NOARGS, NULL},
-    {"rx_release", (PyCFunction)eng_rx_release, METH_NOARGS, NULL},
-    {"p2p_batch", (PyCFunction)eng_p2p_batch, METH_O, NULL},
-    {"address", (PyCFunction)eng_address, METH_NOARGS, NULL},
-    {"mapping", (PyCFunction)eng_get_mapping, METH_NOARGS, NULL},
-    {"set_twoshot_min", (PyCFunction)eng_set_twoshot_min, METH_O, NULL},
-    {"add_symmetric", (PyCFunction)eng_add_symmetric, METH_VARARGS, NULL},
-    {"remove_symmetric", (PyCFunction)eng_remove_symmetric, METH_O, NULL},
-    {"nsymmetric", (PyCFunction)eng_nsymmetric, METH_NOARGS, NULL},
-    {"set_threads", (PyCFunction)eng_set_threads, METH_O, NULL},
-    {"reraise", (PyCFunction)eng_reraise, METH_NOARGS, NULL},
-    {"p2p_send", (PyCFunction)eng_p2p_send, METH_VARARGS, NULL},
-    {"gatherv", (PyCFunction)(void (*)(void))eng_gatherv, METH_FASTCALL, NULL},
-    {"fast_gather", (PyCFunction)(void (*)(void))eng_fast_gather, METH_FASTCALL, NULL},
-    {"alltoallv", (PyCFunction)(void (*)(void))eng_alltoallv, METH_FASTCALL, NULL},
-    {"alltoall_splits", (PyCFunction)(void (*)(void))eng_alltoall_splits, METH_FASTCALL, NULL},
-    {"broadcast", (PyCFunction)(void (*)(void))eng_broadcast, METH_FASTCALL, NULL},
-    {"reduce_scatterv", (PyCFunction)(void (*)(void))eng_reduce_scatterv, METH_FASTCALL, NULL},
-    {"p2p_send_tensors", (PyCFunction)(void (*)(void))eng_p2p_send_tensors, METH_FASTCALL, NULL},
-    {"p2p_recv_new", (PyCFunction)eng_p2p_recv_new, METH_O, NULL},
-    {"p2p_sendrecv", (PyCFunction)(void (*)(void))eng_p2p_sendrecv, METH_FASTCALL, NULL},
-    {"p2p_recv_into", (PyCFunction)(void (*)(void))eng_p2p_recv_into, METH_FASTCALL, NULL},
-    {"set_p2p_dtypes", (PyCFunction)eng_set_p2p_dtypes, METH_VARARGS, NULL},
-    {"plain", (PyCFunction)eng_plain, METH_O, NULL},
-    {"fast_broadcast", (PyCFunction)(void (*)(void))eng_fast_broadcast, METH_FASTCALL, NULL},
-    {"fast_all_gather", (PyCFunction)(void (*)(void))eng_fast_all_gather, METH_FASTCALL, NULL},
+    /* -- set-up and lifetime (shm/engine.py) */
+    {"header", (PyCFunction)eng_header, METH_NOARGS,
+     "header() -> dict: the segment header's fields, to validate"},
+    {"layout", (PyCFunction)eng_layout, METH_NOARGS,
+     "layout() -> dict: the segment's offsets and sizes"},
+    {"attach", (PyCFunction)eng_attach, METH_NOARGS,
+     "attach(): take this rank's liveness lock and publish its pid"},
+    {"wait_attached", (PyCFunction)eng_wait_attached, METH_O,
+     "wait_attached(seconds) -> bool: every rank attached"},
+    {"address", (PyCFunction)eng_address, METH_NOARGS,
+     "address() -> int: where the segment is mapped"},
+    {"mapping", (PyCFunction)eng_get_mapping, METH_NOARGS,
+     "mapping() -> the object owning the mapping"},
+    {"set_threads", (PyCFunction)eng_set_threads, METH_O,
+     "set_threads(n): helper threads for large copies"},
+    {"set_twoshot_min", (PyCFunction)eng_set_twoshot_min, METH_O,
+     "set_twoshot_min(nbytes): the all-reduce switch point"},
+    {"cma_init", (PyCFunction)eng_cma_init, METH_VARARGS,
+     "cma_init(kind, want, min, twoshot) -> (status, on): agree on single copy"},
+    {"set_fast_path", (PyCFunction)eng_set_fast_path, METH_VARARGS,
+     "set_fast_path(tensor type, ops, dtypes, kind, fallback)"},
+    {"set_p2p_dtypes", (PyCFunction)eng_set_p2p_dtypes, METH_VARARGS,
+     "set_p2p_dtypes(dtypes, sizes, empty): the message dtypes"},
+    {"hold", (PyCFunction)eng_hold, METH_NOARGS,
+     "hold() -> status: keep other threads out across several calls"},
+    {"release", (PyCFunction)eng_release, METH_NOARGS,
+     "release(): the end of hold()"},
+    {"abort", (PyCFunction)eng_abort, METH_O,
+     "abort(reason): fail, and tell the peers"},
+    {"close", (PyCFunction)eng_close, METH_O,
+     "close(wait_s): abort another thread's call, then unmap"},
+    {"error_info", (PyCFunction)eng_error_info, METH_NOARGS,
+     "error_info() -> dict: what the last failure recorded"},
+    {"reraise", (PyCFunction)eng_reraise, METH_NOARGS,
+     "reraise(): the exception a signal handler raised in a wait"},
+    {"peer_pids", (PyCFunction)eng_peer_pids, METH_NOARGS,
+     "peer_pids() -> list: every rank's pid in the segment"},
+    /* -- collectives: the one-call entries (communicator.py via shm/path.py) */
+    {"fast_all_reduce", (PyCFunction)(void (*)(void))eng_fast_all_reduce, METH_FASTCALL | METH_KEYWORDS,
+     "fast_all_reduce(tensor, op=SUM) -> tensor: all_reduce in one call"},
+    {"fast_all_gather", (PyCFunction)(void (*)(void))eng_fast_all_gather, METH_FASTCALL,
+     "fast_all_gather(output, input) -> status | None"},
+    {"fast_gather", (PyCFunction)(void (*)(void))eng_fast_gather, METH_FASTCALL,
+     "fast_gather(input, out | None, dst) -> status | None"},
     {"fast_reduce_scatter", (PyCFunction)(void (*)(void))eng_fast_reduce_scatter, METH_FASTCALL,
-     NULL},
-    {"fast_all_to_all", (PyCFunction)(void (*)(void))eng_fast_all_to_all, METH_FASTCALL, NULL},
-    {"p2p_recv_head", (PyCFunction)eng_p2p_recv_head, METH_O, NULL},
-    {"p2p_wait_any", (PyCFunction)eng_p2p_wait_any, METH_NOARGS, NULL},
-    {"p2p_recv_body", (PyCFunction)eng_p2p_recv_body, METH_O, NULL},
-    {"sync", (PyCFunction)(void (*)(void))eng_sync, METH_FASTCALL, NULL},
-    {"layout", (PyCFunction)eng_layout, METH_NOARGS, NULL},
+     "fast_reduce_scatter(output, input, op) -> status | None"},
+    {"fast_broadcast", (PyCFunction)(void (*)(void))eng_fast_broadcast, METH_FASTCALL,
+     "fast_broadcast(tensor, src) -> status | None"},
+    {"fast_all_to_all", (PyCFunction)(void (*)(void))eng_fast_all_to_all, METH_FASTCALL,
+     "fast_all_to_all(output, input, out_splits, in_splits) -> status | None"},
+    {"plain", (PyCFunction)eng_plain, METH_O,
+     "plain(tensor) -> (dtype code, address, numel) | None"},
+    /* -- collectives: rounds by address (shm/path.py) */
+    {"all_reduce", (PyCFunction)(void (*)(void))eng_all_reduce, METH_FASTCALL,
+     "all_reduce(addr, count, dtype, op, kind) -> status"},
+    {"sync", (PyCFunction)(void (*)(void))eng_sync, METH_FASTCALL,
+     "sync(kind, dtype, op, count, arg) -> status: one round"},
+    {"gatherv", (PyCFunction)(void (*)(void))eng_gatherv, METH_FASTCALL,
+     "gatherv(kind, mine, counts, out, dtype, numel, arg, rows) -> status"},
+    {"reduce_scatterv", (PyCFunction)(void (*)(void))eng_reduce_scatterv, METH_FASTCALL,
+     "reduce_scatterv(kind, x, dtype, sizes, out, op, arg, rows) -> status"},
+    {"broadcast", (PyCFunction)(void (*)(void))eng_broadcast, METH_FASTCALL,
+     "broadcast(kind, addr, nbytes, src, dtype, numel) -> status"},
+    {"alltoallv", (PyCFunction)(void (*)(void))eng_alltoallv, METH_FASTCALL,
+     "alltoallv(kind, x, send, send_at, out, recv, recv_at, most, dtype, count, arg) -> status"},
+    {"alltoall_splits", (PyCFunction)(void (*)(void))eng_alltoall_splits, METH_FASTCALL,
+     "alltoall_splits(kind, x, ins, out, outs, rows.., dtypes) -> status"},
+    {"add_symmetric", (PyCFunction)eng_add_symmetric, METH_VARARGS,
+     "add_symmetric(addr, size, peers, id): an empty() buffer"},
+    {"remove_symmetric", (PyCFunction)eng_remove_symmetric, METH_O,
+     "remove_symmetric(addr) -> bool: forget an empty() buffer"},
+    {"nsymmetric", (PyCFunction)eng_nsymmetric, METH_NOARGS,
+     "nsymmetric() -> int: the empty() buffers listed"},
+    /* -- point to point (shm/messages.py, shm/path.py) */
+    {"p2p_send_tensors", (PyCFunction)(void (*)(void))eng_p2p_send_tensors, METH_FASTCALL,
+     "p2p_send_tensors(dst, tensors) -> status | None: send in one call"},
+    {"p2p_recv_new", (PyCFunction)eng_p2p_recv_new, METH_O,
+     "p2p_recv_new(src) -> list | status | header | None: recv in one call"},
+    {"p2p_recv_into", (PyCFunction)(void (*)(void))eng_p2p_recv_into, METH_FASTCALL,
+     "p2p_recv_into(src, out) -> status | header | None"},
+    {"p2p_sendrecv", (PyCFunction)(void (*)(void))eng_p2p_sendrecv, METH_FASTCALL,
+     "p2p_sendrecv(dst, tensors, src, out) -> status | (header, data) | None"},
+    {"p2p_send", (PyCFunction)eng_p2p_send, METH_VARARGS,
+     "p2p_send(dst, pieces, if_room=False) -> status | None"},
+    {"p2p_recv_head", (PyCFunction)eng_p2p_recv_head, METH_O,
+     "p2p_recv_head(src) -> (status, header)"},
+    {"p2p_recv_body", (PyCFunction)eng_p2p_recv_body, METH_O,
+     "p2p_recv_body(pieces) -> status"},
+    {"rx_release", (PyCFunction)eng_rx_release, METH_NOARGS,
+     "rx_release(): drop a receive whose body was not read"},
+    {"p2p_wait_any", (PyCFunction)eng_p2p_wait_any, METH_NOARGS,
+     "p2p_wait_any() -> (status, src): a message from any rank"},
+    {"p2p_batch", (PyCFunction)eng_p2p_batch, METH_O,
+     "p2p_batch(ops) -> (status, odd): sends and receives together"},
+    {"message_header", (PyCFunction)eng_message_header, METH_O,
+     "message_header(tensors) -> bytes | None: the binary header of a message of them"},
+    {"parse_header", (PyCFunction)eng_parse_header, METH_O,
+     "parse_header(header) -> [(dtype, shape), ...] | None: a binary header read back"},
+    /* -- test hooks (tpcomm._testing only) */
+    {"fault_check_delay", (PyCFunction)eng_fault_check_delay, METH_O,
+     "fault_check_delay(us): sleep before a batch's verdicts"},
+    {"fault_cma_addr", (PyCFunction)eng_fault_cma_addr, METH_O,
+     "fault_cma_addr(on): publish an unreadable input address"},
     {NULL, NULL, 0, NULL},
 };
 

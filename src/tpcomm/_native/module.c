@@ -106,8 +106,9 @@ static PyObject *mod_touch(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_RETURN_NONE;
 }
 
-/* copy(dst, src, nbytes): memcpy between raw addresses, for the protocols
- * written in Python (torch's copy_ and slicing cost microseconds each).  The
+/* copy(dst, src, nbytes): memcpy between raw addresses, for what Python
+ * moves itself (a received message's tensors; torch's copy_ and slicing cost
+ * microseconds each).  The
  * GIL is released for large copies. */
 static PyObject *mod_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {

@@ -6,7 +6,7 @@
 
 /* 0 when the engine is open and r names another rank; else -1 with the
  * exception set */
-int check_rank(Engine *e, long r, const char *fn)
+int p2p_check_rank(Engine *e, long r, const char *fn)
 {
     if (!e->base) {
         eng_closed_error();
@@ -20,22 +20,6 @@ int check_rank(Engine *e, long r, const char *fn)
     return 0;
 }
 
-/* layout() -> offsets the Python protocols need */
-PyObject *eng_layout(Engine *e, PyObject *unused)
-{
-    (void)unused;
-    if (!e->base)
-        return eng_closed_error();
-    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:i,s:i,s:i}", "slot_off",
-                         (unsigned long long)e->slot_off, "slot_bytes",
-                         (unsigned long long)e->slot_bytes, "p2p_off",
-                         (unsigned long long)e->p2p_off, "p2p_bytes",
-                         (unsigned long long)e->p2p_bytes, "p2p_piece",
-                         (unsigned long long)e->p2p_piece, "size", (unsigned long long)e->size,
-                         "p2p_sent_line", P2P_SENT_LINE(0), "p2p_done_line",
-                         P2P_DONE_LINE(e->world, 0), "p2p_ring", P2P_RING);
-}
-
 /*
  * Point to point.  The channel s -> d: a ring of P2P_RING chunks
  * p2p_slot_of(s, d, k), the sender's line P2P_SENT_LINE(d) counts chunks
@@ -44,7 +28,7 @@ PyObject *eng_layout(Engine *e, PyObject *unused)
  * small (p2p_piece: 64 KiB at world 2), so the receiver copies chunk k out
  * while the sender copies chunk k + 1 in: a message costs about one copy, not
  * two in a row.  The byte stream of a message is
- * [header length, data length] (16 bytes) + header + data (see protocols.py).
+ * [header length, data length] (16 bytes) + header + data (see shm/messages.py).
  */
 
 int parse_pieces(PyObject *list, pieces_t *pc)
@@ -136,8 +120,8 @@ int send_pieces(Engine *e, int dst, const pieces_t *pc)
     for (Py_ssize_t i = 0; i < pc->n; i++)
         o.total += pc->len[i];
     _Atomic uint64_t *done = &ctrl_line(e, dst, P2P_DONE_LINE(e->world, e->rank))->seq;
-    e->busy = 1;
-    PyThreadState *ts = o.total >= GIL_RELEASE_BYTES ? PyEval_SaveThread() : NULL;
+    PyThreadState *ts = NULL;
+    call_begin(e, o.total, &ts);
     int st = ST_OK;
     for (;;) {
         bsend_step(e, &o);
@@ -146,10 +130,7 @@ int send_pieces(Engine *e, int dst, const pieces_t *pc)
         if ((st = wait_p2p(e, done, o.k + 1 - P2P_RING, dst, &ts)) != ST_OK)
             break;
     }
-    if (ts)
-        PyEval_RestoreThread(ts);
-    e->busy = 0;
-    return st;
+    return call_end(e, st, ts);
 }
 
 /* p2p_send(dst, [(address, nbytes), ...], only_if_room=False) -> status: stream
@@ -160,9 +141,11 @@ PyObject *eng_p2p_send(Engine *e, PyObject *args)
     PyObject *list;
     pieces_t pc;
     if (!PyArg_ParseTuple(args, "iO|p", &dst, &list, &only_if_room) ||
-        check_rank(e, dst, "p2p_send") < 0)
+        p2p_check_rank(e, dst, "p2p_send") < 0)
         return NULL;
-    int no = refuse(e);
+    int no = call_check(e);
+    if (no < 0)
+        return NULL;
     if (no)
         return PyLong_FromLong(no);
     if (parse_pieces(list, &pc) < 0)
@@ -190,15 +173,15 @@ PyObject *eng_p2p_send(Engine *e, PyObject *args)
  * following one */
 static int rx_next(Engine *e, PyThreadState **ts)
 {
-    publish(e, ctrl_line(e, e->rank, P2P_DONE_LINE(e->world, e->rx_src)), e->rx_k);
-    e->rx_pos += e->rx_limit;
-    if (e->rx_pos >= e->rx_total)
+    publish(e, ctrl_line(e, e->rank, P2P_DONE_LINE(e->world, e->rx.src)), e->rx.k);
+    e->rx.pos += e->rx.limit;
+    if (e->rx.pos >= e->rx.total)
         return ST_OK;
-    e->rx_k++;
-    int st = wait_p2p(e, &ctrl_line(e, e->rx_src, P2P_SENT_LINE(e->rank))->seq, e->rx_k,
-                      e->rx_src, ts);
-    e->rx_used = 0;
-    e->rx_limit = e->rx_total - e->rx_pos < e->p2p_piece ? e->rx_total - e->rx_pos : e->p2p_piece;
+    e->rx.k++;
+    int st = wait_p2p(e, &ctrl_line(e, e->rx.src, P2P_SENT_LINE(e->rank))->seq, e->rx.k,
+                      e->rx.src, ts);
+    e->rx.used = 0;
+    e->rx.limit = e->rx.total - e->rx.pos < e->p2p_piece ? e->rx.total - e->rx.pos : e->p2p_piece;
     return st;
 }
 
@@ -206,15 +189,15 @@ static int rx_next(Engine *e, PyThreadState **ts)
 static int rx_copy(Engine *e, char *dst, size_t n, PyThreadState **ts)
 {
     while (n) {
-        if (e->rx_used == e->rx_limit) {
+        if (e->rx.used == e->rx.limit) {
             int st = rx_next(e, ts);
             if (st != ST_OK)
                 return st;
         }
-        char *slot = p2p_slot_of(e, e->rx_src, e->rank, e->rx_k);
-        size_t m = e->rx_limit - e->rx_used < n ? e->rx_limit - e->rx_used : n;
-        memcpy(dst, slot + e->rx_used, m);
-        e->rx_used += m;
+        char *slot = p2p_slot_of(e, e->rx.src, e->rank, e->rx.k);
+        size_t m = e->rx.limit - e->rx.used < n ? e->rx.limit - e->rx.used : n;
+        memcpy(dst, slot + e->rx.used, m);
+        e->rx.used += m;
         dst += m;
         n -= m;
     }
@@ -224,6 +207,50 @@ static int rx_copy(Engine *e, char *dst, size_t n, PyThreadState **ts)
 /* Wait for the next message from src and read its header: a new bytes
  * object (NULL with an exception set), *st the status (the bytes are empty
  * unless it is ST_OK). */
+/*
+ * The binary message header, written and read here only (torch.c's one-call
+ * paths and, through them, Python's shm/messages.py use these):
+ *   P2P_BINARY, n (the tensor count), then per tensor: its dtype code, its
+ *   ndim, and its dims as little-endian int64s (Python's struct "<BB{nd}q").
+ * A header that starts otherwise is pickled (Python's).
+ */
+size_t header_begin(char *h, int n)
+{
+    h[0] = (char)P2P_BINARY;
+    h[1] = (char)n;
+    return 2;
+}
+
+size_t header_put(char *p, int code, int nd, const long long *dims)
+{
+    p[0] = (char)code;
+    p[1] = (char)nd;
+    memcpy(p + 2, dims, 8 * (size_t)nd);
+    return 2 + 8 * (size_t)nd;
+}
+
+/* The tensor count of a binary header of hl bytes, or -1 (not one). */
+int header_count(const unsigned char *h, size_t hl)
+{
+    return hl >= 2 && h[0] == P2P_BINARY ? h[1] : -1;
+}
+
+/* The entry at *at (moved past it): its code (< ncodes), ndim and dims; 0,
+ * or -1 when the bytes are not an entry this reader knows. */
+int header_get(const unsigned char *h, size_t hl, size_t *at, int ncodes, int *code, int *nd,
+               long long *dims)
+{
+    if (*at + 2 > hl)
+        return -1;
+    *code = h[*at];
+    *nd = h[*at + 1];
+    if (*code >= ncodes || *nd > P2P_MAX_DIMS || *at + 2 + 8 * (size_t)*nd > hl)
+        return -1;
+    memcpy(dims, h + *at + 2, 8 * (size_t)*nd);
+    *at += 2 + 8 * (size_t)*nd;
+    return 0;
+}
+
 /* A message from src whose lengths (header word w0, data bytes dl) cannot be
  * right: ST_PROTO, and every rank learns that src sent it (the sender's next
  * wait fails too); else 0. */
@@ -237,45 +264,42 @@ int p2p_malformed(Engine *e, int src, uint64_t w0, uint64_t dl)
 PyObject *recv_head(Engine *e, int src, int *st)
 {
     PyThreadState *ts = NULL;
-    e->busy = 1;
-    e->rx_src = src;
-    e->rx_k = e->p2p_recvd[src] + 1;
-    *st = wait_p2p(e, &ctrl_line(e, src, P2P_SENT_LINE(e->rank))->seq, e->rx_k, src, &ts);
-    if (ts) {
+    call_begin(e, 0, &ts);
+    e->rx.src = src;
+    e->rx.k = e->p2p_recvd[src] + 1;
+    *st = wait_p2p(e, &ctrl_line(e, src, P2P_SENT_LINE(e->rank))->seq, e->rx.k, src, &ts);
+    if (ts) { /* the GIL back (still in the call): the header's bytes object */
         PyEval_RestoreThread(ts);
         ts = NULL;
     }
-    if (*st != ST_OK) {
-        e->busy = 0;
-        return PyBytes_FromStringAndSize("", 0);
+    uint64_t lens[2] = {0, 0};
+    if (*st == ST_OK) {
+        memcpy(lens, p2p_slot_of(e, src, e->rank, e->rx.k), sizeof lens);
+        *st = p2p_malformed(e, src, lens[0], lens[1]);
     }
-    uint64_t lens[2];
-    memcpy(lens, p2p_slot_of(e, src, e->rank, e->rx_k), sizeof lens);
-    if ((*st = p2p_malformed(e, src, lens[0], lens[1])) != ST_OK) {
-        e->busy = 0;
+    if (*st != ST_OK) {
+        call_end(e, *st, NULL);
         return PyBytes_FromStringAndSize("", 0);
     }
     uint64_t hl = P2P_HL(lens[0]);
-    e->rx_np = P2P_NP(lens[0]);
-    e->rx_dl = lens[1];
+    e->rx.np = P2P_NP(lens[0]);
+    e->rx.dl = lens[1];
     /* by reference, the stream after the header is where the data lies */
-    e->rx_total = 16 + hl + (e->rx_np ? 16 * (uint64_t)e->rx_np : lens[1]);
-    e->rx_pos = 0;
-    e->rx_used = 16;
-    e->rx_limit = e->rx_total < e->p2p_piece ? e->rx_total : e->p2p_piece;
+    e->rx.total = 16 + hl + (e->rx.np ? 16 * (uint64_t)e->rx.np : lens[1]);
+    e->rx.pos = 0;
+    e->rx.used = 16;
+    e->rx.limit = e->rx.total < e->p2p_piece ? e->rx.total : e->p2p_piece;
     PyObject *hdr = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)hl);
     if (!hdr) {
-        e->busy = 0;
+        call_end(e, ST_OK, NULL);
         return NULL;
     }
     *st = rx_copy(e, PyBytes_AS_STRING(hdr), (size_t)hl, &ts);
-    if (ts)
-        PyEval_RestoreThread(ts);
-    e->busy = 0;
-    if (*st == ST_OK && !e->rx_held) {
+    call_end(e, *st, ts);
+    if (*st == ST_OK && !e->rx.held) {
         /* until the body is read (recv_body, or rx_release when Python gives
          * up on it), the channel is mid-message: no other thread may come in */
-        e->rx_held = 1;
+        e->rx.held = 1;
         e->held++;
         e->holder = PyThread_get_thread_ident();
     }
@@ -286,9 +310,11 @@ PyObject *recv_head(Engine *e, int src, int *st)
 PyObject *eng_p2p_recv_head(Engine *e, PyObject *arg)
 {
     long src = PyLong_AsLong(arg);
-    if ((src == -1 && PyErr_Occurred()) || check_rank(e, src, "p2p_recv_head") < 0)
+    if ((src == -1 && PyErr_Occurred()) || p2p_check_rank(e, src, "p2p_recv_head") < 0)
         return NULL;
-    int no = refuse(e);
+    int no = call_check(e);
+    if (no < 0)
+        return NULL;
     if (no)
         return Py_BuildValue("(iy#)", no, "", (Py_ssize_t)0);
     int st;
@@ -344,17 +370,15 @@ static int any_verdict(Engine *e, waiter_t *w, int *who)
 PyObject *eng_p2p_wait_any(Engine *e, PyObject *unused)
 {
     (void)unused;
-    int st = enter(e);
+    PyThreadState *ts = NULL;
+    int st = call_enter(e, 0, &ts);
     if (st < 0)
         return NULL;
     if (st > 0)
         return Py_BuildValue("(ii)", st, -1);
     any_wait_t a = {{any_poll, any_verdict, NULL, 50000, e->rank}, -1};
-    PyThreadState *ts = NULL;
     st = wait_until(e, &a.w, &ts);
-    if (ts)
-        PyEval_RestoreThread(ts);
-    e->busy = 0;
+    st = call_end(e, st, ts);
     if (st == ST_OK)
         e->any_last = a.src;
     return Py_BuildValue("(ii)", st, st == ST_OK ? a.src : -1);
@@ -363,8 +387,8 @@ PyObject *eng_p2p_wait_any(Engine *e, PyObject *unused)
 /* The end of recv_head's hold: the body is read, or Python gave up on it. */
 void rx_release(Engine *e)
 {
-    if (e->rx_held) {
-        e->rx_held = 0;
+    if (e->rx.held) {
+        e->rx.held = 0;
         e->held--;
     }
 }
@@ -376,34 +400,32 @@ int recv_body(Engine *e, const pieces_t *pc)
     size_t total = 0;
     for (Py_ssize_t i = 0; i < pc->n; i++)
         total += pc->len[i];
-    size_t left = e->rx_np ? e->rx_dl : e->rx_total - e->rx_pos - e->rx_used;
+    size_t left = e->rx.np ? e->rx.dl : e->rx.total - e->rx.pos - e->rx.used;
     if (total != left) {
         PyErr_Format(PyExc_ValueError, "p2p_recv_body: %zu bytes expected, %zu given", left,
                      total);
         return -1;
     }
     int st = ST_OK;
-    e->busy = 1;
-    PyThreadState *ts = total >= GIL_RELEASE_BYTES ? PyEval_SaveThread() : NULL;
-    if (e->rx_np) { /* by reference: where the data is, then the data itself */
-        char *desc = PyMem_RawMalloc(16 * (size_t)e->rx_np);
-        st = desc ? rx_copy(e, desc, 16 * (size_t)e->rx_np, &ts) : cma_failed(e, e->rx_src, ENOMEM);
+    PyThreadState *ts = NULL;
+    call_begin(e, total, &ts);
+    if (e->rx.np) { /* by reference: where the data is, then the data itself */
+        char *desc = PyMem_RawMalloc(16 * (size_t)e->rx.np);
+        st = desc ? rx_copy(e, desc, 16 * (size_t)e->rx.np, &ts) : cma_failed(e, e->rx.src, ENOMEM);
         if (st == ST_OK)
-            st = cma_recv(e, e->rx_src, desc, e->rx_np, (size_t)e->rx_dl, pc);
+            st = cma_recv(e, e->rx.src, desc, e->rx.np, (size_t)e->rx.dl, pc);
         PyMem_RawFree(desc);
     }
-    for (Py_ssize_t i = 0; !e->rx_np && i < pc->n && st == ST_OK; i++)
+    for (Py_ssize_t i = 0; !e->rx.np && i < pc->n && st == ST_OK; i++)
         st = rx_copy(e, pc->addr[i], pc->len[i], &ts);
     if (st == ST_OK) {
         /* the last chunk is consumed too */
-        publish(e, ctrl_line(e, e->rank, P2P_DONE_LINE(e->world, e->rx_src)), e->rx_k);
-        e->p2p_recvd[e->rx_src] = e->rx_k;
-        e->rx_src = -1;
-        e->rx_np = 0;
+        publish(e, ctrl_line(e, e->rank, P2P_DONE_LINE(e->world, e->rx.src)), e->rx.k);
+        e->p2p_recvd[e->rx.src] = e->rx.k;
+        e->rx.src = -1;
+        e->rx.np = 0;
     }
-    if (ts)
-        PyEval_RestoreThread(ts);
-    e->busy = 0;
+    call_end(e, st, ts);
     rx_release(e);
     return st;
 }
@@ -416,7 +438,7 @@ PyObject *eng_p2p_recv_body(Engine *e, PyObject *list)
         return eng_closed_error();
     if (other_thread(e))
         return PyLong_FromLong(ST_BUSY);
-    if (e->rx_src < 0) {
+    if (e->rx.src < 0) {
         PyErr_SetString(PyExc_RuntimeError, "p2p_recv_body without p2p_recv_head");
         return NULL;
     }

@@ -244,15 +244,11 @@ int batch_progress(Engine *e, bop_t *ops, Py_ssize_t n)
             o->total = o->pc.len[0];
         }
     }
-    e->busy = 1;
-    e->in_p2p = 1;
-    PyThreadState *ts = PyEval_SaveThread();
+    PyThreadState *ts = NULL;
+    call_begin(e, GIL_RELEASE_BYTES, &ts); /* always released: the steps expect it */
     batch_wait_t b = {{batch_poll, batch_verdict, batch_sleep_on, 200000, -1}, ops, n, NULL};
     int st = wait_until(e, &b.w, &ts);
-    PyEval_RestoreThread(ts);
-    e->in_p2p = 0;
-    e->busy = 0;
-    return st;
+    return call_end(e, st, ts);
 }
 
 static void bops_free(bop_t *ops, Py_ssize_t n)
@@ -275,10 +271,12 @@ PyObject *eng_p2p_batch(Engine *e, PyObject *list)
         PyErr_SetString(PyExc_TypeError, "p2p_batch: ops must be a list");
         return NULL;
     }
-    int no = refuse(e);
+    int no = call_check(e);
+    if (no < 0)
+        return NULL;
     if (no)
         return Py_BuildValue("(i[])", no);
-    if (e->rx_src >= 0) {
+    if (e->rx.src >= 0) {
         PyErr_SetString(PyExc_RuntimeError, "p2p_batch: a received message is half read");
         return NULL;
     }
@@ -301,7 +299,7 @@ PyObject *eng_p2p_batch(Engine *e, PyObject *list)
             bops_free(ops, i);
             return NULL;
         }
-        if (check_rank(e, o->peer, "p2p_batch") < 0 || parse_pieces(pieces, &o->pc) < 0) {
+        if (p2p_check_rank(e, o->peer, "p2p_batch") < 0 || parse_pieces(pieces, &o->pc) < 0) {
             bops_free(ops, i);
             return NULL;
         }

@@ -10,9 +10,9 @@ static int gather_rounds(Engine *e, uint32_t kind, const char *mine, const size_
                          size_t outer);
 
 /*
- * sync(kind, dtype, op, count, arg) -> status: one collective round for the
- * protocols written in Python (barrier, all_gather, reduce_scatter, ...):
- * publish this rank's metadata, wait for every peer, compare.  The caller
+ * sync(kind, dtype, op, count, arg) -> status: one collective round with no
+ * data of its own (barrier, dup, a refusal, empty()'s exchange): publish this
+ * rank's metadata, wait for every peer, compare.  The caller
  * wrote its slot for parity (round + 1) & 1 before, and reads the peers'
  * slots of that parity after.
  */
@@ -29,23 +29,20 @@ PyObject *eng_sync(Engine *e, PyObject *const *args, Py_ssize_t nargs)
     unsigned long long arg = PyLong_AsUnsignedLongLong(args[4]);
     if (PyErr_Occurred())
         return NULL;
-    int en = enter(e);
-    if (en < 0)
-        return NULL;
-    if (en > 0)
-        return PyLong_FromLong(en);
     PyThreadState *ts = NULL;
-    int st = round_sync(e, (uint32_t)kind, (uint32_t)dtype, (uint32_t)op, count, arg, &ts);
-    if (ts)
-        PyEval_RestoreThread(ts);
-    e->busy = 0;
-    return PyLong_FromLong(st);
+    int st = call_enter(e, 0, &ts);
+    if (st < 0)
+        return NULL;
+    if (st > 0)
+        return PyLong_FromLong(st);
+    st = round_sync(e, (uint32_t)kind, (uint32_t)dtype, (uint32_t)op, count, arg, &ts);
+    return PyLong_FromLong(call_end(e, st, ts));
 }
 
 /*
- * The data-moving rounds of protocols.py in C: the loops there cost 5-8 us of
- * Python per call on the development VM, more than the copies of a small
- * message.  Each round: copy this rank's part into its slot of parity
+ * The data-moving rounds in C (shm/path.py passes addresses and sizes): in
+ * Python the loops cost 5-8 us per call on the development VM, more than the
+ * copies of a small message.  Each round: copy this rank's part into its slot of parity
  * (round + 1) & 1, publish and compare the metadata (round_sync), copy out of
  * the peers' slots.  Slot p is rewritten only two rounds later, after every
  * peer published the round in between, so it was read by then.  Plain
@@ -186,7 +183,7 @@ PyObject *eng_gatherv(Engine *e, PyObject *const *args, Py_ssize_t nargs)
     return status_result(st);
 }
 
-/* The key of a flat, even layout: protocols.flat_key, bit for bit */
+/* The key of a flat, even layout: shm/keys.py flat_key, bit for bit */
 uint64_t flat_key(uint64_t kind, uint64_t n, uint64_t world)
 {
     uint64_t x = kind * 0x100000001B3ull;
@@ -197,7 +194,7 @@ uint64_t flat_key(uint64_t kind, uint64_t n, uint64_t world)
 
 /* The rounds of the one-call gathers: every rank's n elements of dtype code
  * `code` at `mine`, in rank order, at out (NULL: this rank receives nothing),
- * keyed flat_key(kind + tag, n, w) as protocols.layout_key keys a flat, even
+ * keyed flat_key(kind + tag, n, w) as keys.gather_key keys a flat, even
  * layout (tag: 0 without a root, (root + 1) << 32 with one) */
 PyObject *flat_gather(Engine *e, uint32_t kind, uint64_t tag, const char *mine, int code,
                       long long n, size_t nbytes, char *out)
@@ -264,7 +261,7 @@ static int gather_rounds(Engine *e, uint32_t kind, const char *mine, const size_
         return st;
     }
     PyThreadState *ts = NULL;
-    int st = enter_data(e, total, &ts);
+    int st = call_enter(e, total, &ts);
     if (st != 0) {
         PyMem_RawFree(aside);
         return st;
@@ -290,20 +287,20 @@ static int gather_rounds(Engine *e, uint32_t kind, const char *mine, const size_
             off += cnt[r] / outer;
         }
     }
-    st = leave_data(e, st, ts);
+    st = call_end(e, st, ts);
     PyMem_RawFree(aside);
     return st;
 }
 
 /* The rounds of a broadcast of `total` bytes at data from rank src: -1 with
  * an exception, or a status */
-int bcast_rounds(Engine *e, uint32_t kind, char *data, size_t total, int src,
+int broadcast_rounds(Engine *e, uint32_t kind, char *data, size_t total, int src,
                         uint32_t dtype, uint64_t numel)
 {
     const size_t cap = e->slot_bytes;
     size_t rounds = total ? (total + cap - 1) / cap : 1;
     PyThreadState *ts = NULL;
-    int st = enter_data(e, total, &ts);
+    int st = call_enter(e, total, &ts);
     if (st != 0)
         return st;
     for (size_t k = 0; k < rounds && st == ST_OK; k++) {
@@ -315,7 +312,7 @@ int bcast_rounds(Engine *e, uint32_t kind, char *data, size_t total, int src,
         if (st == ST_OK && e->rank != src && n)
             memcpy(data + lo, slot_of(e, src, p), n);
     }
-    return leave_data(e, st, ts);
+    return call_end(e, st, ts);
 }
 
 /* broadcast(kind, data, nbytes, src, dtype, numel) -> status: src's bytes everywhere */
@@ -328,7 +325,7 @@ PyObject *eng_broadcast(Engine *e, PyObject *const *args, Py_ssize_t nargs)
         PyErr_Format(PyExc_ValueError, "broadcast: src %lld is out of range", (long long)v[3]);
         return NULL;
     }
-    return status_result(bcast_rounds(e, (uint32_t)v[0], (char *)(uintptr_t)v[1], (size_t)v[2],
+    return status_result(broadcast_rounds(e, (uint32_t)v[0], (char *)(uintptr_t)v[1], (size_t)v[2],
                                       (int)v[3], (uint32_t)v[4], v[5]));
 }
 
@@ -351,14 +348,14 @@ PyObject *eng_reduce_scatterv(Engine *e, PyObject *const *args, Py_ssize_t nargs
     size_t *sizes;
     if (int_list(e, args[3], &sizes, "reduce_scatterv") < 0)
         return NULL;
-    int st = rs_rounds(e, (uint32_t)v[0], (const char *)(uintptr_t)v[1], (int)v[2], sizes,
+    int st = reduce_scatter_rounds(e, (uint32_t)v[0], (const char *)(uintptr_t)v[1], (int)v[2], sizes,
                        (char *)(uintptr_t)v[4], (int)v[5], v[6], (size_t)v[7]);
     PyMem_Free(sizes);
     return status_result(st);
 }
 
 /* The rounds of a reduce-scatter: -1 with an exception, or a status */
-int rs_rounds(Engine *e, uint32_t kind, const char *x, int dtype, const size_t *sizes,
+int reduce_scatter_rounds(Engine *e, uint32_t kind, const char *x, int dtype, const size_t *sizes,
                      char *out, int op, uint64_t arg, size_t outer)
 {
     const int w = e->world, me = e->rank;
@@ -399,7 +396,7 @@ int rs_rounds(Engine *e, uint32_t kind, const char *x, int dtype, const size_t *
         out = aside;
     }
     PyThreadState *ts = NULL;
-    int st = enter_data(e, numel * es, &ts);
+    int st = call_enter(e, numel * es, &ts);
     if (st != 0) {
         PyMem_Free(offs);
         PyMem_Free(srcs);
@@ -437,7 +434,7 @@ int rs_rounds(Engine *e, uint32_t kind, const char *x, int dtype, const size_t *
         memcpy(dest, aside, mine);
     PyMem_Free(offs);
     PyMem_Free(srcs);
-    st = leave_data(e, st, ts);
+    st = call_end(e, st, ts);
     PyMem_RawFree(aside);
     return st;
 }
@@ -452,7 +449,7 @@ int rs_rounds(Engine *e, uint32_t kind, const char *x, int dtype, const size_t *
  * sends (every rank must pass the same: it sets the number of rounds).  x and
  * out must not overlap.  A status, or -1 with an exception set.
  */
-static int alltoallv_run(Engine *e, uint32_t kind, const char *x, const size_t *sc,
+static int alltoallv_rounds(Engine *e, uint32_t kind, const char *x, const size_t *sc,
                          const size_t *so, char *out, const size_t *rc, const size_t *ro,
                          uint64_t most, uint32_t dtype, uint64_t count, uint64_t arg)
 {
@@ -484,7 +481,7 @@ static int alltoallv_run(Engine *e, uint32_t kind, const char *x, const size_t *
         return cma_rounds(e, kind, dtype, count, arg, total, x, offs, x + so[me], dst, rc, rc, rc);
     }
     PyThreadState *ts = NULL;
-    int st = enter_data(e, total, &ts);
+    int st = call_enter(e, total, &ts);
     if (st != 0)
         return st;
     for (size_t k = 0; k < rounds && st == ST_OK; k++) {
@@ -504,13 +501,13 @@ static int alltoallv_run(Engine *e, uint32_t kind, const char *x, const size_t *
                        r == me ? x + so[me] + lo : slot_of(e, r, p) + (size_t)me * per, n);
         }
     }
-    return leave_data(e, st, ts);
+    return call_end(e, st, ts);
 }
 
 /*
  * alltoallv(kind, x, [bytes to each rank], [their offsets in x], out, [bytes from
  * each rank], [their offsets in out], most, dtype, count, arg) -> status: the
- * rounds of alltoallv_run, for blocks every rank has checked already.
+ * rounds of alltoallv_rounds, for blocks every rank has checked already.
  */
 PyObject *eng_alltoallv(Engine *e, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -524,7 +521,7 @@ PyObject *eng_alltoallv(Engine *e, PyObject *const *args, Py_ssize_t nargs)
     if (st == 0)
         st = int_list(e, args[6], &ro, "alltoallv");
     if (st == 0)
-        st = alltoallv_run(e, (uint32_t)v[0], (const char *)(uintptr_t)v[1], sc, so,
+        st = alltoallv_rounds(e, (uint32_t)v[0], (const char *)(uintptr_t)v[1], sc, so,
                            (char *)(uintptr_t)v[4], rc, ro, v[7], (uint32_t)v[8], v[9], v[10]);
     PyMem_Free(sc);
     PyMem_Free(so);
@@ -600,7 +597,7 @@ static int table_verdict(int w, const uint64_t *const *t, char *buf, size_t cap)
  * (None or []: even), 0 with *list the list (an exact list of exact ints:
  * the table round checks the rest with the peers), or -1 (anything else:
  * the general path). */
-int split_list(PyObject *v, PyObject **list)
+int alltoall_split_list(PyObject *v, PyObject **list)
 {
     *list = NULL;
     if (v == Py_None || (PyList_CheckExact(v) && PyList_GET_SIZE(v) == 0))
@@ -653,11 +650,11 @@ static int table_splits(Engine *e, PyObject *o, uint64_t rows, uint64_t *v)
  * slot; every rank checks all of them (what q sends j must be what j expects
  * from q; splits sum to the rows; one dtype and row shape), so a bad table is
  * ST_SPLITS on every rank (err_text says why) after a completed round: the
- * communicator stays usable.  Then the rounds of alltoallv_run, keyed by the
+ * communicator stays usable.  Then the rounds of alltoallv_rounds, keyed by the
  * largest block (the same on every rank: it comes from the same table).  A
  * status, or -1 with an exception set.
  */
-int alltoall_splits_run(Engine *e, uint32_t kind, const char *x, PyObject *ins, char *out,
+int alltoall_splits_rounds(Engine *e, uint32_t kind, const char *x, PyObject *ins, char *out,
                         PyObject *outs, const uint64_t *f)
 {
     const int w = e->world, me = e->rank, tn = 2 * w + T_EXTRA;
@@ -683,21 +680,20 @@ int alltoall_splits_run(Engine *e, uint32_t kind, const char *x, PyObject *ins, 
             mine[0] = TABLE_BAD;
         for (int i = 0; i < T_EXTRA; i++)
             mine[2 * w + i] = f[i];
-        st = enter(e); /* -1 (closed: the exception is set), a status, or in */
     }
+    PyThreadState *ts = NULL;
+    if (st == 0)
+        st = call_enter(e, 0, &ts); /* -1 (closed: the exception is set), a status, or in */
     if (st == 0) {
         /* round one: the table */
-        PyThreadState *ts = NULL;
         int p = (int)((e->round + 1) & 1);
         memcpy(slot_of(e, me, p), mine, (size_t)tn * sizeof(uint64_t));
         st = round_sync(e, kind, 0, 0, (uint64_t)tn, TABLE_ARG, &ts);
-        if (ts)
-            PyEval_RestoreThread(ts);
-        e->busy = 0;
+        st = call_end(e, st, ts);
         for (int q = 0; st == ST_OK && q < w; q++)
             t[q] = (const uint64_t *)slot_of(e, q, p);
         if (st == ST_OK)
-            st = table_verdict(w, t, e->err_text, sizeof e->err_text);
+            st = table_verdict(w, t, e->err.text, sizeof e->err.text);
         if (st == ST_OK) {
             /* bytes and offsets this rank sends and receives; the largest block */
             const uint64_t row = t[0][2 * w + T_ROW_IN];
@@ -716,7 +712,7 @@ int alltoall_splits_run(Engine *e, uint32_t kind, const char *x, PyObject *ins, 
                 at_r += rc[j];
             }
             /* the table's slot is read: the next round may overwrite it */
-            st = alltoallv_run(e, kind, x, sc, so, out, rc, ro, most, (uint32_t)f[T_CODE_IN],
+            st = alltoallv_rounds(e, kind, x, sc, so, out, rc, ro, most, (uint32_t)f[T_CODE_IN],
                                most, flat_key(kind, most, (uint64_t)w));
         }
     }
@@ -728,7 +724,7 @@ int alltoall_splits_run(Engine *e, uint32_t kind, const char *x, PyObject *ins, 
 
 /* alltoall_splits(kind, x, [rows to each rank], out, [rows from each rank],
  * rows_in, rows_out, row_in, row_out, dtype_in, dtype_out) -> status:
- * alltoall_splits_run */
+ * alltoall_splits_rounds */
 PyObject *eng_alltoall_splits(Engine *e, PyObject *const *args, Py_ssize_t nargs)
 {
     unsigned long long v[11];
@@ -737,7 +733,7 @@ PyObject *eng_alltoall_splits(Engine *e, PyObject *const *args, Py_ssize_t nargs
     uint64_t f[T_EXTRA];
     for (int i = 0; i < T_EXTRA; i++)
         f[i] = v[5 + i];
-    return status_result(alltoall_splits_run(e, (uint32_t)v[0], (const char *)(uintptr_t)v[1],
+    return status_result(alltoall_splits_rounds(e, (uint32_t)v[0], (const char *)(uintptr_t)v[1],
                                              args[2], (char *)(uintptr_t)v[3], args[4], f));
 }
 
@@ -746,7 +742,7 @@ PyObject *eng_alltoall_splits(Engine *e, PyObject *const *args, Py_ssize_t nargs
  * (the dtype's code `code`), every rank's the same size (checked by the
  * rounds' metadata, which carries it).  A status, or -1 with an exception.
  */
-int alltoall_even_run(Engine *e, uint32_t kind, const char *x, char *out, size_t block,
+int alltoall_even_rounds(Engine *e, uint32_t kind, const char *x, char *out, size_t block,
                       uint32_t code)
 {
     const int w = e->world;
@@ -755,7 +751,7 @@ int alltoall_even_run(Engine *e, uint32_t kind, const char *x, char *out, size_t
         sz[j] = block;
         at[j] = (size_t)j * block;
     }
-    return alltoallv_run(e, kind, x, sz, at, out, sz, at, block, code, block,
+    return alltoallv_rounds(e, kind, x, sz, at, out, sz, at, block, code, block,
                          flat_key(kind, block, (uint64_t)w));
 }
 

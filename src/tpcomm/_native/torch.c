@@ -206,7 +206,10 @@ PyObject *eng_fast_all_reduce(Engine *e, PyObject *const *args, Py_ssize_t nargs
         return NULL;
     if (take_abort(e))
         return call_fallback(e, t, op, ST_ABORTED);
-    int st = run_all_reduce(e, (char *)addr, (size_t)count, dtc, opc, e->tv->kind_all_reduce);
+    PyThreadState *ts = NULL;
+    call_begin(e, (size_t)count * dt_size[dtc], &ts); /* checked above, as call_check does */
+    int st = all_reduce_rounds(e, (char *)addr, (size_t)count, dtc, opc, e->tv->kind_all_reduce, &ts);
+    st = call_end(e, st, ts);
     if (st != ST_OK)
         return call_fallback(e, t, op, st);
     Py_INCREF(t);
@@ -276,7 +279,7 @@ static int flat_pair(Engine *e, PyObject *big, PyObject *small, int *code, char 
  * all_gather_into_tensor's common case in one call (plain tensors of one
  * dtype, output = world x input elements); None sends the caller down the
  * general path.  The metadata is the general path's (its layout key is
- * protocols.flat_key for this layout).
+ * keys.flat_key for this layout).
  */
 PyObject *eng_fast_all_gather(Engine *e, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -296,7 +299,7 @@ PyObject *eng_fast_all_gather(Engine *e, PyObject *const *args, Py_ssize_t nargs
  * fast_gather(input, out | None, dst) -> status, or None: gather's
  * common case in one call (a plain 1-d input; on dst a plain out of the same
  * dtype with world x its elements; the caller checks the dims).  None: the
- * general path.  The key is protocols.layout_key's for a flat, even layout with
+ * general path.  The key is keys.gather_key's for a flat, even layout with
  * a root: flat_key(KIND_GATHER + ((dst + 1) << 32), n, w).
  */
 PyObject *eng_fast_gather(Engine *e, PyObject *const *args, Py_ssize_t nargs)
@@ -342,7 +345,7 @@ PyObject *eng_fast_broadcast(Engine *e, PyObject *const *args, Py_ssize_t nargs)
     long long n;
     if (plain_info(e, args[0], &code, &a, &n) < 0)
         Py_RETURN_NONE;
-    return status_result(bcast_rounds(e, KIND_BROADCAST, a, (size_t)n * e->tv->any_size[code],
+    return status_result(broadcast_rounds(e, KIND_BROADCAST, a, (size_t)n * e->tv->any_size[code],
                                       (int)src, (uint32_t)code, (uint64_t)n));
 }
 
@@ -375,7 +378,7 @@ PyObject *eng_fast_reduce_scatter(Engine *e, PyObject *const *args, Py_ssize_t n
     size_t *sizes = even_sizes(e, (size_t)no);
     if (!sizes)
         return NULL;
-    int st = rs_rounds(e, KIND_REDUCE_SCATTER, ai, dtc, sizes, ao, opc,
+    int st = reduce_scatter_rounds(e, KIND_REDUCE_SCATTER, ai, dtc, sizes, ao, opc,
                        flat_key(RS_FLAT, (uint64_t)no, (uint64_t)e->world), 1);
     PyMem_Free(sizes);
     return status_result(st);
@@ -423,7 +426,7 @@ static int rows_of(Engine *e, PyObject *t, size_t es, uint64_t *rows, uint64_t *
  * tensors of one dtype that share no memory; split sizes None, [] or lists of
  * ints); None: the general path, which checks and reports.  Without split
  * sizes the general path's even rounds (the block size in the metadata,
- * alltoall_even_run), else its split table and rounds (alltoall_splits_run):
+ * alltoall_even_rounds), else its split table and rounds (alltoall_splits_rounds):
  * ranks on either path meet the same rounds.
  */
 PyObject *eng_fast_all_to_all(Engine *e, PyObject *const *args, Py_ssize_t nargs)
@@ -436,7 +439,7 @@ PyObject *eng_fast_all_to_all(Engine *e, PyObject *const *args, Py_ssize_t nargs
     char *ao, *ai;
     long long n_out, n_in;
     uint64_t f[6]; /* rows in, rows out, row bytes in, out, dtype in, out (rounds.c's table) */
-    if (split_list(args[2], &outs) < 0 || split_list(args[3], &ins) < 0 ||
+    if (alltoall_split_list(args[2], &outs) < 0 || alltoall_split_list(args[3], &ins) < 0 ||
         plain_info(e, args[0], &co, &ao, &n_out) < 0 ||
         plain_info(e, args[1], &ci, &ai, &n_in) < 0 || co != ci)
         goto general;
@@ -451,10 +454,10 @@ PyObject *eng_fast_all_to_all(Engine *e, PyObject *const *args, Py_ssize_t nargs
         const uint64_t w = (uint64_t)e->world;
         if (f[0] % w || f[1] != f[0] || f[3] != f[2]) /* the general path's ValueError */
             goto general;
-        return status_result(alltoall_even_run(e, KIND_ALL_TO_ALL, ai, ao, (size_t)(f[0] / w * f[2]),
+        return status_result(alltoall_even_rounds(e, KIND_ALL_TO_ALL, ai, ao, (size_t)(f[0] / w * f[2]),
                                                (uint32_t)ci));
     }
-    return status_result(alltoall_splits_run(e, KIND_ALL_TO_ALL, ai, ins, ao, outs, f));
+    return status_result(alltoall_splits_rounds(e, KIND_ALL_TO_ALL, ai, ins, ao, outs, f));
 general:
     PyErr_Clear();
     Py_RETURN_NONE;
@@ -553,53 +556,58 @@ static PyObject **p2p_args(Engine *e, PyObject *const *args, Py_ssize_t nargs, i
 /*
  * p2p_send_tensors(dst, tensors) -> status, or None: Communicator.send's
  * common case in one C call (the Python steps cost ~5 us per message on the
- * development VM).  It builds the same binary header as protocols.send.
+ * development VM).  It builds the binary header p2p.c defines.
  * None means nothing was sent and the general path in Python must run: an
  * argument it would reject or report, more than 255 tensors or 8 dims, a
  * tensor that is not plain (see plain_code), a closed or failed engine.
  */
 
+/* The binary header of n plain tensors into h (p2p.c header_*), and each
+ * tensor's data bytes into nbytes: the header's length, or -1 (no exception)
+ * when a tensor is not plain or has too many dims (the general path takes
+ * it). */
+static Py_ssize_t plain_header(Engine *e, PyObject **items, Py_ssize_t n, char *h, size_t *nbytes)
+{
+    size_t hl = header_begin(h, (int)n);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int code = plain_code(e, items[i]);
+        long long dims[P2P_MAX_DIMS], numel = 1;
+        int nd = code < 0 ? -1 : shape_of(e, items[i], dims, P2P_MAX_DIMS);
+        if (nd < 0)
+            return -1;
+        for (int j = 0; j < nd; j++)
+            numel *= dims[j];
+        hl += header_put(h + hl, code, nd, dims);
+        nbytes[i] = (size_t)numel * e->tv->any_size[code];
+    }
+    return (Py_ssize_t)hl;
+}
+
 /* A message of n plain tensors as the binary protocol lays it out: head gets
- * the two lengths (header, data) and then the header (protocols._binary_header),
+ * the two lengths (header, data) and then the header (plain_header),
  * addr[0]/len[0] point at it, addr[1..]/len[1..] at the tensors' data (empty
  * ones left out); *np pieces in all.  0, or -1 when a tensor is not plain or
  * has too many dims (no exception: the general path takes it). */
 static int plain_message(Engine *e, PyObject **items, Py_ssize_t n, char *head, char **addr,
                          size_t *len, Py_ssize_t *np)
 {
-    size_t hl = 2, total = 0;
+    size_t nbytes[P2P_MAX_TENSORS], total = 0;
+    Py_ssize_t hl = plain_header(e, items, n, head + 16, nbytes);
+    if (hl < 0)
+        return -1;
     *np = 1;
-    head[16] = (char)P2P_BINARY;
-    head[17] = (char)n;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *t = items[i];
-        int code = plain_code(e, t);
-        if (code < 0)
+        if (!nbytes[i])
+            continue;
+        if (!(addr[*np] = data_of(e, items[i])))
             return -1;
-        long long dims[P2P_MAX_DIMS];
-        int nd = shape_of(e, t, dims, P2P_MAX_DIMS);
-        if (nd < 0)
-            return -1;
-        char *p = head + 16 + hl;
-        p[0] = (char)code;
-        p[1] = (char)nd;
-        long long numel = 1;
-        for (int j = 0; j < nd; j++)
-            numel *= dims[j];
-        memcpy(p + 2, dims, 8 * (size_t)nd); /* little-endian int64s, as struct "<q" */
-        hl += 2 + 8 * (size_t)nd;
-        size_t nbytes = (size_t)numel * e->tv->any_size[code];
-        if (nbytes) {
-            if (!(addr[*np] = data_of(e, t)))
-                return -1;
-            len[(*np)++] = nbytes;
-            total += nbytes;
-        }
+        len[(*np)++] = nbytes[i];
+        total += nbytes[i];
     }
-    uint64_t lens[2] = {hl, total};
+    uint64_t lens[2] = {(uint64_t)hl, total};
     memcpy(head, lens, sizeof lens);
     addr[0] = head;
-    len[0] = 16 + hl;
+    len[0] = 16 + (size_t)hl;
     return 0;
 }
 
@@ -703,7 +711,7 @@ static PyObject *fast_head(Engine *e, int src, PyObject **res, const unsigned ch
  * the next message's header is consumed; when it is binary and describes
  * exactly `out`'s plain tensors (same count, dtypes and shapes), the body
  * lands in them and the status comes back; else the header bytes come back
- * and protocols.recv_rest finishes the receive (it reports the mismatch).
+ * and shm/messages.py recv_rest finishes the receive (it reports the mismatch).
  */
 PyObject *eng_p2p_recv_into(Engine *e, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -738,6 +746,70 @@ PyObject *eng_p2p_recv_into(Engine *e, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromLong(st);
 }
 
+/* dims as a new tuple of ints, or NULL (exception set) */
+static PyObject *shape_tuple(const long long *dims, int nd)
+{
+    PyObject *shape = PyTuple_New(nd);
+    for (int j = 0; shape && j < nd; j++) {
+        PyObject *d = PyLong_FromLongLong(dims[j]);
+        if (!d)
+            Py_CLEAR(shape);
+        else
+            PyTuple_SET_ITEM(shape, j, d);
+    }
+    return shape;
+}
+
+/* message_header(tensors) -> bytes | None: the binary header a message of
+ * these plain tensors carries (None: not plain, or too many of them) */
+PyObject *eng_message_header(Engine *e, PyObject *seq)
+{
+    if (!(PyList_CheckExact(seq) || PyTuple_CheckExact(seq)) || !e->tv->n_any || !e->tv->d_shape ||
+        PySequence_Fast_GET_SIZE(seq) > P2P_MAX_TENSORS)
+        Py_RETURN_NONE;
+    char h[P2P_HEAD_BYTES];
+    size_t nbytes[P2P_MAX_TENSORS];
+    Py_ssize_t hl = plain_header(e, PySequence_Fast_ITEMS(seq), PySequence_Fast_GET_SIZE(seq), h,
+                                 nbytes);
+    if (hl < 0)
+        Py_RETURN_NONE;
+    return PyBytes_FromStringAndSize(h, hl);
+}
+
+/* parse_header(bytes) -> [(dtype, shape), ...] | None: a binary header read
+ * back (None: not a binary header, or not one this reader knows) */
+PyObject *eng_parse_header(Engine *e, PyObject *b)
+{
+    if (!PyBytes_Check(b) || !e->tv->n_any)
+        Py_RETURN_NONE;
+    const unsigned char *h = (const unsigned char *)PyBytes_AS_STRING(b);
+    size_t hl = (size_t)PyBytes_GET_SIZE(b), at = 2;
+    int n = header_count(h, hl);
+    if (n < 0)
+        Py_RETURN_NONE;
+    PyObject *list = PyList_New(n);
+    for (int i = 0; list && i < n; i++) {
+        int code, nd;
+        long long dims[P2P_MAX_DIMS];
+        if (header_get(h, hl, &at, e->tv->n_any, &code, &nd, dims) < 0) {
+            Py_DECREF(list);
+            Py_RETURN_NONE;
+        }
+        PyObject *shape = shape_tuple(dims, nd);
+        PyObject *item = shape ? PyTuple_Pack(2, e->tv->any_dtypes[code], shape) : NULL;
+        Py_XDECREF(shape);
+        if (!item)
+            Py_CLEAR(list);
+        else
+            PyList_SET_ITEM(list, i, item);
+    }
+    if (list && at != hl) {
+        Py_DECREF(list);
+        Py_RETURN_NONE;
+    }
+    return list;
+}
+
 /*
  * p2p_recv_new(src) -> [tensors] | status | header bytes | None:
  * Communicator.recv without out= in one C call (its Python steps cost ~17 us
@@ -745,45 +817,37 @@ PyObject *eng_p2p_recv_into(Engine *e, PyObject *const *args, Py_ssize_t nargs)
  * read, a tensor of each dtype and shape it names is made (torch.empty), and
  * the body lands in them.  None: nothing was received (an argument the
  * general path must check, a closed or failed engine); header bytes: a
- * header this path leaves to protocols.recv_rest (pickled: a dict's values).
+ * header this path leaves to shm/messages.py recv_rest (pickled: a dict's values).
  */
 PyObject *eng_p2p_recv_new(Engine *e, PyObject *arg)
 {
     int src = peer_arg(e, arg);
     if (src < 0 || !e->base || other_thread(e) || e->failed || !e->tv->n_any || !e->tv->empty_fn ||
-        e->rx_src >= 0 || take_abort(e))
+        e->rx.src >= 0 || take_abort(e))
         Py_RETURN_NONE;
     const unsigned char *h;
     size_t hl, at = 2;
     PyObject *res, *hdr = fast_head(e, src, &res, &h, &hl);
     if (!hdr)
         return res;
-    int st;
-    if (hl < 2 || h[0] != P2P_BINARY)
+    int st, n = header_count(h, hl);
+    if (n < 0)
         return hdr;
-    int n = h[1];
     char *addr[P2P_MAX_TENSORS];
     size_t len[P2P_MAX_TENSORS];
     Py_ssize_t np = 0;
     PyObject *list = PyList_New(n);
     for (int i = 0; list && i < n; i++) {
-        int code = at + 2 <= hl ? h[at] : -1, nd = at + 2 <= hl ? h[at + 1] : 0;
-        if (code < 0 || code >= e->tv->n_any || nd > P2P_MAX_DIMS || at + 2 + 8 * (size_t)nd > hl) {
+        int code, nd;
+        long long dims[P2P_MAX_DIMS];
+        if (header_get(h, hl, &at, e->tv->n_any, &code, &nd, dims) < 0) {
             Py_CLEAR(list); /* not a header this path knows: Python reports it */
             return hdr;
         }
-        PyObject *shape = PyTuple_New(nd);
+        PyObject *shape = shape_tuple(dims, nd);
         long long numel = 1;
-        for (int j = 0; shape && j < nd; j++) {
-            long long v;
-            memcpy(&v, h + at + 2 + 8 * j, 8);
-            numel *= v;
-            PyObject *d = PyLong_FromLongLong(v);
-            if (!d)
-                Py_CLEAR(shape);
-            else
-                PyTuple_SET_ITEM(shape, j, d);
-        }
+        for (int j = 0; j < nd; j++)
+            numel *= dims[j];
         PyObject *argv[2] = {shape, e->tv->any_dtypes[code]};
         PyObject *t = shape ? PyObject_Vectorcall(e->tv->empty_fn, argv, 1, e->tv->kw_dtype) : NULL;
         Py_XDECREF(shape);
@@ -792,7 +856,6 @@ PyObject *eng_p2p_recv_new(Engine *e, PyObject *arg)
             break;
         }
         PyList_SET_ITEM(list, i, t);
-        at += 2 + 8 * (size_t)nd;
         size_t nbytes = (size_t)numel * e->tv->any_size[code];
         if (nbytes) {
             if (!(addr[np] = data_of(e, t))) {
@@ -841,7 +904,7 @@ PyObject *eng_p2p_sendrecv(Engine *e, PyObject *const *args, Py_ssize_t nargs)
         Py_RETURN_NONE;
     PyObject **sitems = p2p_args(e, args, 2, &dst, &ns), **ritems = NULL;
     int into = args[3] != Py_None; /* else new tensors: the message lands in a bytearray */
-    if (!sitems || e->rx_src >= 0)
+    if (!sitems || e->rx.src >= 0)
         Py_RETURN_NONE;
     if (into ? !(ritems = p2p_args(e, args + 2, 2, &src, &nr)) : (src = peer_arg(e, args[2])) < 0)
         Py_RETURN_NONE;

@@ -108,7 +108,7 @@
 #define NCHAN 1          /* channels per rank: 0 = collectives */
 #define MAX_WORLD 4096   /* OFD lock bytes and futex fan-out stay cheap up to here */
 #define MAX_SYM 64       /* live symmetric buffers per communicator (Communicator.empty) */
-#define P2P_BINARY 0xB1  /* first byte of a binary message header (torch.c, protocols.py) */
+#define P2P_BINARY 0xB1  /* first byte of a binary message header (p2p.c header_*) */
 #define P2P_MAX_TENSORS 255
 #define P2P_MAX_DIMS 8
 #define P2P_RING 64    /* chunks in flight per point-to-point channel (pipelining) */
@@ -209,8 +209,10 @@ static inline uint64_t now_ns(void)
 typedef struct pool pool_t;   /* pool.c */
 typedef struct tview tview_t; /* torch.c: the torch objects the fast paths compare with */
 
+/* The engine: one communicator's mapping of the segment, by concern. */
 typedef struct {
     PyObject_HEAD
+    /* the mapping and its layout (engine.c) */
     char *base;
     size_t size;
     int fd;
@@ -218,48 +220,62 @@ typedef struct {
     int world;
     uint64_t slot_bytes;
     size_t ctrl_bytes, slot_off, p2p_off, p2p_bytes, p2p_piece;
-    uint64_t round;   /* last collective round this rank published */
-    uint64_t timeout_ns;
-    uint64_t spin_ns;  /* spin with pause this long before yielding */
-    uint64_t yield_ns; /* then sched_yield until this long, then futex */
-    int busy;        /* a thread is inside a call that touches the segment */
-    int held;        /* hold() depth: a multi-call operation of thread `holder` */
-    int rx_held;     /* a received header holds the engine until its body is read */
-    unsigned long holder;
-    int live;        /* on the live_engines list (holds its liveness lock) */
-    void *next_live;
-    int failed;      /* the communicator is unusable after a failure */
-    int in_p2p;      /* inside a point-to-point wait (wait_p2p) */
-    uint64_t fault_check_delay_ns; /* tests only: sleep before a slow wait's verdicts */
-    int fault_cma_addr;            /* tests only: publish an unreadable input address */
-    /* details of the last error, for Python's message: the peer's rank, and
-     * on a mismatch what it published and what this rank published */
-    int err_rank;
-    uint32_t err_kind, err_dtype, err_op;
-    uint64_t err_count, err_arg;
-    uint32_t err_my_kind, err_my_dtype, err_my_op;
-    uint64_t err_my_count, err_my_arg;
-    uint64_t err_reason;
-    char err_text[320]; /* ST_SPLITS: what is wrong with the ranks' split table */
-    void **srcs; /* scratch: world source pointers */
-    tview_t *tv; /* torch.c's, for the one-call fast paths */
     PyObject *mapping; /* the Mapping that owns base */
+    int live;          /* on the live_engines list (holds its liveness lock) */
+    void *next_live;
+
+    /* who is in (engine.c call_check / call_begin / call_end, hold) */
+    int busy;          /* a thread is inside a call that touches the segment */
+    int held;          /* hold() depth: a multi-call operation of thread `holder` */
+    unsigned long holder;
+    int failed;        /* the communicator is unusable after a failure */
     PyObject *pending; /* exception a signal handler raised during a wait */
+
+    /* collectives (rounds.c, allreduce.c, cma.c) */
+    uint64_t round;       /* last collective round this rank published */
+    void **srcs;          /* scratch: world source pointers */
     uint64_t twoshot_min; /* all-reduces of at least this many bytes go two-shot */
     int cma;              /* all ranks can read each other's memory (cma_init) */
-    int err_errno;        /* the errno of a failed process_vm_readv (ST_CMA) */
     uint64_t cma_min;     /* all_gathers of at least this many bytes read the peers directly */
     uint64_t cma_word;    /* the word peers read to check they can (cma_init) */
-    pool_t *pool; /* helper threads, NULL with one thread */
-    /* point to point: chunks sent to / received from each rank, and the
-     * receive in progress (between p2p_recv_head and p2p_recv_body) */
+    pool_t *pool;         /* helper threads, NULL with one thread */
+    tview_t *tv;          /* torch.c's, for the one-call fast paths */
+
+    /* how waits wait (wait.c) */
+    struct {
+        uint64_t timeout_ns;
+        uint64_t spin_ns;  /* spin with pause this long before yielding */
+        uint64_t yield_ns; /* then sched_yield until this long, then sleep */
+    } waits;
+
+    /* details of the last error, for Python's message (error_info): the
+     * peer's rank, and on a mismatch what it published and what this rank
+     * published */
+    struct {
+        int rank;
+        uint32_t kind, dtype, op;
+        uint64_t count, arg;
+        uint32_t my_kind, my_dtype, my_op;
+        uint64_t my_count, my_arg;
+        uint64_t reason;
+        int errnum;     /* the errno of a failed process_vm_readv (ST_CMA) */
+        char text[320]; /* ST_SPLITS: what is wrong with the ranks' split table */
+    } err;
+
+    /* point to point (p2p.c, p2p_batch.c): chunks sent to / received from
+     * each rank; the sender p2p_wait_any found last (it scans from the next) */
     uint64_t *p2p_sent, *p2p_recvd;
-    uint64_t rx_k, rx_pos, rx_total;
-    uint64_t rx_dl;  /* a message sent by reference: its data bytes, */
-    Py_ssize_t rx_np; /* and how many pieces it lies in (0: sent by value) */
-    size_t rx_used, rx_limit;
-    int rx_src;
-    int any_last; /* the sender p2p_wait_any found last (it scans from the next) */
+    int any_last;
+    /* the receive in progress, between p2p_recv_head and p2p_recv_body */
+    struct {
+        int held; /* its header holds the engine until its body is read */
+        int src;
+        uint64_t k, pos, total;
+        uint64_t dl;   /* a message sent by reference: its data bytes, */
+        Py_ssize_t np; /* and how many pieces it lies in (0: sent by value) */
+        size_t used, limit;
+    } rx;
+
     /* symmetric buffers (Communicator.empty): this rank's range and every
      * rank's base address of the same buffer, as mapped here */
     int nsym;
@@ -269,6 +285,12 @@ typedef struct {
         char **peers;
         uint64_t id; /* the same on every rank: published by zero-copy calls */
     } sym[MAX_SYM];
+
+    /* tests only (tpcomm._testing) */
+    struct {
+        uint64_t check_delay_ns; /* sleep before a batch's verdicts */
+        int cma_addr;            /* publish an unreadable input address */
+    } fault;
 } Engine;
 
 static inline hdr_t *HDR(Engine *e) { return (hdr_t *)e->base; }
@@ -347,14 +369,7 @@ static inline int other_thread(Engine *e)
     return e->busy || (e->held && e->holder != PyThread_get_thread_ident());
 }
 
-/* The status a call that skipped enter() returns before starting, or 0. */
 int take_abort(Engine *e);
-static inline int refuse(Engine *e)
-{
-    if (other_thread(e))
-        return ST_BUSY;
-    return e->failed || take_abort(e) ? ST_ABORTED : 0;
-}
 
 /* how much of `have` bytes round k (starting at lo, cap bytes a round) moves */
 static inline size_t part_of(size_t have, size_t lo, size_t cap)
@@ -464,15 +479,17 @@ int round_sync(Engine *e, uint32_t kind, uint32_t dtype, uint32_t op, uint64_t c
 
 /* engine.c */
 PyObject *eng_closed_error(void);
-int enter(Engine *e);
-int enter_data(Engine *e, size_t bytes, PyThreadState **ts);
-int leave_data(Engine *e, int st, PyThreadState *ts);
+PyObject *eng_layout(Engine *e, PyObject *unused);
+int call_check(Engine *e);
+void call_begin(Engine *e, size_t bytes, PyThreadState **ts);
+int call_end(Engine *e, int st, PyThreadState *ts);
+int call_enter(Engine *e, size_t bytes, PyThreadState **ts);
 PyObject *status_result(int st);
 void after_fork_child(void);
 int engine_add_types(PyObject *m);
 
 /* allreduce.c */
-int run_all_reduce(Engine *e, char *t, size_t count, int dtype, int op, uint32_t kind);
+int all_reduce_rounds(Engine *e, char *t, size_t count, int dtype, int op, uint32_t kind, PyThreadState **tsp);
 PyObject *eng_all_reduce(Engine *e, PyObject *const *args, Py_ssize_t nargs);
 
 /* rounds.c */
@@ -482,14 +499,14 @@ size_t *even_sizes(Engine *e, size_t v);
 PyObject *eng_gatherv(Engine *e, PyObject *const *args, Py_ssize_t nargs);
 uint64_t flat_key(uint64_t kind, uint64_t n, uint64_t world);
 PyObject *flat_gather(Engine *e, uint32_t kind, uint64_t tag, const char *mine, int code, long long n, size_t nbytes, char *out);
-int bcast_rounds(Engine *e, uint32_t kind, char *data, size_t total, int src, uint32_t dtype, uint64_t numel);
+int broadcast_rounds(Engine *e, uint32_t kind, char *data, size_t total, int src, uint32_t dtype, uint64_t numel);
 PyObject *eng_broadcast(Engine *e, PyObject *const *args, Py_ssize_t nargs);
 PyObject *eng_reduce_scatterv(Engine *e, PyObject *const *args, Py_ssize_t nargs);
-int rs_rounds(Engine *e, uint32_t kind, const char *x, int dtype, const size_t *sizes, char *out, int op, uint64_t arg, size_t outer);
+int reduce_scatter_rounds(Engine *e, uint32_t kind, const char *x, int dtype, const size_t *sizes, char *out, int op, uint64_t arg, size_t outer);
 PyObject *eng_alltoallv(Engine *e, PyObject *const *args, Py_ssize_t nargs);
-int split_list(PyObject *v, PyObject **list);
-int alltoall_splits_run(Engine *e, uint32_t kind, const char *x, PyObject *ins, char *out, PyObject *outs, const uint64_t *f);
-int alltoall_even_run(Engine *e, uint32_t kind, const char *x, char *out, size_t block, uint32_t code);
+int alltoall_split_list(PyObject *v, PyObject **list);
+int alltoall_splits_rounds(Engine *e, uint32_t kind, const char *x, PyObject *ins, char *out, PyObject *outs, const uint64_t *f);
+int alltoall_even_rounds(Engine *e, uint32_t kind, const char *x, char *out, size_t block, uint32_t code);
 PyObject *eng_alltoall_splits(Engine *e, PyObject *const *args, Py_ssize_t nargs);
 PyObject *mod_split_table_problem(PyObject *self, PyObject *args);
 
@@ -500,12 +517,16 @@ int cma_failed(Engine *e, int r, int err);
 int cma_rounds(Engine *e, uint32_t kind, uint32_t dtype, uint64_t numel, uint64_t arg, size_t total, const char *mine, const uint64_t *offs, const char *own, char *const *dst, const size_t *blk, const size_t *row, const size_t *n);
 int cma_gather(Engine *e, uint32_t kind, const char *mine, const size_t *cnt, char *out, char *const *dsts, uint32_t dtype, uint64_t numel, uint64_t arg, size_t total, int in_place, size_t outer);
 int cma_message(Engine *e, const pieces_t *pc, char **buf, char **addr, size_t *len, pieces_t *out);
+PyObject *eng_cma_init(Engine *e, PyObject *args);
 int cma_recv(Engine *e, int r, const char *desc, Py_ssize_t np, size_t dl, const pieces_t *dst);
 
 /* p2p.c */
-int check_rank(Engine *e, long r, const char *fn);
+int p2p_check_rank(Engine *e, long r, const char *fn);
 int p2p_malformed(Engine *e, int src, uint64_t w0, uint64_t dl);
-PyObject *eng_layout(Engine *e, PyObject *unused);
+size_t header_begin(char *h, int n);
+size_t header_put(char *p, int code, int nd, const long long *dims);
+int header_count(const unsigned char *h, size_t hl);
+int header_get(const unsigned char *h, size_t hl, size_t *at, int ncodes, int *code, int *nd, long long *dims);
 int parse_pieces(PyObject *list, pieces_t *pc);
 int bsend_step(Engine *e, bop_t *o);
 int send_pieces(Engine *e, int dst, const pieces_t *pc);
@@ -537,6 +558,8 @@ PyObject *eng_plain(Engine *e, PyObject *t);
 PyObject *eng_set_p2p_dtypes(Engine *e, PyObject *args);
 PyObject *eng_p2p_recv_into(Engine *e, PyObject *const *args, Py_ssize_t nargs);
 PyObject *eng_p2p_recv_new(Engine *e, PyObject *arg);
+PyObject *eng_message_header(Engine *e, PyObject *seq);
+PyObject *eng_parse_header(Engine *e, PyObject *b);
 PyObject *eng_p2p_sendrecv(Engine *e, PyObject *const *args, Py_ssize_t nargs);
 
 

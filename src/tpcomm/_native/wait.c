@@ -35,8 +35,8 @@ int take_abort(Engine *e)
     uint64_t a = atomic_load_explicit(&HDR(e)->abort_word, memory_order_acquire);
     if (!a)
         return 0;
-    e->err_reason = a >> 32;
-    e->err_rank = (int)(a & 0xffffffffu) - 1;
+    e->err.reason = a >> 32;
+    e->err.rank = (int)(a & 0xffffffffu) - 1;
     e->failed = 1;
     return 1;
 }
@@ -78,7 +78,7 @@ static int signal_raised(Engine *e, PyThreadState **ts)
  * every peer (the abort word, naming `blame`), return st. */
 int fail(Engine *e, int st, int err_rank, int blame)
 {
-    e->err_rank = err_rank;
+    e->err.rank = err_rank;
     e->failed = 1;
     set_abort(e, (uint64_t)st, blame);
     return st;
@@ -122,7 +122,7 @@ int wait_until(Engine *e, waiter_t *w, PyThreadState **ts)
     int recheck = 0;
     for (;;) {
         t = now_ns();
-        if (t - last < e->spin_ns) {
+        if (t - last < e->waits.spin_ns) {
             for (int i = 0; i < 64; i++) {
                 cpu_relax();
                 if ((st = w->poll(e, w, ts)) != WAIT_IDLE)
@@ -142,7 +142,7 @@ int wait_until(Engine *e, waiter_t *w, PyThreadState **ts)
         }
         if (st != WAIT_IDLE)
             return st;
-        if (t - last < e->spin_ns)
+        if (t - last < e->waits.spin_ns)
             continue;
         if (t >= next_check || recheck) {
             next_check = t + CHECK_NS;
@@ -156,7 +156,7 @@ int wait_until(Engine *e, waiter_t *w, PyThreadState **ts)
             recheck = 0;
             if (verdict != ST_OK)
                 return fail(e, verdict, who, verdict == ST_PEER_DEAD ? who : e->rank);
-            if (t - last >= e->timeout_ns)
+            if (t - last >= e->waits.timeout_ns)
                 return fail(e, ST_TIMEOUT, w->peer, e->rank);
             if (t >= next_signal) {
                 next_signal = t + SIGNAL_NS;
@@ -164,7 +164,7 @@ int wait_until(Engine *e, waiter_t *w, PyThreadState **ts)
                     return ST_INTERRUPTED;
             }
         }
-        if (t - last < e->yield_ns) {
+        if (t - last < e->waits.yield_ns) {
             sched_yield();
             continue;
         }
@@ -266,17 +266,17 @@ int round_sync(Engine *e, uint32_t kind, uint32_t dtype, uint32_t op, uint64_t c
         if (mismatch < 0 && (l->kind != kind || l->dtype != dtype || l->op != op ||
                              l->count != count || l->arg != arg)) {
             mismatch = r;
-            e->err_rank = r;
-            e->err_kind = l->kind;
-            e->err_dtype = l->dtype;
-            e->err_op = l->op;
-            e->err_count = l->count;
-            e->err_arg = l->arg;
-            e->err_my_kind = kind;
-            e->err_my_dtype = dtype;
-            e->err_my_op = op;
-            e->err_my_count = count;
-            e->err_my_arg = arg;
+            e->err.rank = r;
+            e->err.kind = l->kind;
+            e->err.dtype = l->dtype;
+            e->err.op = l->op;
+            e->err.count = l->count;
+            e->err.arg = l->arg;
+            e->err.my_kind = kind;
+            e->err.my_dtype = dtype;
+            e->err.my_op = op;
+            e->err.my_count = count;
+            e->err.my_arg = arg;
         }
     }
     return mismatch >= 0 ? ST_MISMATCH : ST_OK;

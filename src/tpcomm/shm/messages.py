@@ -21,7 +21,7 @@ import torch
 
 from .. import _native
 from ..errors import CommError
-from ..ops import ANY_DTYPE_CODES, dense, is_dense
+from ..ops import dense, is_dense
 
 if TYPE_CHECKING:
     from .engine import ShmEngine
@@ -40,46 +40,21 @@ _PREFIX = struct.Struct("<QQ")  # header bytes, data bytes
 
 
 # A message's header says what tensors follow.  Plain tensor lists (no extra)
-# get a binary header: P2P_BINARY, count, then per tensor dtype code, ndim and
-# the dims as int64; anything else is pickled (a pickle starts with 0x80).  The
-# core owns the format (its one-call send, recv and sendrecv read and write it:
-# _native/torch.c plain_message); these are its constants.
-_BINARY = _native.P2P_BINARY
-_ANY_CODES = ANY_DTYPE_CODES
-_CODE_TO_DTYPE = {code: dt for dt, code in ANY_DTYPE_CODES.items()}
-_DIMS = [struct.Struct(f"<BB{n}q") for n in range(_native.P2P_MAX_DIMS + 1)]
+# get the core's binary header (_native/p2p.c header_*: written and read there
+# only, here through ShmEngine.message_header / parse_header); anything else is
+# pickled (a pickle starts with 0x80, never P2P_BINARY).
 
 
-def _binary_header(datas: Sequence[torch.Tensor]) -> bytes | None:
-    if len(datas) > _native.P2P_MAX_TENSORS:
-        return None
-    parts = [bytes((_BINARY, len(datas)))]
-    for t in datas:
-        code = _ANY_CODES.get(t.dtype)
-        nd = t.dim()
-        if code is None or nd >= len(_DIMS):
-            return None
-        parts.append(_DIMS[nd].pack(code, nd, *t.shape))
-    return b"".join(parts)
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A dense tensor as an exact torch.Tensor (a subclass's data, viewed)."""
+    return t if type(t) is torch.Tensor else t.as_subclass(torch.Tensor)
 
 
-def _parse_binary(header: bytes) -> list[tuple[torch.dtype, tuple]]:
-    specs = []
-    at = 2
-    for _ in range(header[1]):
-        code, nd = header[at], header[at + 1]
-        st = _DIMS[nd]
-        dims = st.unpack_from(header, at)[2:]
-        specs.append((_CODE_TO_DTYPE[code], dims))
-        at += st.size
-    return specs
-
-
-def message_pieces(datas: Sequence[torch.Tensor], extra: Any) -> list:
+def message_pieces(eng: ShmEngine, datas: Sequence[torch.Tensor], extra: Any) -> list:
     """The byte stream of a message of dense tensors (and a picklable ``extra``):
     the prefix and header as bytes, then (address, nbytes) of each tensor (the
     caller keeps ``datas`` alive while the pieces are in use)."""
-    header = _binary_header(datas) if extra is None else None
+    header = expected_header(eng, datas) if extra is None else None
     if header is None:
         meta = ([(str(t.dtype).rsplit(".", 1)[-1], tuple(t.shape)) for t in datas], extra)
         header = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
@@ -92,22 +67,23 @@ def message_pieces(datas: Sequence[torch.Tensor], extra: Any) -> list:
 def send(eng: ShmEngine, fn: str, dst: int, tensors: Sequence[torch.Tensor], extra: Any) -> None:
     """Stream the tensors (and a picklable ``extra``) to ``dst`` (the loop is C)."""
     datas = [dense(t) for t in tensors]  # alive until the send is done: pieces point in
-    status = eng._native.p2p_send(dst, message_pieces(datas, extra))
+    status = eng._native.p2p_send(dst, message_pieces(eng, datas, extra))
     del datas
     if status:
         eng.raise_status(status, fn)
 
 
-def expected_header(tensors: Sequence[torch.Tensor]) -> bytes | None:
-    """The header a send of exactly these tensors carries; None when that is not
-    the compact binary form (p2p_batch compares headers byte for byte)."""
-    return _binary_header(tensors)
+def expected_header(eng: ShmEngine, tensors: Sequence[torch.Tensor]) -> bytes | None:
+    """The header a send of exactly these (dense) tensors carries; None when that
+    is not the binary form (p2p_batch compares headers byte for byte)."""
+    return eng.message_header([_plain(t) for t in tensors])
 
 
-def decode_header(header: bytes) -> tuple[list[tuple[torch.dtype, tuple]], Any]:
+def decode_header(eng: ShmEngine, header: bytes) -> tuple[list[tuple[torch.dtype, tuple]], Any]:
     """A message header as ([(dtype, shape), ...], extra)."""
-    if header[:1] == bytes((_BINARY,)):
-        return _parse_binary(header), None
+    specs = eng.parse_header(header)
+    if specs is not None:
+        return specs, None
     named, extra = pickle.loads(header)
     return [(getattr(torch, name), tuple(shape)) for name, shape in named], extra
 
@@ -196,7 +172,7 @@ def recv_rest(
 def _recv_body(
     eng: ShmEngine, fn: str, src: int, out: Sequence[torch.Tensor] | None, header: bytes
 ) -> tuple[list[torch.Tensor], Any]:
-    specs, extra = decode_header(header)
+    specs, extra = decode_header(eng, header)
     problem = None
     tensors = None
     if out is not None:

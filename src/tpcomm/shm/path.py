@@ -408,7 +408,7 @@ class ShmPath(Path):
     def try_send(self, fn: str, dst: int, tensors: Sequence[_Tensor]) -> bool:
         """Send only if the channel's ring takes the whole message now."""
         datas = [dense(t) for t in tensors]
-        status = self.engine.send_if_room(dst, messages.message_pieces(datas, None))
+        status = self.engine.send_if_room(dst, messages.message_pieces(self.engine, datas, None))
         if status:
             self.engine.raise_status(status, "send")
         return status is not None
@@ -441,9 +441,9 @@ class ShmPath(Path):
         header = b""  # matches no message: it lands in a bytearray
         dests: list = []
         if out is not None and all(is_dense(o) for o in out):
-            header = messages.expected_header(out) or b""
+            header = messages.expected_header(self.engine, out) or b""
             dests = [(o.data_ptr(), n) for o in out if (n := o.numel() * o.element_size())]
-        ops = [(1, dst, messages.message_pieces(datas, None)), (0, src, header, dests)]
+        ops = [(1, dst, messages.message_pieces(self.engine, datas, None)), (0, src, header, dests)]
         odd = messages.batch(self.engine, fn, ops)
         del datas
         if not odd:
@@ -455,7 +455,7 @@ class ShmPath(Path):
     ) -> list:
         """The end of a sendrecv whose message did not match ``out`` (or had
         none): it was received whole into ``data``."""
-        specs, extra = messages.decode_header(got_header)
+        specs, extra = messages.decode_header(self.engine, got_header)
         if extra is not None:
             raise CommError(f"{fn}: rank {src} sent a dict or a scatter part, not a tensor list")
         got = messages.tensors_from_bytes(specs, data)
@@ -479,10 +479,10 @@ class ShmPath(Path):
             if what == "send":
                 datas = [dense(t) for t in tensors]
                 keep.append(datas)
-                native.append((1, peer, messages.message_pieces(datas, None)))
+                native.append((1, peer, messages.message_pieces(self.engine, datas, None)))
             elif (
                 all(is_dense(t) for t in tensors)
-                and (header := messages.expected_header(tensors)) is not None
+                and (header := messages.expected_header(self.engine, tensors)) is not None
             ):
                 dests = [(t.data_ptr(), n) for t in tensors if (n := t.numel() * t.element_size())]
                 native.append((0, peer, header, dests))
@@ -492,7 +492,7 @@ class ShmPath(Path):
         del keep
         errors: list = [None] * len(ops)
         for i, header, data in odd:  # a message that is not exactly what the recv expected
-            specs, extra = messages.decode_header(header)
+            specs, extra = messages.decode_header(self.engine, header)
             got = messages.tensors_from_bytes(specs, data)
             errors[i] = take_message(ops[i][1], ops[i][2], got, extra)
         return errors

@@ -1,0 +1,149 @@
+"""Helpers the test modules share: ports, starting ranks as separate
+interpreters, a torch.distributed job inside launched ranks, a tiny tmpfs,
+and the checks of what ranks saw.  (Independent references: ``_ref.py``;
+fixtures: ``conftest.py``.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch.distributed as dist
+
+import tpcomm
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_env(comm, port, **extra):
+    """Set the variables torchrun would set for this rank (and ``extra``)."""
+    os.environ.update(
+        RANK=str(comm.rank),
+        WORLD_SIZE=str(comm.world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        **extra,
+    )
+
+
+def init_dist(comm, port, backend="gloo"):
+    """torch.distributed's world over a launched rank's place (``comm``'s)."""
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=comm.rank,
+        world_size=comm.world_size,
+    )
+
+
+def script_ranks(
+    script,
+    envs,
+    timeout=120,
+    *,
+    drop=("TPCOMM_",),
+    keep=(),
+    stderr=False,
+):
+    """Run ``script`` (a string, or one per rank) as the ranks of a from_env job,
+    each a fresh interpreter: rank r gets RANK, WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT and ``envs[r]``; the caller's variables starting with ``drop``
+    are left out (but those named in ``keep``).  Every rank is killed at the
+    end, however it went.  Returns (exit status, stdout[, stderr]) per rank."""
+    port = free_port()
+    scripts = [script] * len(envs) if isinstance(script, str) else list(script)
+    procs = []
+    try:
+        for r, extra in enumerate(envs):
+            env = {
+                k: v for k, v in os.environ.items() if k in keep or not k.startswith(tuple(drop))
+            }
+            env.update(
+                RANK=str(r), WORLD_SIZE=str(len(envs)), MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+            )  # fmt: skip
+            env.update(extra)
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", scripts[r]],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE if stderr else None,
+                    text=True,
+                    cwd="/",
+                )
+            )
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    if stderr:
+        return [(p.returncode, o.strip(), e) for p, (o, e) in zip(procs, outs)]
+    return [(p.returncode, o.strip()) for p, (o, _) in zip(procs, outs)]
+
+
+def mount_tiny_tmpfs(size: str) -> str:
+    """A tmpfs of ``size`` on a new directory (skips where mounting is refused)."""
+    d = tempfile.mkdtemp(prefix="tpc-tiny-")
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", d], capture_output=True
+    )
+    if r.returncode != 0:
+        os.rmdir(d)
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    return d
+
+
+def unexpected_errors(cases) -> list[str]:
+    """Run ``(call, exception type, text)`` cases; list every one that did not raise
+    that type with ``text`` in its message.  A case whose type is None, or whose
+    text is "no error", expects no error and is not run here."""
+    problems = []
+    for call, exc, text in cases:
+        if exc is None or text == "no error":
+            continue
+        try:
+            call()
+            problems.append(f"{text}: no error")
+        except exc as e:
+            if text not in str(e):
+                problems.append(f"{text}: got {e}")
+        except Exception as e:
+            problems.append(f"{text}: raised {type(e).__name__}: {e}")
+    return problems
+
+
+def comm_error_of(call) -> object:
+    """What call() ended in: "no error", or [the CommError's type name, its message]."""
+    try:
+        call()
+    except tpcomm.CommError as e:
+        return [type(e).__name__, str(e)]
+    return "no error"
+
+
+def write_json(path: str, value) -> None:
+    """What a rank saw, for the test process to read after the rank is gone."""
+    with open(path, "w") as f:
+        json.dump(value, f)
+
+
+def assert_survivors_saw(outdir, dead: int, survivors) -> None:
+    """Every survivor wrote [PeerFailedError.rank, time] (write_json) naming the
+    dead rank, less than 2 s after the dead rank wrote its time to `killed`."""
+    with open(os.path.join(outdir, "killed")) as f:
+        killed = json.load(f)
+    for r in survivors:
+        with open(os.path.join(outdir, f"rank{r}")) as f:
+            rank, t = json.load(f)
+        assert rank == dead, (r, rank)
+        assert t - killed < 2.0, (r, t - killed)
