@@ -43,7 +43,7 @@ __all__ = ["NOT_PLAIN", "ShmPath"]
 
 _Tensor = torch.Tensor
 
-# plain_gather, all_gather_fast, gather_fast: not their case (the general road runs)
+# plain_gather: not its case (the general road runs)
 NOT_PLAIN = object()
 
 
@@ -61,25 +61,19 @@ class ShmPath(Path):
         # the one-call entries, bound C methods (no Python frame in between)
         self.fast_all_reduce = engine.fast_all_reduce
         self.fast_all_gather = engine.fast_all_gather
+        self.fast_gather = engine.fast_gather
         self.fast_reduce_scatter = engine.fast_reduce_scatter
         self.fast_broadcast = engine.fast_broadcast
         self.fast_all_to_all = engine.fast_all_to_all
         self.fast_send = engine.p2p_send_tensors
+        self.fast_recv = engine.p2p_recv_new
+        self.fast_sendrecv = engine.p2p_sendrecv
         self.raise_status = engine.raise_status
 
     @staticmethod
     def should_use(call: routing.Call) -> Optional[str]:
         """Shared memory takes every call but the reductions it lacks."""
         return routing.engine_objection(call)
-
-    def ran(self, status: Optional[int], fn: str) -> bool:
-        """A one-call entry's answer: True when it did the call, False when it
-        left the call to the general road (None); raises on a failure."""
-        if status is None:
-            return False
-        if status:
-            self.engine.raise_status(status, fn)
-        return True
 
     # -- state -------------------------------------------------------------
 
@@ -224,37 +218,6 @@ class ShmPath(Path):
         )  # fmt: skip
         return res
 
-    def all_gather_fast(self, tensor: Any, dim: Any) -> Any:
-        """all_gather's common case (a plain tensor, an int dim): one C call for
-        1-d (as all_gather_into_tensor, the same key), else one C check and the
-        rounds (``plain_gather``); NOT_PLAIN: the general road."""
-        if type(dim) is not int:
-            return NOT_PLAIN
-        if dim == 0 and type(tensor) is _Tensor and tensor.dim() == 1:
-            out = torch.empty(self.world * tensor.shape[0], dtype=tensor.dtype)
-            if self.ran(self.fast_all_gather(out, tensor), "all_gather"):
-                return out
-        return self.plain_gather("all_gather", tensor, dim, None, None)
-
-    def gather_fast(self, tensor: Any, dst: Any, dim: Any, out: Any) -> Any:
-        """gather's common case (a plain tensor, a fitting out= or none); 1-d:
-        one C call (fast_gather, the same layout key).  NOT_PLAIN: the general
-        road."""
-        if not (type(dim) is int and type(dst) is int and 0 <= dst < self.world):
-            return NOT_PLAIN
-        if (
-            type(tensor) is _Tensor
-            and tensor.dim() == 1
-            and (dim == 0 or dim == -1)
-            and (out is None or (type(out) is _Tensor and out.dim() == 1))
-        ):
-            res = out if self.rank == dst else None
-            if res is None and self.rank == dst:
-                res = torch.empty(self.world * tensor.shape[0], dtype=tensor.dtype)
-            if self.ran(self.engine.fast_gather(tensor, res, dst), "gather"):
-                return res
-        return self.plain_gather("gather", tensor, dim, dst, out)
-
     def gather_list(
         self, fn: str, outs: Sequence[Any], tensor: _Tensor, root: Optional[int]
     ) -> None:
@@ -381,17 +344,15 @@ class ShmPath(Path):
     def recv(self, fn: str, src: int, out: Optional[Sequence[_Tensor]] = None) -> tuple[list, Any]:
         return messages.recv(self.engine, fn, src, out)
 
-    def recv_fast(self, src: Any, out: Any) -> Optional[list]:
-        """recv's common case: into ``out`` (one C call), or into new tensors (one C
-        call; a pickled header finishes here).  None: the general road."""
+    def recv_left(self, src: Any, out: Any, new: Any) -> Optional[list]:
+        """What recv's one-call entries left (``fast_recv``'s answer ``new``, or,
+        with ``out``, the whole receive into it): a status raised, a pickled
+        header's message read, or None (nothing received: the general road)."""
         fn = "recv"
         eng = self.engine
         if out is not None:
             got = messages.recv_into(eng, fn, src, out)
             return None if got is None else got[0]
-        new = eng.p2p_recv_new(src)
-        if type(new) is list:
-            return new
         if type(new) is int:
             eng.raise_status(new, fn)
         if new is not None:  # a header C leaves to Python (pickled)
@@ -412,18 +373,6 @@ class ShmPath(Path):
         if status:
             self.engine.raise_status(status, "send")
         return status is not None
-
-    def sendrecv_fast(self, dst: Any, tensors: Any, src: Any, out: Any) -> Optional[list]:
-        """sendrecv of plain tensors in one C call; None: the general road."""
-        fn = "sendrecv"
-        got = self.engine.p2p_sendrecv(dst, tensors, src, out)
-        if type(got) is int:
-            if got:
-                self.engine.raise_status(got, fn)
-            return list(out)
-        if got is not None:  # no out, or it did not match: received aside
-            return self._sendrecv_rest(fn, src, out, *got)
-        return None
 
     def sendrecv(
         self,
@@ -448,9 +397,9 @@ class ShmPath(Path):
         del datas
         if not odd:
             return list(out)  # type: ignore[arg-type]
-        return self._sendrecv_rest(fn, src, out, odd[0][1], odd[0][2])
+        return self.sendrecv_rest(fn, src, out, odd[0][1], odd[0][2])
 
-    def _sendrecv_rest(
+    def sendrecv_rest(
         self, fn: str, src: int, out: Optional[Sequence[_Tensor]], got_header: bytes, data: Any
     ) -> list:
         """The end of a sendrecv whose message did not match ``out`` (or had
