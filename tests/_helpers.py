@@ -17,6 +17,13 @@ import torch.distributed as dist
 
 import tpcomm
 
+# What a loaded 2-core machine may add to a wait that should end at once (a
+# peer's death seen, an abort, Ctrl-C).  A bound on time in a test is a bound
+# on a hang: each such bound is SLACK_S, compared against waits (the
+# communicators' timeouts) several times longer, so it still tells "noticed"
+# from "waited for the timeout" without needing an idle machine.
+SLACK_S = 10.0
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -51,13 +58,14 @@ def script_ranks(
     timeout=120,
     *,
     drop=("TPCOMM_",),
-    keep=(),
+    keep=("TPCOMM_SHM_DIR",),
     stderr=False,
 ):
     """Run ``script`` (a string, or one per rank) as the ranks of a from_env job,
     each a fresh interpreter: rank r gets RANK, WORLD_SIZE, MASTER_ADDR,
     MASTER_PORT and ``envs[r]``; the caller's variables starting with ``drop``
-    are left out (but those named in ``keep``).  Every rank is killed at the
+    are left out (but those named in ``keep``: the suite's shm directory, so
+    that the ranks create, sweep and leak only there).  Every rank is killed at the
     end, however it went.  Returns (exit status, stdout[, stderr]) per rank."""
     port = free_port()
     scripts = [script] * len(envs) if isinstance(script, str) else list(script)
@@ -139,11 +147,11 @@ def write_json(path: str, value) -> None:
 
 def assert_survivors_saw(outdir, dead: int, survivors) -> None:
     """Every survivor wrote [PeerFailedError.rank, time] (write_json) naming the
-    dead rank, less than 2 s after the dead rank wrote its time to `killed`."""
+    dead rank, less than SLACK_S after the dead rank wrote its time to `killed`."""
     with open(os.path.join(outdir, "killed")) as f:
         killed = json.load(f)
     for r in survivors:
         with open(os.path.join(outdir, f"rank{r}")) as f:
             rank, t = json.load(f)
         assert rank == dead, (r, rank)
-        assert t - killed < 2.0, (r, t - killed)
+        assert t - killed < SLACK_S, (r, t - killed)

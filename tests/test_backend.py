@@ -17,7 +17,7 @@ import torch.distributed as dist
 import tpcomm
 from tpcomm import _testing
 
-from ._helpers import free_port, init_dist
+from ._helpers import SLACK_S, free_port, init_dist
 
 
 def _tpcomm_world(comm, port, backend="cpu:tpcomm"):
@@ -602,7 +602,7 @@ def test_dead_peer_under_dist_all_reduce_raises_peer_failed(tmp_path):
         g.run(_peer_dies_in_dist_all_reduce, free_port(), str(tmp_path), timeout=90)
     for r in (0, 2):
         peer, took = json.loads((tmp_path / f"rank{r}").read_text())
-        assert peer == 1 and took < 2.0, (r, peer, took)
+        assert peer == 1 and took < SLACK_S, (r, peer, took)
 
 
 def shut_down(comm, port):
@@ -794,7 +794,7 @@ def test_tpcomm_timeout_applies_to_the_backend(monkeypatch):
     monkeypatch.setenv("TPCOMM_TIMEOUT", "2")
     msg, waited = tpcomm.launch(waits_past_tpcomm_timeout, 2, args=(free_port(),), timeout=120)[0]
     assert "Timed out after 2s: rank 0 waited for rank 1" in msg, msg
-    assert 1.5 < waited < 5.0, waited
+    assert 1.5 < waited < 2.0 + SLACK_S, waited
 
 
 def _shape_of(v):

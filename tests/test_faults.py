@@ -16,6 +16,8 @@ import torch
 import tpcomm
 from tpcomm.launch import LocalGroup
 
+from ._helpers import SLACK_S
+
 
 def _write(path, obj):
     with open(path, "w") as f:
@@ -64,7 +66,7 @@ def test_sigkill_mid_all_reduce(tmp_path, world, victim, numel):
         rec = json.loads((tmp_path / f"rank{r}").read_text())
         assert rec["rank"] == victim, rec
         assert rec["calls"] > 0, "the kill should land in the middle of the loop"
-        assert rec["t"] - killed < 2.0, f"rank {r} took {rec['t'] - killed:.2f}s to notice"
+        assert rec["t"] - killed < SLACK_S, f"rank {r} took {rec['t'] - killed:.2f}s to notice"
         assert f"rank {victim}" in rec["msg"]
 
 
@@ -105,7 +107,7 @@ def test_survivors_see_peer_failed(tmp_path):
     for r in (0, 2, 3):
         peer, took = json.loads((tmp_path / f"rank{r}").read_text())
         assert peer == 1
-        assert took < 2.0
+        assert took < SLACK_S
 
 
 def one_rank_stays_away(comm):
@@ -131,8 +133,8 @@ def test_live_peer_that_never_joins_times_out():
         assert "timed out" in msg or "waited" in msg
         took.append(t)
     # the first rank to time out waited the full second; the other may have
-    # started its wait a little later and learns through the abort word
-    assert max(took) > 0.9 and min(took) > 0.5 and max(took) < 2.5, took
+    # started its wait later and learns through the abort word
+    assert max(took) > 0.9 and max(took) < 1.0 + SLACK_S, took
 
 
 def close_then_peer_waits(comm):
@@ -219,7 +221,7 @@ def test_ctrl_c_does_not_wait_for_the_timeout(where):
     with LocalGroup(2, timeout=60) as g:
         res = g.run(interrupted_while_waiting, where, timeout=60)
     kind, took = res[0]
-    assert kind == "interrupt" and took < 1.5, res[0]
+    assert kind == "interrupt" and took < SLACK_S, res[0]  # the timeout: 60 s
     assert res[1] == ["peer", 0, True]
 
 
@@ -250,7 +252,7 @@ def test_a_forked_helper_does_not_keep_a_dead_rank_alive(tmp_path):
         killed = json.loads((tmp_path / "killed").read_text())
         rank, t = json.loads((tmp_path / "rank1").read_text())
         assert rank == 0
-        assert t - killed < 2.0, f"rank 1 took {t - killed:.2f}s to notice"
+        assert t - killed < SLACK_S, f"rank 1 took {t - killed:.2f}s to notice"
     finally:
         helper = tmp_path / "helper"
         if helper.exists():

@@ -15,6 +15,8 @@ import torch
 
 from tpcomm.launch import LocalGroup
 
+from ._helpers import SLACK_S
+
 
 def empty_vs_all_reduce(comm):
     t0 = time.monotonic()
@@ -40,7 +42,7 @@ def test_empty_mismatch_leaves_the_communicator_usable():
         res = g.run(empty_vs_all_reduce, timeout=60)
     for first, took, x, y in res:
         assert "mismatched collective" in first and "empty" in first and "all_reduce" in first
-        assert took < 5.0
+        assert took < SLACK_S
         assert x == [3.0] * 8 and y == 4.0
 
 
@@ -68,5 +70,5 @@ def test_dup_takes_part_in_mismatch_detection():
         res = g.run(dup_vs_barrier, timeout=60)
     for first, took, x in res:
         assert "mismatched collective" in first and "dup()" in first and "barrier()" in first
-        assert took < 5.0
+        assert took < SLACK_S
         assert x == [2.0] * 4

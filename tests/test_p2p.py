@@ -20,7 +20,7 @@ import tpcomm
 from tpcomm import _testing
 from tpcomm.launch import LocalGroup
 
-from ._helpers import assert_survivors_saw, comm_error_of, unexpected_errors
+from ._helpers import SLACK_S, assert_survivors_saw, comm_error_of, unexpected_errors
 from ._ref import MOVE_DTYPES, make
 
 
@@ -105,7 +105,7 @@ def test_ring_in_order(pools, world):
     for r, (first_send, got) in enumerate(res):
         left = (r - 1) % world
         assert got == [[left, k] for k in range(50)]
-        assert first_send < 1.0
+        assert first_send < SLACK_S  # a send that waited for its receiver: 30 s
 
 
 def both_directions(comm):
@@ -291,7 +291,7 @@ def test_collective_crossing_p2p_fails_fast_on_both_sides(which):
     (err0, t0), (err1, t1) = res
     assert err0 != "no error" and "point-to-point" in err0[1] and "crossed" in err0[1], err0
     assert err1 != "no error" and "rank 0 waited for this rank in a collective" in err1[1], err1
-    assert t0 < 10 and t1 < 10, (t0, t1)
+    assert t0 < SLACK_S and t1 < SLACK_S, (t0, t1)
     assert err0[0] == err1[0] == "CommError"
 
 
@@ -501,7 +501,7 @@ def test_a_malformed_message_is_an_error_on_both_sides(which):
         (sent, t_send), (got, t_recv) = g.run(crafted_lengths, which, timeout=60)
     assert "rank 0 sent rank 1 a point-to-point message whose lengths" in got, got
     assert "rank 0 sent a point-to-point message whose lengths" in sent, sent
-    assert t_recv < 5.0 and t_send < 5.0
+    assert t_recv < SLACK_S and t_send < SLACK_S  # the timeout: 20 s
 
 
 def many_to_one(comm):
@@ -543,4 +543,4 @@ def test_recv_any_times_out_when_nobody_sends():
     with LocalGroup(2, timeout=1.0) as g:
         (err, took), _ = g.run(nothing_comes, timeout=60)
     assert err[0] == "CommTimeoutError" and "from any rank" in err[1], err
-    assert took < 10
+    assert took < 1.0 + SLACK_S

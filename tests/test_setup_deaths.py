@@ -71,7 +71,7 @@ except Exception as e:
 def _job(world: int, victim: int, point: str, timeout: float = 120) -> list:
     """(rank, exit status, first word of its report, the report) of every rank."""
     envs = [{"VICTIM": str(victim), "POINT": point}] * world
-    ranks = script_ranks(SCRIPT, envs, timeout, keep=("TPCOMM_SHM_DIR",))
+    ranks = script_ranks(SCRIPT, envs, timeout)
     return [(r, code, out) for r, (code, out) in enumerate(ranks)]
 
 

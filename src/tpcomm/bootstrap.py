@@ -24,6 +24,7 @@ __all__ = [
     "host_identity",
     "exchange",
     "broadcast_from_rank0",
+    "death_explains",
     "master_store",
     "Watch",
     "process_record",
@@ -236,6 +237,24 @@ class Watch:
             )
 
 
+# How long a failed store waits for the watch to see a peer's death first:
+# the kernel closes a killed process's sockets before its process record shows
+# it dead (a zombie), so the store's error can come first.
+_STORE_GRACE_S = 5.0
+
+
+def death_explains(watch: Watch, what: str) -> None:
+    """The store failed: PeerFailedError if a peer died (the store's host,
+    most likely), seen within _STORE_GRACE_S; else return (a CommError
+    follows).  The same error class whichever the waiter noticed first."""
+    end = time.monotonic() + _STORE_GRACE_S
+    while True:
+        watch.check(what)
+        if time.monotonic() >= end:
+            return
+        time.sleep(_POLL_S)
+
+
 def _wait(
     store: Any, keys: list[str], timeout: float, what: str, watch: Optional[Watch] = None
 ) -> None:
@@ -263,7 +282,7 @@ def _wait_until(
                 return
         except Exception as e:  # the store is gone (the rank hosting it died?)
             if watch is not None:
-                watch.check(what)
+                death_explains(watch, what)
             raise CommError(
                 f"tpcomm: the set-up store failed while waiting for {what}: {e}"
             ) from None

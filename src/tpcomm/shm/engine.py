@@ -12,7 +12,7 @@ import time
 from typing import Any, Optional
 
 from .. import _env, _native, layout, routing
-from ..bootstrap import Watch, broadcast_from_rank0, local_cpu_count
+from ..bootstrap import Watch, broadcast_from_rank0, death_explains, local_cpu_count
 from ..errors import CommError, CommTimeoutError, PeerFailedError
 from ..ops import ALL_DTYPES, ANY_CODE_DTYPES, CODE_DTYPES, DTYPE_CODES, ReduceOp, dense
 from . import segment
@@ -319,7 +319,15 @@ class ShmEngine:
         while True:
             if self._native.wait_attached(min(0.05, max(deadline - time.monotonic(), 0.0))):
                 return True
-            if store.check([key]):
+            try:
+                failed = store.check([key])
+            except Exception as e:  # the store is gone (the rank hosting it died?)
+                if watch is not None:
+                    death_explains(watch, "every rank to attach to the segment")
+                raise CommError(
+                    f"tpcomm: the set-up store failed while ranks attached: {e}"
+                ) from None
+            if failed:
                 why = store.get(key).decode()
                 raise CommError(
                     f"tpcomm: {why} (this is rank {self.rank}, uid {os.getuid()}: every rank "
