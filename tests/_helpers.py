@@ -113,11 +113,21 @@ def mount_tiny_tmpfs(size: str) -> str:
 
 def unexpected_errors(cases) -> list[str]:
     """Run ``(call, exception type, text)`` cases; list every one that did not raise
-    that type with ``text`` in its message.  A case whose type is None, or whose
-    text is "no error", expects no error and is not run here."""
+    that type with ``text`` in its message.  A case whose type is None expects no
+    error: ``(call, None, what it is, expected result)``, and its result must be
+    equal (``torch.equal``) to the expected one."""
+    import torch
+
     problems = []
-    for call, exc, text in cases:
-        if exc is None or text == "no error":
+    for call, exc, text, *expected in cases:
+        if exc is None:
+            try:
+                got = call()
+            except Exception as e:
+                problems.append(f"{text}: raised {type(e).__name__}: {e}")
+                continue
+            if not (expected and torch.equal(got, expected[0])):
+                problems.append(f"{text}: got {got!r}, expected {expected[:1]!r}")
             continue
         try:
             call()

@@ -206,19 +206,22 @@ def bad_collective_args(comm):
         ),
         (
             lambda: comm.reduce_scatter(torch.ones(w * 2 + 1)),
-            ValueError,
-            "does not divide" if w > 1 else "no error",
+            ValueError if w > 1 else None,
+            "does not divide" if w > 1 else "reduce_scatter over one rank",
+            torch.ones(3),
         ),
         (
             lambda: comm.reduce_scatter(torch.ones(w, dtype=torch.bool)),
-            None,  # not in the engine: the private gloo group does it
-            "reduce_scatter: unsupported dtype torch.bool",
+            None,  # not in the engine: the private gloo group does it (logical or)
+            "reduce_scatter of bool through torch.distributed",
+            torch.ones(1, dtype=torch.bool),
         ),
         (lambda: comm.reduce_scatterv(torch.ones(5), [1] * w), ValueError, "sizes add up to"),
         (
             lambda: comm.reduce_scatterv(torch.ones(5), [5]),
             ValueError if w > 1 else None,
-            "sizes must be a list of",
+            "sizes must be a list of" if w > 1 else "reduce_scatterv over one rank",
+            torch.ones(5),
         ),
         (lambda: comm.all_gatherv(torch.ones(2), [3] * w), ValueError, "but sizes["),
         (
