@@ -7,6 +7,7 @@ sums, within float32 tolerance otherwise)."""
 
 from __future__ import annotations
 
+import datetime
 import logging
 import time
 
@@ -880,3 +881,65 @@ def test_works_and_results_are_gloos():
     ):
         assert mine == theirs
         assert wrong == ["ValueError", "RuntimeError"]
+
+
+def _call_sites() -> list:
+    """Every ``<group>.<method>(...)`` call in torch.distributed's own
+    distributed_c10d.py whose method the tpcomm ProcessGroup defines: (method,
+    positional argument count, keyword names, line)."""
+    import ast
+    import inspect
+
+    import torch.distributed.distributed_c10d as c10d
+
+    tree = ast.parse(inspect.getsource(c10d))
+    ours = {n for n, v in vars(tpcomm.ProcessGroupTpcomm).items() if callable(v) and n[0] != "_"}
+    sites = []
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ours
+            and not any(isinstance(a, ast.Starred) for a in node.args)
+            and all(k.arg is not None for k in node.keywords)
+        ):
+            keys = tuple(k.arg for k in node.keywords)
+            sites.append((node.func.attr, len(node.args), keys, node.lineno))
+    return sites
+
+
+def test_the_process_group_takes_every_argument_torch_passes():
+    """torch.distributed calls a ProcessGroup's methods with positional and
+    keyword arguments of its own choosing (monitored_barrier(timeout,
+    wait_all_ranks=...) raised TypeError here): every call site in torch's
+    distributed_c10d.py binds to the tpcomm ProcessGroup's method."""
+    import inspect
+
+    sites = _call_sites()
+    names = {m for m, *_ in sites}
+    assert {"monitored_barrier", "allreduce", "barrier", "send", "recv_anysource"} <= names
+    problems = []
+    for method, npos, keys, line in sites:
+        sig = inspect.signature(getattr(tpcomm.ProcessGroupTpcomm, method))
+        try:
+            sig.bind(None, *([None] * npos), **dict.fromkeys(keys))
+        except TypeError as e:
+            problems.append(f"distributed_c10d.py:{line} {method}({npos} args, {keys}): {e}")
+    assert problems == []
+
+
+def _monitored(comm, port):
+    init_dist(comm, port, "cpu:tpcomm")
+    try:
+        pg = dist.group.WORLD  # dist.monitored_barrier itself admits gloo groups only
+        pg.monitored_barrier(datetime.timedelta(seconds=30), wait_all_ranks=True)
+        pg.monitored_barrier()
+        return "ok"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_monitored_barrier_as_torch_calls_it():
+    """The form distributed_c10d.monitored_barrier uses: (timeout,
+    wait_all_ranks=...), served by the private gloo group."""
+    assert tpcomm.launch(_monitored, 2, args=(free_port(),), timeout=120) == ["ok", "ok"]

@@ -332,10 +332,15 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
         self._comm.barrier()
         return Done([])
 
-    def monitored_barrier(self, *args: Any) -> Any:
+    def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> Any:
+        """gloo's (it names the ranks that did not arrive), as torch calls it:
+        ``monitored_barrier(timeout, wait_all_ranks=...)``."""
         if _WAITING:
             flush_waiting()
-        return self._private_gloo().monitored_barrier(*args)
+        gloo = self._private_gloo()
+        if timeout is None:
+            return gloo.monitored_barrier(wait_all_ranks=wait_all_ranks)
+        return gloo.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
 
     def send(self, tensors: list, dst: int, tag: int = 0) -> Any:
         if tag or self._cannot_defer(tensors):
