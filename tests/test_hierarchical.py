@@ -44,6 +44,7 @@ def hierarchical(comm, port, hosts):
         with tpcomm.Communicator(timeout=30) as c:
             h = c._hier
             checks["hierarchy"] = h is not None and h.hosts == len(set(hosts))
+            checks["properties"] = c.spans_hosts and not c.shared_memory and not c.single_copy
             gen = torch.Generator().manual_seed(100 + r)
             for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64):
                 for op in ("SUM", "MAX", "MIN", "AVG"):

@@ -47,10 +47,18 @@ def program(comm, seed: int, steps: int):
     for step in range(steps):
         kind = rng.choice(
             ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "gather", "sendrecv"]
-            + ["p2p", "barrier", "all_gatherv", "all_reduce strided"]
+            + ["p2p", "barrier", "all_gatherv", "all_reduce strided", "all_to_all", "scatter"]
+            + ["recv_any", "empty"]
         )
         numel = rng.choice(SIZES)
         sd = seed * 100_000 + step
+        if kind == "empty":  # an all_reduce of a comm.empty() tensor reads the peers in place
+            dtype = rng.choice([torch.float32, torch.bfloat16, torch.int64])
+            xs = [make(q, numel, dtype, sd) for q in range(w)]
+            t = comm.empty((numel,), dtype)
+            t.copy_(xs[r])
+            check(step, f"{kind} {dtype}", comm.all_reduce(t), reference(xs, tpcomm.ReduceOp.SUM))
+            continue
         if kind in ("all_reduce", "all_reduce strided", "reduce_scatter"):
             dtype = rng.choice(DTYPES)
             ops = list(tpcomm.ReduceOp)
@@ -113,6 +121,28 @@ def program(comm, seed: int, steps: int):
             else:
                 check(step, f"{kind} {dtype} to {r}", comm.recv(0)[0], xs[0])
                 comm.send([xs[r]], 0)
+        elif kind == "all_to_all":  # uneven splits, the same table on every rank
+            splits = [[rng.randrange(0, 4) for _ in range(w)] for _ in range(w)]
+            rows = [make(q, (sum(splits[q]), 3), dtype, sd) for q in range(w)]
+            ins, outs = splits[r], [splits[q][r] for q in range(w)]
+            got = comm.all_to_all_single(torch.empty(sum(outs), 3, dtype=dtype), rows[r], outs, ins)
+            want = torch.cat(
+                [rows[q].split(splits[q])[r] for q in range(w)]
+            )  # fmt: skip
+            check(step, f"{kind} {dtype}", got, want)
+        elif kind == "scatter":
+            src = rng.randrange(w)
+            parts = [make(q, shape, dtype, sd + 7) for q in range(w)]
+            got = comm.scatter(torch.empty(shape, dtype=dtype), parts if r == src else None, src)
+            check(step, f"{kind} {dtype} src {src}", got, parts[r])
+        elif kind == "recv_any":  # every other rank sends rank 0 one message
+            if r == 0:
+                for _ in range(w - 1):
+                    q, (got,) = comm.recv_any()
+                    check(step, f"{kind} {dtype} from {q}", got, xs[q])
+            else:
+                comm.send([xs[r]], 0)
+            comm.barrier()
         else:
             comm.barrier()
     return bad
