@@ -45,8 +45,33 @@ def _redirect() -> None:
     dist.new_group = new_group
 
 
+# A rank that hands a call to a private gloo group (tpcomm's torch.distributed
+# path, or the group's own gloo for tags, monitored_barrier, ...) leaves this
+# file: run.py tells the cases tpcomm serves itself from those gloo serves.
+GLOO_USED = os.path.join(os.environ["TEMP_DIR"], "gloo-used")
+
+
+def _mark_gloo() -> None:
+    from tpcomm.dist_backend import ProcessGroupTpcomm
+    from tpcomm.dist_path import DistPath
+
+    real_group, real_private = DistPath.group.fget, ProcessGroupTpcomm._private_gloo
+
+    def group(self):
+        open(GLOO_USED, "w").close()
+        return real_group(self)
+
+    def private_gloo(self):
+        open(GLOO_USED, "w").close()
+        return real_private(self)
+
+    DistPath.group = property(group)
+    ProcessGroupTpcomm._private_gloo = private_gloo
+
+
 if _MODE == "tpcomm":
     _redirect()
+    _mark_gloo()
 
 from torch.testing._internal.distributed.distributed_test import (  # noqa: E402
     DistributedTest,

@@ -9,8 +9,9 @@ gloo-only checks (timeouts, monitored_barrier) on, and ``init_process_group``
 
     python -m tests.torch_suite.run [--backend gloo|tpcomm] [--world 2] [-k NAME] [--list]
 
-prints one line per case (``PASS``/``FAIL``/``SKIP`` and why) and exits 1 if a
-case that should pass did not.  ``SELECTED`` is the list; ``NOT_APPLICABLE``
+prints one line per case (``PASS``/``FAIL``/``SKIP`` and why; a pass that
+handed some call to a gloo group says ``via gloo``) and exits 1 if a case
+that should pass did not.  ``SELECTED`` is the list; ``NOT_APPLICABLE``
 the cases left out, each with its reason.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 import unittest
@@ -76,20 +78,28 @@ def main() -> int:
     if args.list:
         print("\n".join(names))
         return 0
+    from .cases import GLOO_USED
+
     failed = 0
     for name in names:
         t0 = time.monotonic()
         result = unittest.TestResult()
+        if os.path.exists(GLOO_USED):
+            os.unlink(GLOO_USED)
         Cases(name).run(result)
         took = time.monotonic() - t0
+        via = " via gloo" if os.path.exists(GLOO_USED) else ""
         if result.failures or result.errors:
             failed += 1
-            why = (result.failures or result.errors)[0][1].strip().splitlines()[-1]
+            text = (result.failures or result.errors)[0][1].strip().splitlines()
+            # the exception a rank raised, not the harness's last word about it
+            raised = [ln.strip() for ln in text if re.match(r"\s*\w*(Error|Exception)\b:", ln)]
+            why = raised[-1] if raised else text[-1]
             print(f"FAIL {name} ({took:.1f}s): {why[:300]}", flush=True)
         elif result.skipped:
             print(f"SKIP {name}: {result.skipped[0][1][:120]}", flush=True)
         else:
-            print(f"PASS {name} ({took:.1f}s)", flush=True)
+            print(f"PASS {name} ({took:.1f}s){via}", flush=True)
     return 1 if failed else 0
 
 
