@@ -186,12 +186,32 @@ def buffers_come_back(comm):
     return wrong, held, maps, grown
 
 
-def test_buffers_whose_tensors_are_gone_are_reclaimed(pools):
-    for wrong, held, maps, grown in pools.run(2, buffers_come_back):
-        assert wrong == []
-        assert held == (0, 0) and maps == 0
-        # 3 x 64 x 1 MiB x 2 ranks were made: without reclaiming, 384 MiB
-        assert grown < 8 << 20, grown
+def test_buffers_whose_tensors_are_gone_are_reclaimed(pools, monkeypatch):
+    """The space is measured on a tmpfs of the test's own (the whole of /dev/shm
+    also holds what other processes do meanwhile); where none can be mounted,
+    the mappings and the engine's list are still checked, the space is not."""
+    import subprocess
+
+    from ._helpers import mount_tiny_tmpfs
+
+    try:
+        own = mount_tiny_tmpfs("512m")
+    except pytest.skip.Exception:
+        own = None
+    try:
+        if own is not None:
+            monkeypatch.setenv("TPCOMM_SHM_DIR", own)  # the ranks read it at each call
+        for wrong, held, maps, grown in pools.run(2, buffers_come_back):
+            assert wrong == []
+            assert held == (0, 0) and maps == 0
+            # 3 x 64 x 1 MiB x 2 ranks were made: without reclaiming, 384 MiB
+            if own is not None:
+                assert grown < 8 << 20, grown
+    finally:
+        if own is not None:
+            # lazily: a rank may still hold a descriptor of the directory's
+            subprocess.run(["umount", "-l", own], check=False)
+            os.rmdir(own)
 
 
 def live_limit(comm):
