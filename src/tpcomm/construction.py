@@ -146,42 +146,32 @@ def env_setup(seconds: float) -> Setup:
     return Setup(store, rank, world, prefix, "env", seconds, watch=watch)
 
 
-def dist_path(s: Setup) -> Optional[DistPath]:
-    """The torch.distributed path: the caller's, the group's, or a private gloo
-    group over the set-up store, made on first use (dist_path.py)."""
-    if s.world == 1:
-        return None
-    if s.fallback is not None:
-        return s.fallback
+def _over(s: Setup, given: Optional[DistPath], private: Callable, kind: str) -> DistPath:
+    """A torch.distributed path: the caller's (``given``), the group's, or a
+    private ``kind`` group (``private``: private_gloo, private_nccl) over the
+    set-up store, made on first use (dist_path.py)."""
+    if given is not None:
+        return given
     if s.group is not None:
         return DistPath(s.group, s.rank, s.world)
     store, prefix, rank, world, timeout = s.store, s.prefix, s.rank, s.world, s.timeout
     return DistPath(
-        lambda: private_gloo(store, f"{prefix}/gloo", rank, world, timeout),
+        lambda: private(store, f"{prefix}/{kind}", rank, world, timeout),
         rank,
         world,
-        label="gloo, tpcomm's own",
+        label=f"{kind}, tpcomm's own",
     )
 
 
+def dist_path(s: Setup) -> Optional[DistPath]:
+    """The torch.distributed path of CPU tensors (none at world size 1)."""
+    return None if s.world == 1 else _over(s, s.fallback, private_gloo, "gloo")
+
+
 def cuda_path(comm: Any, s: Setup) -> CudaPath:
-    """CUDA tensors: the custom all-reduce over ``comm``, then NCCL (the caller's,
-    the group's, or a private one over the set-up store, made on first use)."""
-
-    def make_nccl() -> DistPath:
-        if s.cuda_fallback is not None:
-            return s.cuda_fallback
-        if s.group is not None:
-            return DistPath(s.group, s.rank, s.world)
-        store, prefix, rank, world, timeout = s.store, s.prefix, s.rank, s.world, s.timeout
-        return DistPath(
-            lambda: private_nccl(store, f"{prefix}/nccl", rank, world, timeout),
-            rank,
-            world,
-            label="nccl, tpcomm's own",
-        )
-
-    return CudaPath(comm, make_nccl)
+    """CUDA tensors: the custom all-reduce over ``comm``, then NCCL (made on the
+    first all_reduce the custom path declines)."""
+    return CudaPath(comm, lambda: _over(s, s.cuda_fallback, private_nccl, "nccl"))
 
 
 def build(
