@@ -43,7 +43,7 @@ def test_kinds_and_statuses_are_the_cores():
 
 
 def _headers(comm):
-    """The core's header of a few messages (an engine's: it knows the dtypes),
+    """The core's header of a few messages (an engine's: it knows the tensors),
     read back by the core, and by hand (the format pinned here)."""
     eng = _testing.engine(comm)
     ts = [torch.zeros(2, 3), torch.ones(5, dtype=torch.int64), torch.empty(0, 4, 1)]
@@ -54,17 +54,19 @@ def _headers(comm):
     deep = torch.zeros((1,) * (_native.P2P_MAX_DIMS + 1))
     return (
         head == by_hand,
-        eng.parse_header(head) == [(t.dtype, tuple(t.shape)) for t in ts],
+        _native.parse_header(head, len(ANY_DTYPE_CODES))
+        == [(ANY_DTYPE_CODES[t.dtype], tuple(t.shape)) for t in ts],
         eng.message_header([torch.zeros(1)] * (_native.P2P_MAX_TENSORS + 1)) is None,
         eng.message_header([deep]) is None,
         eng.message_header([torch.zeros(4)[::2]]) is None,  # not plain: pickled instead
-        eng.parse_header(head[:-1]) is None,  # cut short: not a header the core knows
-        eng.parse_header(b"\x80\x05") is None,  # a pickle
+        _native.parse_header(head[:-1], 32) is None,  # cut short: not a header it knows
+        _native.parse_header(head, 1) is None,  # a code past the table's
+        _native.parse_header(b"\x80\x05", 32) is None,  # a pickle
     )
 
 
 def test_message_header_is_what_the_core_reads(pools):
-    assert pools.run(2, _headers) == [(True,) * 7] * 2
+    assert pools.run(2, _headers) == [(True,) * 8] * 2
     assert len(ANY_DTYPE_CODES) <= 32  # the core's table of message dtypes (torch.c MAX_ANY)
 
 

@@ -772,8 +772,6 @@ static PyMethodDef eng_methods[] = {
      "p2p_batch(ops) -> (status, odd): sends and receives together"},
     {"message_header", (PyCFunction)eng_message_header, METH_O,
      "message_header(tensors) -> bytes | None: the binary header of a message of them"},
-    {"parse_header", (PyCFunction)eng_parse_header, METH_O,
-     "parse_header(header) -> [(dtype, shape), ...] | None: a binary header read back"},
     /* -- test hooks (tpcomm._testing only) */
     {"fault_check_delay", (PyCFunction)eng_fault_check_delay, METH_O,
      "fault_check_delay(us): sleep before a batch's verdicts"},

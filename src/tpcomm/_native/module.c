@@ -224,6 +224,9 @@ static PyMethodDef mod_methods[] = {
     {"copy", (PyCFunction)(void (*)(void))mod_copy, METH_FASTCALL, NULL},
     {"time_memcpy", mod_time_memcpy, METH_VARARGS, NULL},
     {"touch", (PyCFunction)(void (*)(void))mod_touch, METH_FASTCALL, NULL},
+    {"parse_header", mod_parse_header, METH_VARARGS,
+     "parse_header(header, ncodes) -> [(dtype code, shape), ...] | None: a binary "
+     "message header read back (p2p.c)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -251,6 +251,57 @@ int header_get(const unsigned char *h, size_t hl, size_t *at, int ncodes, int *c
     return 0;
 }
 
+/* dims as a new tuple of ints, or NULL (exception set) */
+PyObject *shape_tuple(const long long *dims, int nd)
+{
+    PyObject *shape = PyTuple_New(nd);
+    for (int j = 0; shape && j < nd; j++) {
+        PyObject *d = PyLong_FromLongLong(dims[j]);
+        if (!d)
+            Py_CLEAR(shape);
+        else
+            PyTuple_SET_ITEM(shape, j, d);
+    }
+    return shape;
+}
+
+/* parse_header(header, ncodes) -> [(dtype code, shape), ...] | None: a
+ * binary header read back (None: not a binary header, or not one this
+ * reader knows: a code of ncodes or more, too many dims, cut short) */
+PyObject *mod_parse_header(PyObject *self, PyObject *args)
+{
+    (void)self;
+    const unsigned char *h;
+    Py_ssize_t n_bytes;
+    int ncodes;
+    if (!PyArg_ParseTuple(args, "y#i", &h, &n_bytes, &ncodes))
+        return NULL;
+    size_t hl = (size_t)n_bytes, at = 2;
+    int n = header_count(h, hl);
+    if (n < 0)
+        Py_RETURN_NONE;
+    PyObject *list = PyList_New(n);
+    for (int i = 0; list && i < n; i++) {
+        int code, nd;
+        long long dims[P2P_MAX_DIMS];
+        if (header_get(h, hl, &at, ncodes, &code, &nd, dims) < 0) {
+            Py_DECREF(list);
+            Py_RETURN_NONE;
+        }
+        PyObject *shape = shape_tuple(dims, nd);
+        PyObject *item = shape ? Py_BuildValue("(iN)", code, shape) : NULL;
+        if (!item)
+            Py_CLEAR(list);
+        else
+            PyList_SET_ITEM(list, i, item);
+    }
+    if (list && at != hl) {
+        Py_DECREF(list);
+        Py_RETURN_NONE;
+    }
+    return list;
+}
+
 /* A message from src whose lengths (header word w0, data bytes dl) cannot be
  * right: ST_PROTO, and every rank learns that src sent it (the sender's next
  * wait fails too); else 0. */

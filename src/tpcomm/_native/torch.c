@@ -746,68 +746,18 @@ PyObject *eng_p2p_recv_into(Engine *e, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromLong(st);
 }
 
-/* dims as a new tuple of ints, or NULL (exception set) */
-static PyObject *shape_tuple(const long long *dims, int nd)
-{
-    PyObject *shape = PyTuple_New(nd);
-    for (int j = 0; shape && j < nd; j++) {
-        PyObject *d = PyLong_FromLongLong(dims[j]);
-        if (!d)
-            Py_CLEAR(shape);
-        else
-            PyTuple_SET_ITEM(shape, j, d);
-    }
-    return shape;
-}
-
 /* message_header(tensors) -> bytes | None: the binary header a message of
  * these plain tensors carries (None: not plain, or too many of them) */
 PyObject *eng_message_header(Engine *e, PyObject *seq)
 {
-    if (!(PyList_CheckExact(seq) || PyTuple_CheckExact(seq)) || !e->tv->n_any || !e->tv->d_shape ||
-        PySequence_Fast_GET_SIZE(seq) > P2P_MAX_TENSORS)
-        Py_RETURN_NONE;
+    Py_ssize_t n = PyList_CheckExact(seq) || PyTuple_CheckExact(seq) ? PySequence_Fast_GET_SIZE(seq) : -1;
     char h[P2P_HEAD_BYTES];
     size_t nbytes[P2P_MAX_TENSORS];
-    Py_ssize_t hl = plain_header(e, PySequence_Fast_ITEMS(seq), PySequence_Fast_GET_SIZE(seq), h,
-                                 nbytes);
+    Py_ssize_t hl = n < 0 || n > P2P_MAX_TENSORS || !e->tv->n_any || !e->tv->d_shape
+                        ? -1 : plain_header(e, PySequence_Fast_ITEMS(seq), n, h, nbytes);
     if (hl < 0)
         Py_RETURN_NONE;
     return PyBytes_FromStringAndSize(h, hl);
-}
-
-/* parse_header(bytes) -> [(dtype, shape), ...] | None: a binary header read
- * back (None: not a binary header, or not one this reader knows) */
-PyObject *eng_parse_header(Engine *e, PyObject *b)
-{
-    if (!PyBytes_Check(b) || !e->tv->n_any)
-        Py_RETURN_NONE;
-    const unsigned char *h = (const unsigned char *)PyBytes_AS_STRING(b);
-    size_t hl = (size_t)PyBytes_GET_SIZE(b), at = 2;
-    int n = header_count(h, hl);
-    if (n < 0)
-        Py_RETURN_NONE;
-    PyObject *list = PyList_New(n);
-    for (int i = 0; list && i < n; i++) {
-        int code, nd;
-        long long dims[P2P_MAX_DIMS];
-        if (header_get(h, hl, &at, e->tv->n_any, &code, &nd, dims) < 0) {
-            Py_DECREF(list);
-            Py_RETURN_NONE;
-        }
-        PyObject *shape = shape_tuple(dims, nd);
-        PyObject *item = shape ? PyTuple_Pack(2, e->tv->any_dtypes[code], shape) : NULL;
-        Py_XDECREF(shape);
-        if (!item)
-            Py_CLEAR(list);
-        else
-            PyList_SET_ITEM(list, i, item);
-    }
-    if (list && at != hl) {
-        Py_DECREF(list);
-        Py_RETURN_NONE;
-    }
-    return list;
 }
 
 /*

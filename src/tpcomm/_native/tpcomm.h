@@ -527,6 +527,8 @@ size_t header_begin(char *h, int n);
 size_t header_put(char *p, int code, int nd, const long long *dims);
 int header_count(const unsigned char *h, size_t hl);
 int header_get(const unsigned char *h, size_t hl, size_t *at, int ncodes, int *code, int *nd, long long *dims);
+PyObject *shape_tuple(const long long *dims, int nd);
+PyObject *mod_parse_header(PyObject *self, PyObject *args);
 int parse_pieces(PyObject *list, pieces_t *pc);
 int bsend_step(Engine *e, bop_t *o);
 int send_pieces(Engine *e, int dst, const pieces_t *pc);
@@ -559,7 +561,6 @@ PyObject *eng_set_p2p_dtypes(Engine *e, PyObject *args);
 PyObject *eng_p2p_recv_into(Engine *e, PyObject *const *args, Py_ssize_t nargs);
 PyObject *eng_p2p_recv_new(Engine *e, PyObject *arg);
 PyObject *eng_message_header(Engine *e, PyObject *seq);
-PyObject *eng_parse_header(Engine *e, PyObject *b);
 PyObject *eng_p2p_sendrecv(Engine *e, PyObject *const *args, Py_ssize_t nargs);
 
 

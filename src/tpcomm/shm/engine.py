@@ -362,7 +362,6 @@ class ShmEngine:
         self.reduce_scatterv = n.reduce_scatterv
         self.broadcast = n.broadcast
         self.message_header = n.message_header
-        self.parse_header = n.parse_header
 
     # -- as a path of the Communicator (routing.py) ---------------------------
 

@@ -21,7 +21,7 @@ import torch
 
 from .. import _native
 from ..errors import CommError
-from ..ops import dense, is_dense
+from ..ops import ANY_CODE_DTYPES, dense, is_dense
 
 if TYPE_CHECKING:
     from .engine import ShmEngine
@@ -41,7 +41,7 @@ _PREFIX = struct.Struct("<QQ")  # header bytes, data bytes
 
 # A message's header says what tensors follow.  Plain tensor lists (no extra)
 # get the core's binary header (_native/p2p.c header_*: written and read there
-# only, here through ShmEngine.message_header / parse_header); anything else is
+# only, here through ShmEngine.message_header and _native.parse_header); anything else is
 # pickled (a pickle starts with 0x80, never P2P_BINARY).
 
 
@@ -79,11 +79,11 @@ def expected_header(eng: ShmEngine, tensors: Sequence[torch.Tensor]) -> bytes | 
     return eng.message_header([_plain(t) for t in tensors])
 
 
-def decode_header(eng: ShmEngine, header: bytes) -> tuple[list[tuple[torch.dtype, tuple]], Any]:
+def decode_header(header: bytes) -> tuple[list[tuple[torch.dtype, tuple]], Any]:
     """A message header as ([(dtype, shape), ...], extra)."""
-    specs = eng.parse_header(header)
+    specs = _native.parse_header(header, len(ANY_CODE_DTYPES))
     if specs is not None:
-        return specs, None
+        return [(ANY_CODE_DTYPES[code], shape) for code, shape in specs], None
     named, extra = pickle.loads(header)
     return [(getattr(torch, name), tuple(shape)) for name, shape in named], extra
 
@@ -172,7 +172,7 @@ def recv_rest(
 def _recv_body(
     eng: ShmEngine, fn: str, src: int, out: Sequence[torch.Tensor] | None, header: bytes
 ) -> tuple[list[torch.Tensor], Any]:
-    specs, extra = decode_header(eng, header)
+    specs, extra = decode_header(header)
     problem = None
     tensors = None
     if out is not None:

@@ -404,7 +404,7 @@ class ShmPath(Path):
     ) -> list:
         """The end of a sendrecv whose message did not match ``out`` (or had
         none): it was received whole into ``data``."""
-        specs, extra = messages.decode_header(self.engine, got_header)
+        specs, extra = messages.decode_header(got_header)
         if extra is not None:
             raise CommError(f"{fn}: rank {src} sent a dict or a scatter part, not a tensor list")
         got = messages.tensors_from_bytes(specs, data)
@@ -441,7 +441,7 @@ class ShmPath(Path):
         del keep
         errors: list = [None] * len(ops)
         for i, header, data in odd:  # a message that is not exactly what the recv expected
-            specs, extra = messages.decode_header(self.engine, header)
+            specs, extra = messages.decode_header(header)
             got = messages.tensors_from_bytes(specs, data)
             errors[i] = take_message(ops[i][1], ops[i][2], got, extra)
         return errors
