@@ -102,7 +102,13 @@ def _real_calls(comm):
 
 def _observed_paths(comm):
     """Which path each real call took: shared memory when it ran collective
-    rounds, torch.distributed when it logged so; the route asked for it."""
+    rounds, torch.distributed when it logged so (a reason is logged once per
+    communicator: a dup() of the pool's, whose earlier calls logged theirs)."""
+    with comm.dup() as fresh:
+        return _observed(fresh)
+
+
+def _observed(comm):
     import logging
 
     from tpcomm import _testing
