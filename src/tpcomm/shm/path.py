@@ -25,7 +25,7 @@ import torch
 from .. import layout, routing
 from ..errors import CommError
 from ..ops import DTYPE_CODES, any_code, dense, is_dense
-from ..paths import Path, take_message
+from ..paths import Path, copy_in, take_message
 from . import messages, symmetric
 from .engine import (
     KIND_ALL_GATHER,
@@ -416,9 +416,7 @@ class ShmPath(Path):
                 f"{fn}: rank {src} sent {messages.show(specs)} but out= holds "
                 f"{messages.show(have)} (the message was received and dropped)"
             )
-        for o, t in zip(out, got):  # out is not dense: copy in
-            o.copy_(t)
-        return list(out)
+        return copy_in(out, got)  # out is not dense: copy in
 
     def batch(self, fn: str, ops: list) -> list:
         """Every send and receive progressed together in one C call
