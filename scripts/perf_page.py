@@ -19,22 +19,23 @@ import sys
 
 DTYPES = ("float32", "bfloat16", "float16")
 
+ALL_REDUCE = "tpcomm perf all_reduce -b 1K -e 64M -f 4 -R 5 --compare gloo,vllm,deepspeed,mpi"
 # (file stem, heading, the command that wrote it) in the order of `make bench`
 RUNS = [
     (
         "all_reduce_float32",
         "all_reduce, float32",
-        "tpcomm perf all_reduce -b 1K -e 64M -f 4 --compare gloo,mpi",
+        ALL_REDUCE,
     ),
     (
         "all_reduce_bfloat16",
         "all_reduce, bfloat16",
-        "tpcomm perf all_reduce -b 1K -e 64M -f 4 --compare gloo,mpi -d bfloat16",
+        f"{ALL_REDUCE} -d bfloat16",
     ),
     (
         "all_reduce_float16",
         "all_reduce, float16",
-        "tpcomm perf all_reduce -b 1K -e 64M -f 4 --compare gloo,mpi -d float16",
+        f"{ALL_REDUCE} -d float16",
     ),
     (
         "all_gather",
@@ -117,32 +118,64 @@ def ratio(other, mine) -> str:
     return "" if other is None or not mine else f"{other / mine:.2f}x"
 
 
+LIBRARIES = (
+    ("gloo", "gloo"),
+    ("vllm", "vLLM shm"),
+    ("deepspeed", "DeepSpeed shm"),
+    ("mpi", "Open MPI"),
+)
+
+SHORT = {"gloo": "gloo", "vllm": "vLLM", "deepspeed": "DeepSpeed", "mpi": "MPI"}
+
+
+def rep_ratio(r: dict, lib: str) -> str:
+    """theirs / tpcomm's: the median of each repetition's own ratio when the
+    run had repetitions, else the ratio of the two times."""
+    theirs, mine = r.get(f"{lib}_times"), r.get("times")
+    if theirs and mine and len(theirs) == len(mine):
+        q = sorted(b / a for a, b in zip(mine, theirs))
+        mid = len(q) // 2
+        return f"{(q[mid] if len(q) % 2 else (q[mid - 1] + q[mid]) / 2):.2f}x"
+    return ratio(r.get(f"{lib}_time"), r["time"])
+
+
 def table(data: dict) -> list[str]:
     rs = data["results"]
-    has_gloo = any(r.get("gloo_time") is not None for r in rs)
-    has_mpi = any(r.get("mpi_time") is not None for r in rs) or any(
-        "mpi_time" in r and r.get("mpi_wrong") is not None for r in rs
-    )
+    compared = data.get("compare") or [
+        lib for lib, _ in LIBRARIES if any(f"{lib}_time" in r for r in rs)
+    ]
     has_pg = any(r.get("pg_time") is not None for r in rs)
+    has_best = any(r.get("vs_best") is not None for r in rs)
     head = ["size", "tpcomm (us)", "busbw (GB/s)"]
     if has_pg:
         head += ["pg (us)", "comm (us)", "pg - comm (us)"]
-    if has_gloo:
-        head += ["gloo (us)", "gloo / tpcomm"]
-    if has_mpi:
-        head += ["Open MPI (us)", "MPI / tpcomm"]
+    names = dict(LIBRARIES)
+    for lib in compared:
+        head += [f"{names[lib]} (us)", f"{SHORT[lib]} / tpcomm"]
+    if has_best:
+        head += ["tpcomm / best"]
     head += ["memcpy (us)", "#wrong"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rs:
         row = [human(r["size"]), fmt(r["time"]), fmt(r["busbw"])]
         if has_pg:
             row += [fmt(r.get("pg_time")), fmt(r.get("comm_time")), fmt(r.get("pg_layer_time"))]
-        if has_gloo:
-            row += [fmt(r.get("gloo_time"), 1), ratio(r.get("gloo_time"), r["time"])]
-        if has_mpi:
-            row += [fmt(r.get("mpi_time")), ratio(r.get("mpi_time"), r["time"])]
+        for lib in compared:
+            row += [fmt(r.get(f"{lib}_time"), 1 if lib == "gloo" else 2), rep_ratio(r, lib)]
+        if has_best:
+            best = r.get("vs_best")
+            row += ["n/a" if best is None else f"{best:.2f} ({names[r['best']]})"]
         row += [fmt(r.get("memcpy_time")), str(r.get("wrong", ""))]
         lines.append("| " + " | ".join(row) + " |")
+    for lib, why in (data.get("peers") or {}).items():
+        if why:
+            lines += ["", f"{names[lib]}: n/a: {why}."]
+    if data.get("repeat", 1) > 1:
+        lines += [
+            "",
+            f"{data['repeat']} repetitions, the libraries' order turning each time: times are "
+            "medians; each ratio is the median of each repetition's own ratio.",
+        ]
     return lines
 
 

