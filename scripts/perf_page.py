@@ -155,6 +155,9 @@ def table(data: dict) -> list[str]:
     if has_best:
         head += ["tpcomm / best"]
     head += ["memcpy (us)", "#wrong"]
+    has_algo = any(r.get("algorithm") for r in rs)
+    if has_algo:
+        head += ["algorithm"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rs:
         row = [human(r["size"]), fmt(r["time"]), fmt(r["busbw"])]
@@ -166,6 +169,8 @@ def table(data: dict) -> list[str]:
             best = r.get("vs_best")
             row += ["n/a" if best is None else f"{best:.2f} ({names[r['best']]})"]
         row += [fmt(r.get("memcpy_time")), str(r.get("wrong", ""))]
+        if has_algo:
+            row += [r.get("algorithm") or "-"]
         lines.append("| " + " | ".join(row) + " |")
     for lib, why in (data.get("peers") or {}).items():
         if why:

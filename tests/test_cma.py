@@ -182,6 +182,62 @@ def test_single_copy_all_gather_matches_torch_and_the_copy_path(pools, world):
         pytest.skip(NO_CMA)  # the copy path was checked; the single-copy one cannot run
 
 
+ALGOS = ("one-shot", "two-shot", "single-copy")
+
+
+def _algo(comm, algo: str) -> None:
+    _testing.set_twoshot_min(comm, 0 if algo == "two-shot" else -1)
+    _testing.set_cma_allreduce_min(comm, 0 if algo == "single-copy" else -1)
+
+
+def all_reduce_by_every_algorithm(comm):
+    """all_reduce by single copy (every size), one-shot and two-shot: the same
+    bits (one summation order), and the float64 sum of every rank's data; single
+    copy takes its three rounds where the reads are on."""
+    w = comm.world_size
+    bad, used = [], True
+    on = _testing.cma_init(comm, True, 0)[1] and comm.single_copy
+    try:
+        for n in (1, 33, 1000, 70_001, 600_000):
+            for dt in (torch.float32, torch.bfloat16, torch.float16, torch.int32):
+                for op in (tpcomm.ReduceOp.SUM, tpcomm.ReduceOp.MAX):
+                    x = make(comm.rank, n, dt, n)
+                    xs = torch.stack([make(q, n, dt, n).double() for q in range(w)])
+                    ref = xs.sum(0) if op is tpcomm.ReduceOp.SUM else xs.max(0).values
+                    got = {}
+                    for algo in ALGOS:
+                        _algo(comm, algo)
+                        y = x.clone()
+                        before = _testing.rounds(comm)
+                        comm.all_reduce(y, op)
+                        if algo == "single-copy" and on:
+                            used &= _testing.rounds(comm) - before == 3
+                        got[algo] = y
+                    # the float sums round in rank order; float64 does not round
+                    tol = {torch.float32: (1e-5, 1e-4), torch.int32: (0, 0)}.get(dt, (2e-2, 0.5))
+                    if not (
+                        torch.equal(got["one-shot"], got["two-shot"])
+                        and torch.equal(got["one-shot"], got["single-copy"])
+                    ):
+                        bad.append(("bits", n, str(dt), op.name))
+                    elif not torch.allclose(got["one-shot"].double(), ref, *tol):
+                        bad.append(("reference", n, str(dt), op.name))
+    finally:
+        _algo(comm, "one-shot")
+        _testing.set_twoshot_min(comm, None)
+        _testing.set_cma_allreduce_min(comm, None)
+        _restore(comm)
+    return on and used, bad
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_single_copy_all_reduce_has_the_bits_of_the_other_algorithms(pools, world):
+    res = pools.run(world, all_reduce_by_every_algorithm)
+    assert [bad for _, bad in res] == [[]] * world
+    if not all(used for used, _ in res):
+        pytest.skip(NO_CMA)  # one-shot and two-shot were checked; single copy cannot run
+
+
 NO_CMA = (
     "this machine refuses process_vm_readv between the ranks (Yama ptrace_scope >= 1 or a "
     "seccomp profile): tpcomm uses the copy path, checked above"
@@ -232,6 +288,9 @@ def _single_copy(comm, which, x):
     """The collective under test, on the single-copy path (cma_init min 0)."""
     if which == "all_gather":
         return comm.all_gather(x)
+    if which == "all_reduce":
+        _testing.set_cma_allreduce_min(comm, 0)
+        return comm.all_reduce(x)
     return comm.all_to_all_single(torch.empty_like(x), x)
 
 
@@ -260,7 +319,7 @@ def killed_while_read(comm, outdir, which):
     return res
 
 
-@pytest.mark.parametrize("which", ["all_gather", "all_to_all_single"])
+@pytest.mark.parametrize("which", ["all_gather", "all_to_all_single", "all_reduce"])
 def test_a_peer_killed_while_it_is_read(tmp_path, which):
     with LocalGroup(3, timeout=60) as g, pytest.raises(tpcomm.LaunchError) as info:
         if g.run(killed_while_read, str(tmp_path), which, timeout=60) == ["no cma"] * 3:
@@ -279,7 +338,7 @@ def unreadable(comm, which):
     return res, time.time() - t0
 
 
-@pytest.mark.parametrize("which", ["all_gather", "all_to_all_single"])
+@pytest.mark.parametrize("which", ["all_gather", "all_to_all_single", "all_reduce"])
 def test_a_refused_read_is_a_clear_error_on_every_rank(which):
     res = tpcomm.launch(unreadable, 3, args=(which,), timeout=60)
     if res[0][0] is None:

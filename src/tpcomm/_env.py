@@ -24,6 +24,8 @@ __all__ = [
     "cma",
     "cma_min_bytes",
     "cma_plan",
+    "cma_allreduce_min_bytes",
+    "profile_path",
     "host_id_override",
     "cuda_algo",
     "cache_dir",
@@ -170,6 +172,13 @@ def cma_plan(world: int) -> tuple[bool, int]:
     return cma() and least >= 0, max(least, 0)
 
 
+def cma_allreduce_min_bytes() -> int:
+    """TPCOMM_CMA_ALLREDUCE_MIN_BYTES: the smallest all_reduce (bytes) done by
+    single copy where single-copy reads are on (default -1: never, unless a tuned
+    profile says otherwise)."""
+    return _int("TPCOMM_CMA_ALLREDUCE_MIN_BYTES", -1, -1, MAX_BYTES, " (-1: never)")
+
+
 def _algo(name: str) -> str:
     """An all-reduce algorithm setting: one_shot, two_shot or auto (default).
     The CPU and GPU settings take the same words; oneshot / twoshot (the CPU
@@ -240,9 +249,18 @@ def cuda_algo() -> str:
     return _algo("TPCOMM_CUDA_ALGO")
 
 
+def profile_path() -> str | None:
+    """TPCOMM_PROFILE: the tuned profile rank 0 reads (default: profile.json in the
+    cache directory, written by `tpcomm tune`; 0 or none: no profile)."""
+    value = os.environ.get("TPCOMM_PROFILE", "").strip()
+    if value.lower() in ("0", "none", "off"):
+        return None
+    return value or os.path.join(cache_dir(), "profile.json")
+
+
 def cache_dir() -> str:
     """TPCOMM_CACHE_DIR (default $XDG_CACHE_HOME/tpcomm or ~/.cache/tpcomm): where the
-    GPU P2P verdict of a node is kept."""
+    GPU P2P verdict of a node, the tuned profile and the peers of `tpcomm perf` are kept."""
     return os.environ.get("TPCOMM_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tpcomm"
     )

@@ -26,6 +26,7 @@ __all__ = [
     "rounds",
     "segment_size",
     "set_twoshot_min",
+    "set_cma_allreduce_min",
     "symmetric_buffers",
     "threads",
     "touch",
@@ -72,6 +73,13 @@ def set_twoshot_min(comm: Any, nbytes: Optional[int]) -> None:
     to the agreed setting)."""
     eng = _eng(comm)
     eng.set_twoshot_min(eng.twoshot_min if nbytes is None else nbytes)
+
+
+def set_cma_allreduce_min(comm: Any, nbytes: Optional[int]) -> None:
+    """Force this rank's single-copy all-reduce switch point (-1: never; None:
+    back to the agreed setting).  Only where single-copy reads are on."""
+    eng = _eng(comm)
+    eng._native.set_cma_allreduce_min(eng.cma_ar_min if nbytes is None else nbytes)
 
 
 def cma_init(comm: Any, want: bool, min_bytes: int) -> tuple[int, bool]:

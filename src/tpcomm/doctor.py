@@ -25,7 +25,8 @@ from typing import Any, Callable, Optional
 
 from . import _env
 from .bootstrap import local_cpu_count
-from .shm import segment
+from .shm import profile, segment
+from .shm.engine import settings_for
 from .shm.segment import space_message
 
 __all__ = ["add_arguments", "run", "stale_segments", "segment_owners", "Report"]
@@ -314,19 +315,30 @@ def _check_paths(rep: Report, world: int) -> None:
         _print_routes(rep, paths)
         return
     dts = ", ".join(str(d).replace("torch.", "") for d in DTYPE_CODES)
-    algo = _env.allreduce_algo()
-    two = _env.twoshot_min_bytes(world)
-    if algo != "auto":
-        ar = f"{algo} for every size (TPCOMM_ALLREDUCE_ALGO={algo})"
-    elif two < 0:
+    tuned = _check_profile(rep, world)
+    _, _, threads, two, single, (cma_on, cma_least) = settings_for(world, tuned)
+
+    def source(key: str) -> str:
+        env = profile.SETTINGS[key]
+        return "tuned profile" if key in tuned and not os.environ.get(env) else env
+
+    if two < 0:
         ar = "one-shot for every size"
+    elif two == 0:
+        ar = "two-shot for every size"
     else:
-        ar = f"one-shot below {_human(two)}, two-shot from there (TPCOMM_ALLREDUCE_ALGO)"
+        ar = f"one-shot below {_human(two)}, two-shot from there"
+    ar += f" ({source('twoshot_min_bytes')})"
+    if single >= 0 and cma_on:
+        ar += (
+            f"; single copy from {_human(single)} where the ranks may read each other "
+            f"({source('cma_allreduce_min_bytes')})"
+        )
     first = routing.route(paths, _route_samples()[0][1]).path
     rep.ok(f"all_reduce: {_PATH_WORDS[first]}, {ar}; {dts}; SUM/AVG/MAX/MIN")
-    rep.info(f"  threads per rank: {_env.threads(world)} (TPCOMM_THREADS)")
+    rep.info(f"  threads per rank: {threads} (TPCOMM_THREADS)")
     _print_routes(rep, paths)
-    _check_cma(rep, world)
+    _check_cma(rep, world, cma_least if cma_on else -1)
     rep.ok("all_reduce of a comm.empty() tensor: zero-copy")
     rep.info("dist backend 'tpcomm': the same, plus scatter; isend/irecv and batch_isend_irecv")
     rep.info("run together when waited on (never deadlocked); recv without a source")
@@ -348,10 +360,25 @@ def _yama_scope() -> Optional[int]:
         return None
 
 
-def _check_cma(rep: Report, world: int) -> None:
+def _check_profile(rep: Report, world: int) -> dict:
+    """The tuned profile rank 0 would read here (tpcomm tune), and its settings
+    for this world size."""
+    prof, why = profile.read()
+    if prof is None:
+        rep.info(f"tuned profile: none used: {why}; the built-in switch points apply")
+        return {}
+    tuned = profile.settings(world, prof)
+    shown = ", ".join(f"{k} {_human(v) if v >= 0 else 'never'}" for k, v in sorted(tuned.items()))
+    rep.ok(
+        f"tuned profile {_env.profile_path()} ({prof.get('command', 'tpcomm tune')}; "
+        f"worlds {', '.join(sorted(prof['worlds']))}): at {world} ranks {shown or 'nothing'}"
+    )
+    return tuned
+
+
+def _check_cma(rep: Report, world: int, nbytes: int) -> None:
     """Whether all_gather, all_to_all and sendrecv can read the peers' data
-    single-copy (process_vm_readv)."""
-    nbytes = _env.cma_min_bytes(world)
+    single-copy (process_vm_readv), from nbytes (-1: never)."""
     least = _human(max(nbytes, 0))
     scope = _yama_scope()
     if not _env.cma():

@@ -96,10 +96,12 @@ static struct sym *find_sym(Engine *e, const char *t, size_t bytes)
 }
 
 /*
- * The chunked all-reduce of `count` elements at t, in place: one-shot (every
- * rank reduces the whole chunk: one round) below twoshot_min bytes, two-shot
- * (two rounds) from there.  The choice travels in the metadata (arg 1 or 2),
- * so ranks configured differently get a mismatch error, not garbage.  Runs
+ * The all-reduce of `count` elements at t, in place: zero-copy when t lies in
+ * a symmetric buffer, single copy (cma.c) from cma_ar_min bytes, else chunked:
+ * one-shot (every rank reduces the whole chunk: one round) below twoshot_min
+ * bytes, two-shot (two rounds) from there.  The choice travels in the
+ * metadata (arg 1, 2, ARG_ZERO_COPY + where, ARG_SINGLE_COPY), so ranks
+ * configured differently get a mismatch error, not garbage.  Runs
  * inside a begun call (call_begin: *tsp the GIL's saved state, if released).
  */
 int all_reduce_rounds(Engine *e, char *t, size_t count, int dtype, int op, uint32_t kind,
@@ -112,13 +114,17 @@ int all_reduce_rounds(Engine *e, char *t, size_t count, int dtype, int op, uint3
     int st = ST_OK;
     size_t done = 0;
     struct sym *sb = e->nsym && count * es >= e->twoshot_min ? find_sym(e, t, count * es) : NULL;
+    int whole = 1; /* one algorithm takes the whole tensor in its rounds */
     if (sb) {
         size_t off = (size_t)(t - sb->base);
         uint64_t arg = ARG_ZERO_COPY | ((sb->id & 0xFFFF) << 8) | ((uint64_t)off << 24);
         st = zero_copy_all_reduce(e, sb, off, count, dtype, op, kind, arg, &ts);
-        count = 0; /* done */
+    } else if (e->cma && e->world > 1 && count * es >= e->cma_ar_min) {
+        st = cma_all_reduce(e, t, count, dtype, op, kind, &ts);
+    } else {
+        whole = 0; /* the chunks, a slot at a time */
     }
-    for (int first = !sb; first || done < count; first = 0) {
+    for (int first = 1; !whole && (first || done < count); first = 0) {
         size_t m = count - done < chunk ? count - done : chunk;
         char *src = t + done * es;
         if (two) {

@@ -170,6 +170,70 @@ int cma_rounds(Engine *e, uint32_t kind, uint32_t dtype, uint64_t numel, uint64_
     return call_end(e, st, ts);
 }
 
+/*
+ * Single-copy all-reduce of `count` elements at t, in place (2026-12-04): the
+ * zero-copy algorithm of allreduce.c with the peers' tensors read by
+ * process_vm_readv instead of mapped.
+ *   round 1: every rank publishes where its tensor is;
+ *   rank r reads shard r of every peer's tensor, a piece at a time, into its
+ *   own slot (which nobody reads in these rounds), and reduces the piece in
+ *   rank order into shard r of its own tensor: the same order, so the same
+ *   bits, as one-shot and two-shot (only rank r touches shard r of anyone's
+ *   tensor until round 2);
+ *   round 2: every shard is reduced; each rank reads the other shards from
+ *   their owners' tensors straight into its own;
+ *   round 3: nobody reads this rank's tensor any more.
+ * Per rank (W-1)/W of the tensor crosses once to be reduced and (W-1)/W once
+ * as the result, against two-shot's copy in, copy of the result and copy out.
+ * Used from cma_ar_min bytes where cma_init agreed single copy (off unless
+ * TPCOMM_CMA_ALLREDUCE_MIN_BYTES or a tuned profile sets it); the choice
+ * travels in the metadata (ARG_SINGLE_COPY) like the other algorithms'.
+ */
+int cma_all_reduce(Engine *e, char *t, size_t count, int dtype, int op, uint32_t kind,
+                   PyThreadState **ts)
+{
+    const size_t es = dt_size[dtype];
+    const int w = e->world, me = e->rank;
+    const size_t shard = ((count + (size_t)w - 1) / (size_t)w + 31) & ~(size_t)31;
+#define SC_LO(j) ((size_t)(j) * shard < count ? (size_t)(j) * shard : count)
+    const int p = (int)((e->round + 1) & 1);
+    /* a piece of every peer fits the slot, and stays in the caches while reduced */
+    size_t piece = e->slot_bytes / (size_t)(w - 1) / es;
+    if (piece * es > (256u << 10))
+        piece = (256u << 10) / es;
+    char *scratch = slot_of(e, me, p);
+    line_of(e, me, 0, p)->addr = e->fault.cma_addr ? 4096u : (uint64_t)(uintptr_t)t;
+    int st = round_sync(e, kind, (uint32_t)dtype, (uint32_t)op, count, ARG_SINGLE_COPY, ts);
+    const size_t lo = SC_LO(me), hi = SC_LO(me + 1);
+    for (size_t a = lo; st == ST_OK && a < hi; a += piece) {
+        size_t n = hi - a < piece ? hi - a : piece;
+        for (int r = 0, k = 0; st == ST_OK && r < w; r++) {
+            if (r == me) {
+                e->srcs[r] = t + a * es;
+                continue;
+            }
+            char *into = scratch + (size_t)k++ * piece * es;
+            st = cma_read(e, r, into, n * es, n * es, line_of(e, r, 0, p)->addr + a * es, n * es);
+            e->srcs[r] = into;
+        }
+        if (st == ST_OK)
+            par_reduce(e->pool, dtype, op, t + a * es, e->srcs, w, n);
+    }
+    if (st == ST_OK)
+        st = round_sync(e, kind, (uint32_t)dtype, (uint32_t)op, count, ARG_SINGLE_COPY, ts);
+    for (int i = 1; i < w && st == ST_OK; i++) {
+        int j = (me + i) % w;
+        size_t jlo = SC_LO(j), jhi = SC_LO(j + 1);
+        if (jhi > jlo)
+            st = cma_read(e, j, t + jlo * es, (jhi - jlo) * es, (jhi - jlo) * es,
+                          line_of(e, j, 0, p)->addr + jlo * es, (jhi - jlo) * es);
+    }
+#undef SC_LO
+    if (st == ST_OK) /* nobody reads this rank's tensor after this round */
+        st = round_sync(e, kind, (uint32_t)dtype, (uint32_t)op, count, ARG_SINGLE_COPY, ts);
+    return st;
+}
+
 /* all_gather by cma_rounds: rank r's contribution goes to `outer` blocks of
  * cnt[r] / outer bytes, block a at out + a * (total / outer) + off[r]
  * (put_blocks); the list form: to dsts[r] */

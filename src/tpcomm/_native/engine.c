@@ -449,6 +449,7 @@ static int eng_init(Engine *e, PyObject *args, PyObject *kw)
     e->busy = 0;
     e->failed = 0;
     e->twoshot_min = UINT64_MAX;
+    e->cma_ar_min = UINT64_MAX;
     if (create) {
         hdr_t *h = HDR(e);
         h->version = VERSION;
@@ -622,14 +623,27 @@ static PyObject *eng_reraise(Engine *e, PyObject *unused)
     return NULL;
 }
 
-/* set_twoshot_min(bytes): -1 = never two-shot */
-static PyObject *eng_set_twoshot_min(Engine *e, PyObject *arg)
+/* A switch point from Python: bytes, -1 = never */
+static PyObject *set_switch(uint64_t *into, PyObject *arg)
 {
     long long v = PyLong_AsLongLong(arg);
     if (v == -1 && PyErr_Occurred())
         return NULL;
-    e->twoshot_min = v < 0 ? UINT64_MAX : (uint64_t)v;
+    *into = v < 0 ? UINT64_MAX : (uint64_t)v;
     Py_RETURN_NONE;
+}
+
+/* set_twoshot_min(bytes): -1 = never two-shot */
+static PyObject *eng_set_twoshot_min(Engine *e, PyObject *arg)
+{
+    return set_switch(&e->twoshot_min, arg);
+}
+
+/* set_cma_allreduce_min(bytes): all-reduces of at least this many bytes go
+ * single-copy where cma_init agreed it (-1 = never) */
+static PyObject *eng_set_cma_allreduce_min(Engine *e, PyObject *arg)
+{
+    return set_switch(&e->cma_ar_min, arg);
 }
 
 /* Fault injection for tests: every slow wait of p2p_batch sleeps this long
@@ -693,6 +707,8 @@ static PyMethodDef eng_methods[] = {
      "set_threads(n): helper threads for large copies"},
     {"set_twoshot_min", (PyCFunction)eng_set_twoshot_min, METH_O,
      "set_twoshot_min(nbytes): the all-reduce switch point"},
+    {"set_cma_allreduce_min", (PyCFunction)eng_set_cma_allreduce_min, METH_O,
+     "set_cma_allreduce_min(nbytes): single-copy all-reduce from nbytes (-1: never)"},
     {"cma_init", (PyCFunction)eng_cma_init, METH_VARARGS,
      "cma_init(kind, want, min, twoshot) -> (status, on): agree on single copy"},
     {"set_fast_path", (PyCFunction)eng_set_fast_path, METH_VARARGS,

@@ -113,6 +113,7 @@
 #define P2P_MAX_DIMS 8
 #define P2P_RING 64    /* chunks in flight per point-to-point channel (pipelining) */
 #define ARG_ZERO_COPY 3  /* all-reduce metadata arg: 1 one-shot, 2 two-shot, 3 + ... zero-copy */
+#define ARG_SINGLE_COPY 4 /* all-reduce metadata arg: single copy (cma.c cma_all_reduce) */
 #define RS_FLAT 0x5253   /* flat_key's kind for reduce_scatter layouts (rounds.c) */
 #define CMA_MIN_BLOCK 4096u /* smaller blocks of a row layout: the copy path (cma.c) */
 /* per-rank control block: pid line, 2 lines per channel, then one "sent to d"
@@ -237,6 +238,7 @@ typedef struct {
     uint64_t twoshot_min; /* all-reduces of at least this many bytes go two-shot */
     int cma;              /* all ranks can read each other's memory (cma_init) */
     uint64_t cma_min;     /* all_gathers of at least this many bytes read the peers directly */
+    uint64_t cma_ar_min;  /* all-reduces of at least this many bytes too (cma_all_reduce) */
     uint64_t cma_word;    /* the word peers read to check they can (cma_init) */
     pool_t *pool;         /* helper threads, NULL with one thread */
     tview_t *tv;          /* torch.c's, for the one-call fast paths */
@@ -515,6 +517,7 @@ uint64_t cma_tag(uint64_t pid, int rank);
 void fault_pause(Engine *e);
 int cma_failed(Engine *e, int r, int err);
 int cma_rounds(Engine *e, uint32_t kind, uint32_t dtype, uint64_t numel, uint64_t arg, size_t total, const char *mine, const uint64_t *offs, const char *own, char *const *dst, const size_t *blk, const size_t *row, const size_t *n);
+int cma_all_reduce(Engine *e, char *t, size_t count, int dtype, int op, uint32_t kind, PyThreadState **ts);
 int cma_gather(Engine *e, uint32_t kind, const char *mine, const size_t *cnt, char *out, char *const *dsts, uint32_t dtype, uint64_t numel, uint64_t arg, size_t total, int in_place, size_t outer);
 int cma_message(Engine *e, const pieces_t *pc, char **buf, char **addr, size_t *len, pieces_t *out);
 PyObject *eng_cma_init(Engine *e, PyObject *args);

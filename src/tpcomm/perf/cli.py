@@ -95,6 +95,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 LIBRARIES = ("gloo", "vllm", "deepspeed", "mpi")  # the column order
+ALGORITHM_NAMED = ("all_reduce", "all_gather")  # the last column names the engine's algorithm
 
 
 def _libraries(text: str) -> tuple:
@@ -208,6 +209,8 @@ def _header(args: argparse.Namespace, cfg: dict) -> str:
     if any(lib != "gloo" for lib in args.compare):
         hdr += f"  {'vs best':>7} {'best':>9}"
     hdr += f"  {'memcpy(us)':>10} {'GB/s':>6}"
+    if args.collective in ALGORITHM_NAMED and args.backend == "comm":
+        hdr += f"  {'algorithm':>11}"
     return "\n".join(lines + [hdr]) + "\n"
 
 
@@ -315,6 +318,8 @@ def _rows(args: argparse.Namespace, cfg: dict, reps: list) -> tuple:
         m = row["memcpy"]
         line += f"  {m * 1e6:>10.2f} {row['size'] / m / 1e9:>6.1f}"
         rec["memcpy_time"] = m * 1e6
+        if args.collective in ALGORITHM_NAMED and args.backend == "comm":
+            line += f"  {row.get('algorithm') or '-':>11}"
         lines.append(line)
         records.append(rec)
     return lines, records, wrong_total

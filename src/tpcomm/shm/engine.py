@@ -15,7 +15,7 @@ from .. import _env, _native, layout, routing
 from ..bootstrap import Watch, broadcast_from_rank0, death_explains, local_cpu_count
 from ..errors import CommError, CommTimeoutError, PeerFailedError
 from ..ops import ALL_DTYPES, ANY_CODE_DTYPES, CODE_DTYPES, DTYPE_CODES, ReduceOp, dense
-from . import segment
+from . import profile, segment
 
 __all__ = [
     "KIND_ALL_REDUCE",
@@ -123,7 +123,7 @@ ST_SPLITS = _native.ST_SPLITS
 CLOSE_WAIT_S = 10.0
 
 
-_ALGOS = {1: "one-shot", 2: "two-shot"}
+_ALGOS = {1: "one-shot", 2: "two-shot", _native.ARG_SINGLE_COPY: "single-copy"}
 
 
 def _describe_call(kind: int, dtype: int, op: int, count: int, arg: int | None = None) -> str:
@@ -194,14 +194,32 @@ def _settings_differ(info: dict, rank: int) -> str:
     )
 
 
-def _tuning(world: int) -> tuple:
-    """The engine's settings from the environment (each checked): non-temporal
-    copy threshold, yield time, threads per rank, two-shot threshold."""
+def _explicit(name: str) -> bool:
+    return (os.environ.get(name) or "auto").strip().lower() != "auto"
+
+
+def settings_for(world: int, tuned: Optional[dict] = None) -> tuple:
+    """The engine's settings (each checked): non-temporal copy threshold, yield
+    time, threads per rank, two-shot and single-copy all-reduce thresholds, and
+    the single-copy plan (cma_init's arguments).  ``tuned``: rank 0's profile
+    (shm/profile.py), used where this rank's environment does not set it."""
+    tuned = tuned or {}
+
+    def pick(key: str, default: int) -> int:
+        env = profile.SETTINGS[key]
+        return default if key not in tuned or _explicit(env) else tuned[key]
+
+    cma_want, cma_least = _env.cma_plan(world)
+    if "cma_min_bytes" in tuned and not _explicit("TPCOMM_CMA_MIN_BYTES"):
+        least = tuned["cma_min_bytes"]
+        cma_want, cma_least = _env.cma() and least >= 0, max(least, 0)
     return (
         _env.nt_min_bytes(),
         _env.yield_us(),
         _env.threads(world),
-        _env.twoshot_min_bytes(world),
+        pick("twoshot_min_bytes", _env.twoshot_min_bytes(world)),
+        pick("cma_allreduce_min_bytes", _env.cma_allreduce_min_bytes()),
+        (cma_want, cma_least),
     )
 
 
@@ -224,9 +242,10 @@ class ShmEngine:
         # Every setting is read (and checked) before anything exists: a bad value
         # raises the same error on every rank at once, none waits for another.
         slot_bytes = _env.slot_bytes()
-        cma_want, cma_least = _env.cma_plan(world)
         select_kernels()
-        tuning = _tuning(world)
+        tuning = settings_for(world)
+        # rank 0's tuned profile (tpcomm tune), sent to the others with the segment
+        self.tuned = profile.settings(world) if rank == 0 else {}
         # Ranks that outnumber the cores gain nothing by spinning: the peer they
         # wait for needs the core.  (Pinned ranks see one CPU; count the host's.)
         oversubscribed = world > max(local_cpu_count(), os.cpu_count() or 1)
@@ -245,6 +264,7 @@ class ShmEngine:
         try:
             if rank == 0:
                 try:
+                    tuning = settings_for(world, self.tuned)
                     self.path, fd = segment.create(world, slot_bytes, group_tag)
                     self._map(fd, world, slot_bytes, spin, timeout, tuning)
                 except CommError as e:
@@ -253,14 +273,19 @@ class ShmEngine:
                 # the slot size and the name's random token only: the peers
                 # derive the path themselves (the store is not trusted)
                 token = segment.token_of(self.path)
-                broadcast_from_rank0(
-                    store, prefix, 0, "segment", f"{slot_bytes}:{token}", timeout, watch
-                )
+                told = f"{slot_bytes}:{token}:{profile.encode(self.tuned)}"
+                broadcast_from_rank0(store, prefix, 0, "segment", told, timeout, watch)
             else:
                 value = broadcast_from_rank0(store, prefix, rank, "segment", None, timeout, watch)
                 try:
-                    slot_text, _, token = value.partition(":")
+                    slot_text, _, rest = value.partition(":")
+                    token, _, tuned_text = rest.partition(":")
                     slot_bytes = _published_slot(slot_text)
+                    try:
+                        self.tuned = profile.decode(tuned_text)
+                    except ValueError as e:
+                        raise CommError(str(e)) from None
+                    tuning = settings_for(world, self.tuned)
                     path = segment.derive(group_tag, token)
                     fd = segment.open_existing(path, world, slot_bytes)
                 except CommError as e:  # tell the others, who wait for this rank to attach
@@ -297,9 +322,9 @@ class ShmEngine:
         # exchange nothing more through the store: drop the reference
         del store
         # single-copy all_gather: on when every rank can read every other one
-        self.cma = False
+        self.cma, self.cma_min = False, 0
         if world > 1:
-            status, _ = self.cma_init(cma_want, cma_least)
+            status, _ = self.cma_init(*tuning[5])
             if status == ST_MISMATCH:  # the ranks' settings differ: say which, on every rank
                 info = self._errors.error_info()
                 self.close()
@@ -404,6 +429,7 @@ class ShmEngine:
         read every peer and wants them.  (status, on)."""
         two = self.twoshot_min if self.twoshot_min >= 0 else _NEVER
         status, self.cma = self._native.cma_init(KIND_BARRIER, want, min_bytes, two)
+        self.cma_min = min_bytes
         return status, self.cma
 
     def send_if_room(self, dst: int, pieces: list) -> Optional[int]:
@@ -415,6 +441,17 @@ class ShmEngine:
         """Tell the peers this rank is gone (they raise PeerFailedError)."""
         if self._native is not None and not self.failed:
             self._native.abort(ST_PEER_DEAD)
+
+    def algorithm(self, collective: str, nbytes: int) -> str:
+        """How this engine does a plain call of ``collective`` moving ``nbytes``
+        (all_reduce: its tensor; all_gather: the result): what tpcomm perf names."""
+        if collective == "all_reduce":
+            if self.cma and 0 <= self.cma_ar_min <= nbytes:
+                return "single-copy"
+            return "two-shot" if 0 <= self.twoshot_min <= nbytes else "one-shot"
+        if collective == "all_gather":
+            return "single-copy" if self.cma and nbytes >= self.cma_min else "copy"
+        return ""
 
     # -- knobs and views for tests (tpcomm._testing) -------------------------
 
@@ -454,7 +491,8 @@ class ShmEngine:
         tuning: Optional[tuple] = None,
     ) -> None:
         size = segment.segment_size(world, slot_bytes)
-        nt_min, yield_us, threads, self.twoshot_min = tuning or _tuning(world)
+        knobs = tuning or settings_for(world)
+        nt_min, yield_us, threads, self.twoshot_min, self.cma_ar_min, _ = knobs
         _native.set_tuning(nt_min)
         self._native = _native.Engine(
             fd, size, self.rank, world, slot_bytes, self.rank == 0, timeout, spin, yield_us
@@ -464,6 +502,7 @@ class ShmEngine:
         self._errors = self._native
         self._validate(slot_bytes, size)
         self._native.set_twoshot_min(self.twoshot_min)
+        self._native.set_cma_allreduce_min(self.cma_ar_min)
         self._native.set_threads(threads)
 
     def _validate(self, slot_bytes: int, size: int) -> None:

@@ -1,0 +1,157 @@
+"""Tuned profiles (`tpcomm tune`, tpcomm.shm.profile): the switch points follow
+from what was measured, every rank uses rank 0's profile, a setting in the
+environment still wins, a profile made elsewhere is ignored (logged once), and
+tpcomm perf names the algorithm each size used."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+from tpcomm import _testing
+from tpcomm.shm import profile
+from tpcomm.tune import switch_point
+
+
+def test_switch_point():
+    sizes = [1, 2, 3, 4]
+    assert switch_point(sizes, [False, False, True, True]) == 3
+    assert switch_point(sizes, [True, False, True, True]) == 3  # from where it keeps winning
+    assert switch_point(sizes, [True] * 4) == 1
+    assert switch_point(sizes, [True, True, True, False]) == -1  # not at the largest: never
+
+
+def _profile(path, worlds, **machine) -> str:
+    prof = {
+        "format": profile.FORMAT,
+        "machine": {**profile.machine(), **machine},
+        "command": "test",
+        "worlds": worlds,
+        "measured": {},
+    }
+    path.write_text(json.dumps(prof))
+    return str(path)
+
+
+def engines_under_profiles(comm, paths, explicit):
+    """Rank r reads paths[r] when a dup() is made; only rank 0's counts."""
+    os.environ["TPCOMM_PROFILE"] = paths[comm.rank]
+    for k, v in explicit.items():
+        os.environ[k] = v
+    try:
+        d = comm.dup()
+        try:
+            eng = _testing.engine(d)
+            return eng.twoshot_min, eng.cma_ar_min, eng.cma_min, eng.tuned
+        finally:
+            d.close()
+    finally:
+        os.environ.pop("TPCOMM_PROFILE")
+        for k in explicit:
+            os.environ.pop(k)
+
+
+def test_every_rank_uses_rank_0s_profile(pools, tmp_path):
+    mine = {
+        "twoshot_min_bytes": 12 << 12,
+        "cma_allreduce_min_bytes": 3 << 20,
+        "cma_min_bytes": 5 << 20,
+    }
+    other = {"twoshot_min_bytes": 0, "cma_allreduce_min_bytes": -1, "cma_min_bytes": -1}
+    paths = [
+        _profile(tmp_path / "a.json", {"2": mine}),
+        _profile(tmp_path / "b.json", {"2": other}),
+    ]
+    res = pools.run(2, engines_under_profiles, paths, {})
+    want = (mine["twoshot_min_bytes"], mine["cma_allreduce_min_bytes"], mine["cma_min_bytes"])
+    assert [r[:3] for r in res] == [want, want]
+    assert res[1][3] == mine  # what rank 0 sent
+    # a profile for world 2 serves world 3 too (the largest world measured up to it)
+    res = pools.run(3, engines_under_profiles, paths + paths[:1], {})
+    assert [r[:2] for r in res] == [want[:2]] * 3
+    # a setting in the environment wins over the profile, on the ranks that set it
+    env = {"TPCOMM_ALLREDUCE_ALGO": "one_shot", "TPCOMM_CMA_MIN_BYTES": "-1"}
+    res = pools.run(2, engines_under_profiles, paths, env)
+    assert [r[:2] for r in res] == [(-1, mine["cma_allreduce_min_bytes"])] * 2
+
+
+def test_a_profile_made_elsewhere_is_ignored_and_said_once(tmp_path, caplog, monkeypatch):
+    path = _profile(tmp_path / "p.json", {"2": {"twoshot_min_bytes": 0}}, cpu="Another CPU")
+    prof, why = profile.read(path)
+    assert prof is None and "made for cpu 'Another CPU'" in why
+    monkeypatch.setenv("TPCOMM_PROFILE", path)
+    with caplog.at_level(logging.WARNING, logger="tpcomm"):
+        assert profile.settings(2) == {} and profile.settings(2) == {}
+    assert sum("tuned profile ignored" in r.message for r in caplog.records) == 1
+    older = _profile(tmp_path / "q.json", {"2": {"twoshot_min_bytes": 0}}, tpcomm="0.0.1")
+    assert "made for tpcomm '0.0.1'" in profile.read(older)[1]
+    (tmp_path / "bad.json").write_text("{not json")
+    assert "unreadable" in profile.read(str(tmp_path / "bad.json"))[1]
+    monkeypatch.setenv("TPCOMM_PROFILE", "0")
+    assert profile.read()[0] is None and profile.settings(2) == {}
+
+
+def test_settings_from_rank_0_are_checked():
+    assert profile.decode(profile.encode({"twoshot_min_bytes": 4096})) == {
+        "twoshot_min_bytes": 4096
+    }
+    assert profile.decode("") == {}
+    for junk in ("rm=1", "twoshot_min_bytes=x", "twoshot_min_bytes=-5", "cma_min_bytes=1e9"):
+        with pytest.raises(ValueError):
+            profile.decode(junk)
+
+
+def test_tune_writes_the_switch_points_of_what_it_measured(tmp_path):
+    out = tmp_path / "profile.json"
+    cmd = [sys.executable, "-m", "tpcomm", "tune", "-N", "2", "-b", "16K", "-e", "1M", "-f", "8"]
+    cmd += ["-R", "3", "--target", "0.005", "-o", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "profile written to" in r.stdout and "fastest" in r.stdout
+    prof, why = profile.read(str(out))
+    assert prof is not None, why
+    got, res = prof["worlds"]["2"], prof["measured"]["2"]
+    sizes = [16 << 10, 128 << 10, 1 << 20]
+
+    def med(coll, s, algo):
+        return statistics.median(res[coll][str(s)][algo])
+
+    def point(wins: list) -> int:  # the first size from which it wins at every larger one
+        return next((s for i, s in enumerate(sizes) if all(wins[i:])), -1)
+
+    for algos in (res["all_reduce"][str(s)] for s in sizes):
+        assert all(len(v) == 3 and min(v) > 0 for v in algos.values())
+    ar = {s: {a: med("all_reduce", s, a) for a in res["all_reduce"][str(s)]} for s in sizes}
+    assert got["twoshot_min_bytes"] == point([ar[s]["two-shot"] < ar[s]["one-shot"] for s in sizes])
+    if res["single_copy_possible"]:
+        chunked = [min(ar[s]["one-shot"], ar[s]["two-shot"]) for s in sizes]
+        wins = [ar[s]["single-copy"] < c for s, c in zip(sizes, chunked)]
+        assert got["cma_allreduce_min_bytes"] == point(wins)
+        wins = [med("all_gather", s, "single-copy") < med("all_gather", s, "copy") for s in sizes]
+        assert got["cma_min_bytes"] == point(wins)
+    else:
+        assert "cma_allreduce_min_bytes" not in got
+
+
+def test_perf_names_the_algorithm_of_each_size(tmp_path):
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, "-m", "tpcomm", "perf", "all_reduce", "-b", "1K", "-e", "1M"]
+    cmd += ["-f", "32", "-n", "10", "-J", str(out)]
+    env = {**os.environ, "TPCOMM_PROFILE": "0", "TPCOMM_CMA_ALLREDUCE_MIN_BYTES": str(1 << 20)}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    rows = json.loads(out.read_text())["results"]
+    algos = [row["algorithm"] for row in rows]
+    assert algos[:2] == ["one-shot", "one-shot"]  # 1 KiB, 32 KiB: below the 256 KiB default
+    assert algos[2] in ("single-copy", "two-shot")  # two-shot where single copy is refused
+    assert all(line.split()[-1] == a for line, a in zip(_rows(r.stdout), algos))
+
+
+def _rows(text: str) -> list:
+    return [line for line in text.splitlines() if line and not line.startswith("#")]
