@@ -248,6 +248,7 @@ typedef struct {
         uint64_t timeout_ns;
         uint64_t spin_ns;  /* spin with pause this long before yielding */
         uint64_t yield_ns; /* then sched_yield until this long, then sleep */
+        uint64_t crowded_until; /* no yields before this (wait.c: the core is shared) */
     } waits;
 
     /* details of the last error, for Python's message (error_info): the

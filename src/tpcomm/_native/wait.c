@@ -96,7 +96,8 @@ int fail(Engine *e, int st, int err_rank, int blame)
  * (WAIT_IDLE); anything else is returned as it is (a status, or -1 with an
  * exception set).  Between polls: spin with pause (GIL held: most waits end
  * here), then, GIL released (*ts), sched_yield (cheap when a peer shares the
- * core), then sleep: on the futex word w->sleep_on names (announced in the
+ * core; skipped for a while once a yield lost the core to a busy process:
+ * YIELD_LOST_NS), then sleep: on the futex word w->sleep_on names (announced in the
  * header's sleepers, re-checked, bounded by w->sleep_ns), or a nap of
  * w->sleep_ns where there is none.
  *
@@ -109,6 +110,15 @@ int fail(Engine *e, int st, int err_rank, int blame)
  * timeout since the last move; err_rank: w->peer) and, every 50 ms, Python's
  * signal handlers (Ctrl-C must not wait for the timeout).
  */
+/* A sched_yield that took this long gave the core to a task that kept it
+ * (a rank that waits too yields it back at once): the core is shared with
+ * busy processes, and each further yield would lose a time slice to them
+ * (2-7 ms per all_reduce beside two CPU-bound processes).  The waits then
+ * skip the yields for CROWDED_NS and sleep on the futex after the spin: a
+ * woken task gets the core back at once (1 KiB: 2 us there). */
+#define YIELD_LOST_NS 200000ull
+#define CROWDED_NS 1000000000ull
+
 int wait_until(Engine *e, waiter_t *w, PyThreadState **ts)
 {
     int st = w->poll(e, w, ts);
@@ -164,8 +174,11 @@ int wait_until(Engine *e, waiter_t *w, PyThreadState **ts)
                     return ST_INTERRUPTED;
             }
         }
-        if (t - last < e->waits.yield_ns) {
+        if (t - last < e->waits.yield_ns && t >= e->waits.crowded_until) {
             sched_yield();
+            uint64_t back = now_ns();
+            if (back - t > YIELD_LOST_NS)
+                e->waits.crowded_until = back + CROWDED_NS;
             continue;
         }
         uint64_t want = 0;
