@@ -78,9 +78,13 @@ demo: install
 # make bench: every table of docs/PERFORMANCE.md, from one run (BENCH_DIR keeps its JSON and text)
 BENCH_DIR ?= build/bench
 TP := $(VENV)/bin/tpcomm
+# every benchmark runs with the profile the first step measures (tpcomm tune)
+bench: export TPCOMM_PROFILE = $(abspath $(BENCH_DIR))/profile.json
 bench: install build/handoff
 	$(PY) -m pip install -q --disable-pip-version-check $(BENCH_PACKAGES)
 	rm -rf $(BENCH_DIR) && mkdir -p $(BENCH_DIR)
+	$(TP) tune -N 2 -o $(BENCH_DIR)/profile.json > $(BENCH_DIR)/tune.txt; \
+		st=$$?; cat $(BENCH_DIR)/tune.txt; exit $$st
 	for d in float32 bfloat16 float16; do \
 		$(TP) perf all_reduce $(BENCH_ARGS) -d $$d -J $(BENCH_DIR)/all_reduce_$$d.json || exit 1; done
 	# the three dtypes in turns, auto and (beside AVX-512) AVX2 kernels (issue 15's table)

@@ -70,6 +70,11 @@ RUNS = [
     ),
 ]
 TEXTS = [
+    (
+        "tune",
+        "The switch points of this machine (`tpcomm tune`; every command above ran with that "
+        "profile)",
+    ),
     ("kernels", "The reduce kernels alone, every variant this CPU runs (`benchmarks/kernels.py`)"),
     ("pg_floor", "ProcessGroup layer alone (`benchmarks/pg_floor.py`)"),
     ("gather_dims", "Gathers along the last dim (`benchmarks/gather_dims.py`)"),
@@ -154,7 +159,7 @@ def table(data: dict) -> list[str]:
         head += [f"{names[lib]} (us)", f"{SHORT[lib]} / tpcomm"]
     if has_best:
         head += ["tpcomm / best"]
-    head += ["memcpy (us)", "#wrong"]
+    head += ["memcpy (us)", "tpcomm / memcpy", "#wrong"]
     has_algo = any(r.get("algorithm") for r in rs)
     if has_algo:
         head += ["algorithm"]
@@ -168,7 +173,8 @@ def table(data: dict) -> list[str]:
         if has_best:
             best = r.get("vs_best")
             row += ["n/a" if best is None else f"{best:.2f} ({names[r['best']]})"]
-        row += [fmt(r.get("memcpy_time")), str(r.get("wrong", ""))]
+        m = r.get("memcpy_time")
+        row += [fmt(m), f"{r['time'] / m:.2f}" if m else "", str(r.get("wrong", ""))]
         if has_algo:
             row += [r.get("algorithm") or "-"]
         lines.append("| " + " | ".join(row) + " |")
@@ -269,8 +275,10 @@ def main(bench_dir: str) -> None:
         "- Two ranks, one per core, pinned (`-N 2`): the honest setting on a 2-core machine.",
         "  Time is per call, the slowest rank's average; busbw follows nccl-tests "
         "(all_reduce x 2(n-1)/n, all_gather and reduce_scatter x (n-1)/n, others x 1).",
-        "- gloo and Open MPI (mpi4py, its default tuning) ran on the same ranks, data and sizes "
-        "in the same command; `gloo / tpcomm` above 1 means tpcomm is faster.",
+        "- gloo, vLLM's and DeepSpeed's shared-memory all-reduce and Open MPI (mpi4py, its "
+        "default tuning) ran on the same ranks, data and sizes in the same command; "
+        "`gloo / tpcomm` above 1 means tpcomm is faster; `tpcomm / best` is tpcomm's time over "
+        "the fastest library's, the median of each repetition's own ratio.",
         "- memcpy is one thread copying the same bytes on this machine: the physical bound for "
         "a collective that must move them once.",
         "- The data-moving collectives run with `--fresh`: every library's input is rewritten "

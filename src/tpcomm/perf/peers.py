@@ -143,6 +143,7 @@ def _vllm_library() -> str:
 def _deepspeed_op() -> Any:
     """DeepSpeed's shm comm op, loaded (built once) by its own op builder into
     the cache.  Raises RuntimeError with the reason it cannot be."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # no accelerator probe (and its warning)
     try:
         import deepspeed  # noqa: F401
         from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
