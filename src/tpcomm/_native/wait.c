@@ -115,7 +115,10 @@ int fail(Engine *e, int st, int err_rank, int blame)
  * busy processes, and each further yield would lose a time slice to them
  * (2-7 ms per all_reduce beside two CPU-bound processes).  The waits then
  * skip the yields for CROWDED_NS and sleep on the futex after the spin: a
- * woken task gets the core back at once (1 KiB: 2 us there). */
+ * woken task gets the core back at once (1 KiB: 2 us there).  Not where the
+ * ranks outnumber the cores (no spin): there a yield goes to a peer rank,
+ * which may keep the core for its whole reduce, and the yields are what keeps
+ * those ranks fast (futex sleeps made world 4 on 2 cores 1.2-2.5x slower). */
 #define YIELD_LOST_NS 200000ull
 #define CROWDED_NS 1000000000ull
 
@@ -177,7 +180,7 @@ int wait_until(Engine *e, waiter_t *w, PyThreadState **ts)
         if (t - last < e->waits.yield_ns && t >= e->waits.crowded_until) {
             sched_yield();
             uint64_t back = now_ns();
-            if (back - t > YIELD_LOST_NS)
+            if (back - t > YIELD_LOST_NS && e->waits.spin_ns)
                 e->waits.crowded_until = back + CROWDED_NS;
             continue;
         }
