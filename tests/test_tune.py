@@ -21,10 +21,13 @@ from tpcomm.tune import switch_point
 
 def test_switch_point():
     sizes = [1, 2, 3, 4]
-    assert switch_point(sizes, [False, False, True, True]) == 3
-    assert switch_point(sizes, [True, False, True, True]) == 3  # from where it keeps winning
-    assert switch_point(sizes, [True] * 4) == 1
-    assert switch_point(sizes, [True, True, True, False]) == -1  # not at the largest: never
+    assert switch_point(sizes, [1.1, 1.0, 0.9, 0.8]) == 3
+    assert switch_point(sizes, [0.9, 1.1, 0.9, 0.9]) == 3  # from where it keeps winning
+    assert switch_point(sizes, [0.9] * 4) == 1
+    assert switch_point(sizes, [0.9, 0.9, 0.9, 1.1]) == -1  # loses at the largest: never
+    # within the margin (3 %) a ratio is a tie: it neither wins nor stops a win below it
+    assert switch_point(sizes, [1.1, 0.99, 0.9, 1.02]) == 3
+    assert switch_point(sizes, [0.98, 0.99, 1.01, 1.0]) == -1
 
 
 def _profile(path, worlds, **machine) -> str:
@@ -119,22 +122,27 @@ def test_tune_writes_the_switch_points_of_what_it_measured(tmp_path):
     got, res = prof["worlds"]["2"], prof["measured"]["2"]
     sizes = [16 << 10, 128 << 10, 1 << 20]
 
-    def med(coll, s, algo):
-        return statistics.median(res[coll][str(s)][algo])
+    def ratio(coll, s, algo, *base):  # the median of each repetition's own ratio
+        t = res[coll][str(s)]
+        return statistics.median(
+            t[algo][r] / min(t[b][r] for b in base) for r in range(len(t[algo]))
+        )
 
-    def point(wins: list) -> int:  # the first size from which it wins at every larger one
-        return next((s for i, s in enumerate(sizes) if all(wins[i:])), -1)
+    def point(rs: list) -> int:  # the first clear win (3 %) that no larger size undoes
+        for i, s in enumerate(sizes):
+            if rs[i] <= 0.97 and all(r <= 1.03 for r in rs[i:]):
+                return s
+        return -1
 
     for algos in (res["all_reduce"][str(s)] for s in sizes):
         assert all(len(v) == 3 and min(v) > 0 for v in algos.values())
-    ar = {s: {a: med("all_reduce", s, a) for a in res["all_reduce"][str(s)]} for s in sizes}
-    assert got["twoshot_min_bytes"] == point([ar[s]["two-shot"] < ar[s]["one-shot"] for s in sizes])
+    two = [ratio("all_reduce", s, "two-shot", "one-shot") for s in sizes]
+    assert got["twoshot_min_bytes"] == point(two)
     if res["single_copy_possible"]:
-        chunked = [min(ar[s]["one-shot"], ar[s]["two-shot"]) for s in sizes]
-        wins = [ar[s]["single-copy"] < c for s, c in zip(sizes, chunked)]
-        assert got["cma_allreduce_min_bytes"] == point(wins)
-        wins = [med("all_gather", s, "single-copy") < med("all_gather", s, "copy") for s in sizes]
-        assert got["cma_min_bytes"] == point(wins)
+        sc = [ratio("all_reduce", s, "single-copy", "one-shot", "two-shot") for s in sizes]
+        assert got["cma_allreduce_min_bytes"] == point(sc)
+        ag = [ratio("all_gather", s, "single-copy", "copy") for s in sizes]
+        assert got["cma_min_bytes"] == point(ag)
     else:
         assert "cma_allreduce_min_bytes" not in got
 

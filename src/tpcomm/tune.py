@@ -4,9 +4,10 @@ world sizes given, and write the switch points as a profile
 (:mod:`tpcomm.shm.profile`) that every Communicator made here then uses.
 
 Every algorithm runs on the same ranks and data, in turns (the order turning
-each repetition); a size's winner is the one with the lowest median time, and a
-switch point is the smallest measured size from which the faster algorithm wins
-at that size and every larger one (-1: never).  Settings given in the
+each repetition); the table's fastest is the lowest median time, and a
+switch point is the smallest measured size at which the other algorithm is
+faster by 3 % or more (the median of each repetition's own ratio) and at every
+larger size not slower by more than 3 % (-1: never).  Settings given in the
 environment still win over the profile.
 """
 
@@ -43,14 +44,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true", help="measure and print, write nothing")
 
 
-def switch_point(sizes: list, faster: list) -> int:
-    """The smallest size from which ``faster`` holds at it and every larger
-    size (-1: not at the largest)."""
+# a ratio within this of 1 is a tie: the run-to-run noise of a shared machine
+MARGIN = 0.03
+
+
+def switch_point(sizes: list, ratios: list, margin: float = MARGIN) -> int:
+    """The smallest size at which the other algorithm takes at most 1 - margin
+    of the time and at every larger size at most 1 + margin (-1: none).
+    ``ratios``: its time over the current one's, per size."""
     point = -1
-    for size, wins in reversed(list(zip(sizes, faster))):
-        if not wins:
+    for size, ratio in reversed(list(zip(sizes, ratios))):
+        if ratio > 1 + margin:
             break
-        point = size
+        if ratio <= 1 - margin:
+            point = size
     return point
 
 
@@ -124,21 +131,24 @@ def _settings(sizes: list, res: dict) -> tuple:
     def median(collective: str, size: int, algo: str) -> float:
         return statistics.median(res[collective][size][algo])
 
-    two = switch_point(
-        sizes, [median("all_reduce", s, "two-shot") < median("all_reduce", s, "one-shot")
-                for s in sizes]
-    )  # fmt: skip
-    settings = {"twoshot_min_bytes": two}
+    def ratios(collective: str, algo: str, *base: str) -> list:
+        """Per size, the median over the repetitions of each one's own
+        ratio: algo's time over the fastest of base's."""
+        out = []
+        for s in sizes:
+            t = res[collective][s]
+            reps = range(len(t[algo]))
+            out.append(statistics.median(t[algo][r] / min(t[b][r] for b in base) for r in reps))
+        return out
+
+    settings = {
+        "twoshot_min_bytes": switch_point(sizes, ratios("all_reduce", "two-shot", "one-shot"))
+    }
     if res["single_copy_possible"]:
-        best_chunked = [min(median("all_reduce", s, a) for a in ALL_REDUCE[:2]) for s in sizes]
-        settings["cma_allreduce_min_bytes"] = switch_point(
-            sizes, [median("all_reduce", s, "single-copy") < b for s, b in zip(sizes, best_chunked)]
-        )
-        settings["cma_min_bytes"] = switch_point(
-            sizes,
-            [median("all_gather", s, "single-copy") < median("all_gather", s, "copy")
-             for s in sizes],
-        )  # fmt: skip
+        ar = ratios("all_reduce", "single-copy", "one-shot", "two-shot")
+        settings["cma_allreduce_min_bytes"] = switch_point(sizes, ar)
+        ag = ratios("all_gather", "single-copy", "copy")
+        settings["cma_min_bytes"] = switch_point(sizes, ag)
     lines = []
     for collective, algos in (("all_reduce", ALL_REDUCE), ("all_gather", ALL_GATHER)):
         algos = [a for a in algos if a in res[collective][sizes[0]]]
