@@ -87,7 +87,7 @@ bench: install build/handoff
 		st=$$?; cat $(BENCH_DIR)/tune.txt; exit $$st
 	for d in float32 bfloat16 float16; do \
 		$(TP) perf all_reduce $(BENCH_ARGS) -d $$d -J $(BENCH_DIR)/all_reduce_$$d.json || exit 1; done
-	# the three dtypes in turns, auto and (beside AVX-512) AVX2 kernels (issue 15's table)
+	# the three dtypes in turns, auto and (beside AVX-512) AVX2 kernels
 	$(PY) benchmarks/dtypes.py -J $(BENCH_DIR)/dtypes.json > $(BENCH_DIR)/dtypes.txt; \
 		st=$$?; cat $(BENCH_DIR)/dtypes.txt; exit $$st
 	for c in all_gather reduce_scatter broadcast gather sendrecv; do \

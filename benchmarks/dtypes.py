@@ -136,7 +136,7 @@ def main(argv=None) -> int:
         sizes.append(s)
         s *= args.stepfactor
     have = isa_variants()
-    # the auto choice, and AVX2 forced where the CPU has better (issue 15's target CPU)
+    # the auto choice, and AVX2 forced where the CPU has better
     variants = ["auto"] + (["avx2"] if "avx2" in have and "avx512" in have else [])
     with LocalGroup(2, pin=True, timeout=600) as group:
         res = group.run(rank, sizes, variants, args.rounds, args.seconds * len(variants))

@@ -4,7 +4,7 @@ Two sources of 1 MiB each (hot in L2), dst = a + b, the best of 15 loops of
 200 calls (one Python call each, ~1 us of the time), the dtypes' loops in
 turns so that a change of the VM's speed meets them alike.  GB/s counts the
 bytes of one source; "x f32" is the dtype's GB/s over float32's in the same
-variant (issue 15's target: >= 0.8).  Run by `make bench`.
+variant (the target: >= 0.8).  Run by `make bench`.
 """
 
 from __future__ import annotations

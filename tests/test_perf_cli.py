@@ -228,7 +228,7 @@ def test_touch_keeps_values():
 
 
 def test_dtypes_benchmark_and_page(tmp_path):
-    """benchmarks/dtypes.py (make bench: issue 15's table) times the three
+    """benchmarks/dtypes.py (make bench: the dtypes table) times the three
     dtypes in turns, checks every result against the reference, and
     scripts/perf_page.py renders a table per kernel variant from its JSON."""
     import pathlib
