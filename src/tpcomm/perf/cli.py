@@ -458,7 +458,7 @@ def _peer_line(name: str) -> str:
     if name == "vllm":
         return (
             f"vLLM {peers.VLLM_VERSION} csrc/cpu/shm.cpp, unmodified (sha256-checked source), "
-            "-O3 -march=native -fopenmp, one thread per rank, called through torch.ops"
+            "-O3 -march=native -fopenmp, torch's threads per rank (1), called through torch.ops"
         )
     return "DeepSpeed's shm comm op (its op builder), torch.ops.deepspeed.inference_all_reduce_"
 

@@ -28,6 +28,7 @@ from typing import Any, Optional
 import torch
 
 from .. import _env
+from ..ops import ReduceOp
 
 __all__ = [
     "DEEPSPEED_VERSION", "NAMES", "VLLM_SHA256", "VLLM_URL", "VLLM_VERSION", "Peer",
@@ -194,7 +195,7 @@ def prepare(names: tuple, dtype: torch.dtype, world: int, collective: str, op: s
 def _segment_names(tag: str) -> tuple:
     """The /dev/shm names the peers create for this run's tag."""
     ds = f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{tag}_*"
-    return (f"tpcomm-perf-vllm-{tag}_*", ds)
+    return (f"vllm-shm-tpcomm-perf-{tag}_*", ds)
 
 
 def remove_segments(tag: str) -> None:
@@ -218,8 +219,11 @@ class Peer:
         if name == "vllm":
             torch.ops.load_library(_vllm_library())
             ops = torch.ops.tpcomm_vllm_peer
-            shm_name = f"tpcomm-perf-vllm-{tag}"
-            handle = ops.init_shm_manager(shm_name, world, rank, 1)
+            shm_name = f"vllm-shm-tpcomm-perf-{tag}"
+            # vLLM's CPU communicator: the fewest torch threads of any rank
+            threads = torch.tensor([torch.get_num_threads()], dtype=torch.int64)
+            comm.all_reduce(threads, ReduceOp.MIN)
+            handle = ops.init_shm_manager(shm_name, world, rank, int(threads.item()))
             comm.barrier()
             ops.join_shm_manager(handle, shm_name)
             comm.barrier()
