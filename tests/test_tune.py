@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tpcomm import _testing
 from tpcomm.shm import profile
@@ -51,7 +52,14 @@ def engines_under_profiles(comm, paths, explicit):
         d = comm.dup()
         try:
             eng = _testing.engine(d)
-            return eng.twoshot_min, eng.cma_ar_min, eng.cma_min, eng.tuned
+            # what the engine does: rounds of one bfloat16 and one float32 all_reduce of 64 KiB
+            rounds = []
+            for dt in (torch.bfloat16, torch.float32):
+                before = _testing.rounds(d)
+                d.all_reduce(torch.ones(65536 // dt.itemsize, dtype=dt))
+                rounds.append(_testing.rounds(d) - before)
+            half = eng.twoshot_min16
+            return eng.twoshot_min, eng.cma_ar_min, eng.cma_min, eng.tuned, half, rounds
         finally:
             d.close()
     finally:
@@ -62,7 +70,8 @@ def engines_under_profiles(comm, paths, explicit):
 
 def test_every_rank_uses_rank_0s_profile(pools, tmp_path):
     mine = {
-        "twoshot_min_bytes": 12 << 12,
+        "twoshot_min_bytes": 1 << 20,
+        "twoshot_min_bytes_16bit": 4096,
         "cma_allreduce_min_bytes": 3 << 20,
         "cma_min_bytes": 5 << 20,
     }
@@ -75,6 +84,8 @@ def test_every_rank_uses_rank_0s_profile(pools, tmp_path):
     want = (mine["twoshot_min_bytes"], mine["cma_allreduce_min_bytes"], mine["cma_min_bytes"])
     assert [r[:3] for r in res] == [want, want]
     assert res[1][3] == mine  # what rank 0 sent
+    # 64 KiB: bfloat16 two-shot (two rounds) from 4 KiB, float32 one-shot below 1 MiB
+    assert [r[4:] for r in res] == [(4096, [2, 1])] * 2
     # a profile for world 2 serves world 3 too (the largest world measured up to it)
     res = pools.run(3, engines_under_profiles, paths + paths[:1], {})
     assert [r[:2] for r in res] == [want[:2]] * 3
@@ -82,6 +93,7 @@ def test_every_rank_uses_rank_0s_profile(pools, tmp_path):
     env = {"TPCOMM_ALLREDUCE_ALGO": "one_shot", "TPCOMM_CMA_MIN_BYTES": "-1"}
     res = pools.run(2, engines_under_profiles, paths, env)
     assert [r[:2] for r in res] == [(-1, mine["cma_allreduce_min_bytes"])] * 2
+    assert [r[4:] for r in res] == [(-1, [1, 1])] * 2
 
 
 def test_a_profile_made_elsewhere_is_ignored_and_said_once(tmp_path, caplog, monkeypatch):
@@ -138,6 +150,8 @@ def test_tune_writes_the_switch_points_of_what_it_measured(tmp_path):
         assert all(len(v) == 3 and min(v) > 0 for v in algos.values())
     two = [ratio("all_reduce", s, "two-shot", "one-shot") for s in sizes]
     assert got["twoshot_min_bytes"] == point(two)
+    two16 = [ratio("all_reduce_bf16", s, "two-shot", "one-shot") for s in sizes]
+    assert got["twoshot_min_bytes_16bit"] == point(two16)
     if res["single_copy_possible"]:
         sc = [ratio("all_reduce", s, "single-copy", "one-shot", "two-shot") for s in sizes]
         assert got["cma_allreduce_min_bytes"] == point(sc)

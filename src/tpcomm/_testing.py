@@ -72,7 +72,10 @@ def set_twoshot_min(comm: Any, nbytes: Optional[int]) -> None:
     """Force this rank's all-reduce switch point (-1: never two-shot; None: back
     to the agreed setting)."""
     eng = _eng(comm)
-    eng.set_twoshot_min(eng.twoshot_min if nbytes is None else nbytes)
+    if nbytes is None:
+        eng.set_twoshot_min(eng.twoshot_min, eng.twoshot_min16)
+    else:
+        eng.set_twoshot_min(nbytes)
 
 
 def set_cma_allreduce_min(comm: Any, nbytes: Optional[int]) -> None:

@@ -316,7 +316,7 @@ def _check_paths(rep: Report, world: int) -> None:
         return
     dts = ", ".join(str(d).replace("torch.", "") for d in DTYPE_CODES)
     tuned = _check_profile(rep, world)
-    _, _, threads, two, single, (cma_on, cma_least) = settings_for(world, tuned)
+    _, _, threads, two, two16, single, (cma_on, cma_least) = settings_for(world, tuned)
 
     def source(key: str) -> str:
         env = profile.SETTINGS[key]
@@ -329,6 +329,11 @@ def _check_paths(rep: Report, world: int) -> None:
     else:
         ar = f"one-shot below {_human(two)}, two-shot from there"
     ar += f" ({source('twoshot_min_bytes')})"
+    if two16 != two:
+        ar += (
+            f"; bfloat16 and float16 two-shot from "
+            f"{_human(two16) if two16 >= 0 else 'never'} ({source('twoshot_min_bytes_16bit')})"
+        )
     if single >= 0 and cma_on:
         ar += (
             f"; single copy from {_human(single)} where the ranks may read each other "

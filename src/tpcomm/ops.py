@@ -34,6 +34,7 @@ DTYPE_CODES = {
 }
 CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+HALF_DTYPES = (torch.bfloat16, torch.float16)  # all_reduce has their own two-shot switch point
 
 # torch.distributed's ReduceOp values users may pass instead of ours
 _DIST_OPS = {"SUM": ReduceOp.SUM, "AVG": ReduceOp.AVG, "MAX": ReduceOp.MAX, "MIN": ReduceOp.MIN}

@@ -1,6 +1,7 @@
 """``tpcomm tune``: measure on this machine where each all-reduce algorithm
-(one-shot, two-shot, single copy) and the single-copy all_gather win, for the
-world sizes given, and write the switch points as a profile
+(one-shot, two-shot, single copy; bfloat16's one-shot and two-shot apart, for
+both 16-bit floats) and the single-copy all_gather win, for the world sizes
+given, and write the switch points as a profile
 (:mod:`tpcomm.shm.profile`) that every Communicator made here then uses.
 
 Every algorithm runs on the same ranks and data, in turns (the order turning
@@ -28,6 +29,14 @@ __all__ = ["add_arguments", "main", "run", "switch_point"]
 
 ALL_REDUCE = ("one-shot", "two-shot", "single-copy")
 ALL_GATHER = ("copy", "single-copy")
+# what is timed: all_reduce of float32 (its switch points serve the integers
+# too), of bfloat16 (the switch point of both 16-bit floats, whose reduce costs
+# more, so splitting it between the ranks can pay earlier), all_gather
+MEASURED = (
+    ("all_reduce", ALL_REDUCE, torch.float32),
+    ("all_reduce_bf16", ALL_REDUCE[:2], torch.bfloat16),
+    ("all_gather", ALL_GATHER, torch.float32),
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -64,7 +73,7 @@ def switch_point(sizes: list, ratios: list, margin: float = MARGIN) -> int:
 def _use(comm: Any, collective: str, algo: str) -> None:
     from . import _testing
 
-    if collective == "all_reduce":
+    if collective.startswith("all_reduce"):
         _testing.set_twoshot_min(comm, 0 if algo == "two-shot" else -1)
         _testing.set_cma_allreduce_min(comm, 0 if algo == "single-copy" else -1)
     else:
@@ -79,14 +88,15 @@ def _measure(comm: Any, cfg: dict) -> dict:
     w = comm.world_size
     # single copy only where this machine lets the ranks read each other
     cma = _testing.cma_init(comm, True, 0)[1]
-    out: dict = {"single_copy_possible": cma, "all_reduce": {}, "all_gather": {}}
+    out: dict = {"single_copy_possible": cma}
     try:
-        for collective, algos in (("all_reduce", ALL_REDUCE), ("all_gather", ALL_GATHER)):
+        for collective, algos, dtype in MEASURED:
+            out[collective] = {}
             algos = [a for a in algos if cma or a != "single-copy"]
             for size in cfg["sizes"]:
-                n = max(w, size // 4 // w * w)
-                x = torch.rand(n if collective == "all_reduce" else n // w)
-                fn = comm.all_reduce if collective == "all_reduce" else comm.all_gather
+                n = max(w, size // dtype.itemsize // w * w)
+                x = torch.rand(n if collective != "all_gather" else n // w).to(dtype)
+                fn = comm.all_gather if collective == "all_gather" else comm.all_reduce
 
                 def call(fn=fn, x=x) -> None:
                     fn(x)
@@ -142,7 +152,10 @@ def _settings(sizes: list, res: dict) -> tuple:
         return out
 
     settings = {
-        "twoshot_min_bytes": switch_point(sizes, ratios("all_reduce", "two-shot", "one-shot"))
+        "twoshot_min_bytes": switch_point(sizes, ratios("all_reduce", "two-shot", "one-shot")),
+        "twoshot_min_bytes_16bit": switch_point(
+            sizes, ratios("all_reduce_bf16", "two-shot", "one-shot")
+        ),
     }
     if res["single_copy_possible"]:
         ar = ratios("all_reduce", "single-copy", "one-shot", "two-shot")
@@ -150,7 +163,7 @@ def _settings(sizes: list, res: dict) -> tuple:
         ag = ratios("all_gather", "single-copy", "copy")
         settings["cma_min_bytes"] = switch_point(sizes, ag)
     lines = []
-    for collective, algos in (("all_reduce", ALL_REDUCE), ("all_gather", ALL_GATHER)):
+    for collective, algos, _ in MEASURED:
         algos = [a for a in algos if a in res[collective][sizes[0]]]
         lines.append(f"#   {collective}: median time per call (us), the slowest rank's")
         lines.append("#   " + f"{'bytes':>10}" + "".join(f"{a:>13}" for a in algos) + "  fastest")

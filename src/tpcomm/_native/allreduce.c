@@ -99,7 +99,8 @@ static struct sym *find_sym(Engine *e, const char *t, size_t bytes)
  * The all-reduce of `count` elements at t, in place: zero-copy when t lies in
  * a symmetric buffer, single copy (cma.c) from cma_ar_min bytes, else chunked:
  * one-shot (every rank reduces the whole chunk: one round) below twoshot_min
- * bytes, two-shot (two rounds) from there.  The choice travels in the
+ * bytes (twoshot_min16 for bfloat16 and float16), two-shot (two rounds) from
+ * there.  The choice travels in the
  * metadata (arg 1, 2, ARG_ZERO_COPY + where, ARG_SINGLE_COPY), so ranks
  * configured differently get a mismatch error, not garbage.  Runs
  * inside a begun call (call_begin: *tsp the GIL's saved state, if released).
@@ -109,11 +110,12 @@ int all_reduce_rounds(Engine *e, char *t, size_t count, int dtype, int op, uint3
 {
     const size_t es = dt_size[dtype];
     const size_t chunk = e->slot_bytes / es;
-    const int two = count * es >= e->twoshot_min;
+    const uint64_t two_min = dtype == DT_BF16 || dtype == DT_F16 ? e->twoshot_min16 : e->twoshot_min;
+    const int two = count * es >= two_min;
     PyThreadState *ts = *tsp;
     int st = ST_OK;
     size_t done = 0;
-    struct sym *sb = e->nsym && count * es >= e->twoshot_min ? find_sym(e, t, count * es) : NULL;
+    struct sym *sb = e->nsym && two ? find_sym(e, t, count * es) : NULL;
     int whole = 1; /* one algorithm takes the whole tensor in its rounds */
     if (sb) {
         size_t off = (size_t)(t - sb->base);

@@ -449,6 +449,7 @@ static int eng_init(Engine *e, PyObject *args, PyObject *kw)
     e->busy = 0;
     e->failed = 0;
     e->twoshot_min = UINT64_MAX;
+    e->twoshot_min16 = UINT64_MAX;
     e->cma_ar_min = UINT64_MAX;
     if (create) {
         hdr_t *h = HDR(e);
@@ -639,6 +640,12 @@ static PyObject *eng_set_twoshot_min(Engine *e, PyObject *arg)
     return set_switch(&e->twoshot_min, arg);
 }
 
+/* set_twoshot_min16(bytes): the same for bfloat16 and float16 */
+static PyObject *eng_set_twoshot_min16(Engine *e, PyObject *arg)
+{
+    return set_switch(&e->twoshot_min16, arg);
+}
+
 /* set_cma_allreduce_min(bytes): all-reduces of at least this many bytes go
  * single-copy where cma_init agreed it (-1 = never) */
 static PyObject *eng_set_cma_allreduce_min(Engine *e, PyObject *arg)
@@ -707,6 +714,8 @@ static PyMethodDef eng_methods[] = {
      "set_threads(n): helper threads for large copies"},
     {"set_twoshot_min", (PyCFunction)eng_set_twoshot_min, METH_O,
      "set_twoshot_min(nbytes): the all-reduce switch point"},
+    {"set_twoshot_min16", (PyCFunction)eng_set_twoshot_min16, METH_O,
+     "set_twoshot_min16(nbytes): the switch point of bfloat16 and float16"},
     {"set_cma_allreduce_min", (PyCFunction)eng_set_cma_allreduce_min, METH_O,
      "set_cma_allreduce_min(nbytes): single-copy all-reduce from nbytes (-1: never)"},
     {"cma_init", (PyCFunction)eng_cma_init, METH_VARARGS,

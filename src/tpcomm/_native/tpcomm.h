@@ -236,6 +236,7 @@ typedef struct {
     uint64_t round;       /* last collective round this rank published */
     void **srcs;          /* scratch: world source pointers */
     uint64_t twoshot_min; /* all-reduces of at least this many bytes go two-shot */
+    uint64_t twoshot_min16; /* the same for bfloat16 and float16 (their reduce costs more) */
     int cma;              /* all ranks can read each other's memory (cma_init) */
     uint64_t cma_min;     /* all_gathers of at least this many bytes read the peers directly */
     uint64_t cma_ar_min;  /* all-reduces of at least this many bytes too (cma_all_reduce) */

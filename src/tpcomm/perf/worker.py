@@ -111,11 +111,11 @@ def _libraries(comm: Any, cfg: dict, gloo_group: Any) -> dict:
     return libs
 
 
-def _algorithm(comm: Any, collective: str, nbytes: int) -> str:
+def _algorithm(comm: Any, collective: str, nbytes: int, dtype: Any) -> str:
     """What the shared-memory engine does for this call (shm/engine.py algorithm):
     one-shot, two-shot or single-copy all_reduce, copy or single-copy all_gather."""
     shm = getattr(comm, "_shm", None)
-    return shm.engine.algorithm(collective, nbytes) if shm is not None else ""
+    return shm.engine.algorithm(collective, nbytes, dtype) if shm is not None else ""
 
 
 def _state(cfg: dict, rank: int, world: int, count: int) -> dict:
@@ -167,7 +167,7 @@ def worker(comm: Any, cfg: dict) -> list[dict]:
                 else:
                     row["time"] = timed(lambda st=st: call(st), iters)
                 row["iters"] = iters
-            row["algorithm"] = _algorithm(comm, coll.name, row["size"])
+            row["algorithm"] = _algorithm(comm, coll.name, row["size"], dtype)
             if zbuf is not None and row["algorithm"] != "one-shot":
                 row["algorithm"] = "zero-copy"  # a comm.empty tensor: read where it is
             if cfg.get("backend") == "dist" and coll.name == "all_reduce":

@@ -14,7 +14,15 @@ from typing import Any, Optional
 from .. import _env, _native, layout, routing
 from ..bootstrap import Watch, broadcast_from_rank0, death_explains, local_cpu_count
 from ..errors import CommError, CommTimeoutError, PeerFailedError
-from ..ops import ALL_DTYPES, ANY_CODE_DTYPES, CODE_DTYPES, DTYPE_CODES, ReduceOp, dense
+from ..ops import (
+    ALL_DTYPES,
+    ANY_CODE_DTYPES,
+    CODE_DTYPES,
+    DTYPE_CODES,
+    HALF_DTYPES,
+    ReduceOp,
+    dense,
+)  # fmt: skip
 from . import profile, segment
 
 __all__ = [
@@ -200,8 +208,9 @@ def _explicit(name: str) -> bool:
 
 def settings_for(world: int, tuned: Optional[dict] = None) -> tuple:
     """The engine's settings (each checked): non-temporal copy threshold, yield
-    time, threads per rank, two-shot and single-copy all-reduce thresholds, and
-    the single-copy plan (cma_init's arguments).  ``tuned``: rank 0's profile
+    time, threads per rank, the two-shot thresholds (float32 and the integers;
+    bfloat16 and float16), the single-copy all-reduce threshold, and the
+    single-copy plan (cma_init's arguments).  ``tuned``: rank 0's profile
     (shm/profile.py), used where this rank's environment does not set it."""
     tuned = tuned or {}
 
@@ -213,11 +222,13 @@ def settings_for(world: int, tuned: Optional[dict] = None) -> tuple:
     if "cma_min_bytes" in tuned and not _explicit("TPCOMM_CMA_MIN_BYTES"):
         least = tuned["cma_min_bytes"]
         cma_want, cma_least = _env.cma() and least >= 0, max(least, 0)
+    two = pick("twoshot_min_bytes", _env.twoshot_min_bytes(world))
     return (
         _env.nt_min_bytes(),
         _env.yield_us(),
         _env.threads(world),
-        pick("twoshot_min_bytes", _env.twoshot_min_bytes(world)),
+        two,
+        pick("twoshot_min_bytes_16bit", two),  # bfloat16 and float16: as the rest by default
         pick("cma_allreduce_min_bytes", _env.cma_allreduce_min_bytes()),
         (cma_want, cma_least),
     )
@@ -324,7 +335,7 @@ class ShmEngine:
         # single-copy all_gather: on when every rank can read every other one
         self.cma, self.cma_min = False, 0
         if world > 1:
-            status, _ = self.cma_init(*tuning[5])
+            status, _ = self.cma_init(*tuning[6])
             if status == ST_MISMATCH:  # the ranks' settings differ: say which, on every rank
                 info = self._errors.error_info()
                 self.close()
@@ -442,13 +453,15 @@ class ShmEngine:
         if self._native is not None and not self.failed:
             self._native.abort(ST_PEER_DEAD)
 
-    def algorithm(self, collective: str, nbytes: int) -> str:
+    def algorithm(self, collective: str, nbytes: int, dtype: Any = None) -> str:
         """How this engine does a plain call of ``collective`` moving ``nbytes``
-        (all_reduce: its tensor; all_gather: the result): what tpcomm perf names."""
+        of ``dtype`` (all_reduce: its tensor; all_gather: the result): what
+        tpcomm perf names."""
         if collective == "all_reduce":
             if self.cma and 0 <= self.cma_ar_min <= nbytes:
                 return "single-copy"
-            return "two-shot" if 0 <= self.twoshot_min <= nbytes else "one-shot"
+            two = self.twoshot_min16 if dtype in HALF_DTYPES else self.twoshot_min
+            return "two-shot" if 0 <= two <= nbytes else "one-shot"
         if collective == "all_gather":
             return "single-copy" if self.cma and nbytes >= self.cma_min else "copy"
         return ""
@@ -463,8 +476,9 @@ class ShmEngine:
     def threads(self) -> int:
         return self._native.threads
 
-    def set_twoshot_min(self, nbytes: int) -> None:
+    def set_twoshot_min(self, nbytes: int, nbytes16: Optional[int] = None) -> None:
         self._native.set_twoshot_min(nbytes)
+        self._native.set_twoshot_min16(nbytes if nbytes16 is None else nbytes16)
 
     def fault_check_delay(self, us: float) -> None:
         self._native.fault_check_delay(us)
@@ -492,7 +506,7 @@ class ShmEngine:
     ) -> None:
         size = segment.segment_size(world, slot_bytes)
         knobs = tuning or settings_for(world)
-        nt_min, yield_us, threads, self.twoshot_min, self.cma_ar_min, _ = knobs
+        nt_min, yield_us, threads, self.twoshot_min, self.twoshot_min16, self.cma_ar_min, _ = knobs
         _native.set_tuning(nt_min)
         self._native = _native.Engine(
             fd, size, self.rank, world, slot_bytes, self.rank == 0, timeout, spin, yield_us
@@ -502,6 +516,7 @@ class ShmEngine:
         self._errors = self._native
         self._validate(slot_bytes, size)
         self._native.set_twoshot_min(self.twoshot_min)
+        self._native.set_twoshot_min16(self.twoshot_min16)
         self._native.set_cma_allreduce_min(self.cma_ar_min)
         self._native.set_threads(threads)
 

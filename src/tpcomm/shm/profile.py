@@ -29,6 +29,7 @@ FORMAT = 1
 # setting -> the environment variable that overrides it
 SETTINGS = {
     "twoshot_min_bytes": "TPCOMM_ALLREDUCE_ALGO",
+    "twoshot_min_bytes_16bit": "TPCOMM_ALLREDUCE_ALGO",  # bfloat16 and float16
     "cma_allreduce_min_bytes": "TPCOMM_CMA_ALLREDUCE_MIN_BYTES",
     "cma_min_bytes": "TPCOMM_CMA_MIN_BYTES",
 }
