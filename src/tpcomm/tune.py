@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from .ops import ReduceOp
 from .perf.table import parse_size
 from .perf.timing import agree, timed
 
@@ -124,15 +125,9 @@ def _worst(comm: Any, times: dict) -> dict:
     out = {}
     for algo, ts in times.items():
         t = torch.tensor(ts, dtype=torch.float32)
-        comm.all_reduce(t, _max())
+        comm.all_reduce(t, ReduceOp.MAX)
         out[algo] = t.tolist()
     return out
-
-
-def _max() -> Any:
-    from .ops import ReduceOp
-
-    return ReduceOp.MAX
 
 
 def _settings(sizes: list, res: dict) -> tuple:

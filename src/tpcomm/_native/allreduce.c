@@ -21,9 +21,7 @@ static int twoshot_chunk(Engine *e, char *src, size_t m, int dtype, int op, uint
 {
     const size_t es = dt_size[dtype];
     const int w = e->world, me = e->rank;
-    size_t shard = ((m + (size_t)w - 1) / (size_t)w + 31) & ~(size_t)31;
-#define SHARD_LO(j) ((size_t)(j) * shard < m ? (size_t)(j) * shard : m)
-    const size_t lo = SHARD_LO(me), hi = SHARD_LO(me + 1);
+    const size_t lo = shard_start(m, w, me), hi = shard_start(m, w, me + 1);
     int p = (int)((e->round + 1) & 1);
     char *in = slot_of(e, me, p);
     par_copy(e->pool, in, src, lo * es);
@@ -40,10 +38,9 @@ static int twoshot_chunk(Engine *e, char *src, size_t m, int dtype, int op, uint
         return st;
     for (int i = 1; i < w; i++) {
         int j = (me + i) % w;
-        size_t jlo = SHARD_LO(j), jhi = SHARD_LO(j + 1);
+        size_t jlo = shard_start(m, w, j), jhi = shard_start(m, w, j + 1);
         par_copy(e->pool, src + jlo * es, slot_of(e, j, 1 - p) + jlo * es, (jhi - jlo) * es);
     }
-#undef SHARD_LO
     return ST_OK;
 }
 
@@ -65,12 +62,10 @@ static int zero_copy_all_reduce(Engine *e, struct sym *sb, size_t off, size_t co
 {
     const size_t es = dt_size[dtype];
     const int w = e->world, me = e->rank;
-    size_t shard = ((count + (size_t)w - 1) / (size_t)w + 31) & ~(size_t)31;
-#define ZC_LO(j) ((size_t)(j) * shard < count ? (size_t)(j) * shard : count)
     int st = round_sync(e, kind, (uint32_t)dtype, (uint32_t)op, count, arg, ts);
     if (st != ST_OK)
         return st;
-    const size_t lo = ZC_LO(me), hi = ZC_LO(me + 1);
+    const size_t lo = shard_start(count, w, me), hi = shard_start(count, w, me + 1);
     for (int r = 0; r < w; r++)
         e->srcs[r] = sb->peers[r] + off + lo * es;
     par_reduce(e->pool, dtype, op, sb->base + off + lo * es, e->srcs, w, hi - lo);
@@ -79,11 +74,10 @@ static int zero_copy_all_reduce(Engine *e, struct sym *sb, size_t off, size_t co
         return st;
     for (int i = 1; i < w; i++) {
         int j = (me + i) % w;
-        size_t jlo = ZC_LO(j), jhi = ZC_LO(j + 1);
+        size_t jlo = shard_start(count, w, j), jhi = shard_start(count, w, j + 1);
         par_copy(e->pool, sb->base + off + jlo * es, sb->peers[j] + off + jlo * es,
                  (jhi - jlo) * es);
     }
-#undef ZC_LO
     return round_sync(e, kind, (uint32_t)dtype, (uint32_t)op, count, arg, ts);
 }
 

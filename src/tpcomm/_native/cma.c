@@ -194,8 +194,6 @@ int cma_all_reduce(Engine *e, char *t, size_t count, int dtype, int op, uint32_t
 {
     const size_t es = dt_size[dtype];
     const int w = e->world, me = e->rank;
-    const size_t shard = ((count + (size_t)w - 1) / (size_t)w + 31) & ~(size_t)31;
-#define SC_LO(j) ((size_t)(j) * shard < count ? (size_t)(j) * shard : count)
     const int p = (int)((e->round + 1) & 1);
     /* a piece of every peer fits the slot, and stays in the caches while reduced */
     size_t piece = e->slot_bytes / (size_t)(w - 1) / es;
@@ -204,7 +202,7 @@ int cma_all_reduce(Engine *e, char *t, size_t count, int dtype, int op, uint32_t
     char *scratch = slot_of(e, me, p);
     line_of(e, me, 0, p)->addr = e->fault.cma_addr ? 4096u : (uint64_t)(uintptr_t)t;
     int st = round_sync(e, kind, (uint32_t)dtype, (uint32_t)op, count, ARG_SINGLE_COPY, ts);
-    const size_t lo = SC_LO(me), hi = SC_LO(me + 1);
+    const size_t lo = shard_start(count, w, me), hi = shard_start(count, w, me + 1);
     for (size_t a = lo; st == ST_OK && a < hi; a += piece) {
         size_t n = hi - a < piece ? hi - a : piece;
         for (int r = 0, k = 0; st == ST_OK && r < w; r++) {
@@ -223,12 +221,11 @@ int cma_all_reduce(Engine *e, char *t, size_t count, int dtype, int op, uint32_t
         st = round_sync(e, kind, (uint32_t)dtype, (uint32_t)op, count, ARG_SINGLE_COPY, ts);
     for (int i = 1; i < w && st == ST_OK; i++) {
         int j = (me + i) % w;
-        size_t jlo = SC_LO(j), jhi = SC_LO(j + 1);
+        size_t jlo = shard_start(count, w, j), jhi = shard_start(count, w, j + 1);
         if (jhi > jlo)
             st = cma_read(e, j, t + jlo * es, (jhi - jlo) * es, (jhi - jlo) * es,
                           line_of(e, j, 0, p)->addr + jlo * es, (jhi - jlo) * es);
     }
-#undef SC_LO
     if (st == ST_OK) /* nobody reads this rank's tensor after this round */
         st = round_sync(e, kind, (uint32_t)dtype, (uint32_t)op, count, ARG_SINGLE_COPY, ts);
     return st;

@@ -326,6 +326,16 @@ static inline struct flock rank_lock(int r)
 
 static inline int peer_pid(Engine *e, int r) { return (int)*(uint64_t *)ctrl_of(e, r); }
 
+/* Where rank j's shard of an all-reduce of m elements starts (two-shot,
+ * zero-copy, single copy): shards of m / w rounded up to 32 elements, the
+ * last ones short or empty; rank j's is [shard_start(m, w, j),
+ * shard_start(m, w, j + 1)). */
+static inline size_t shard_start(size_t m, int w, int j)
+{
+    size_t shard = ((m + (size_t)w - 1) / (size_t)w + 31) & ~(size_t)31;
+    return (size_t)j * shard < m ? (size_t)j * shard : m;
+}
+
 static inline char *slot_of(Engine *e, int r, int parity)
 {
     return e->base + e->slot_off + ((size_t)r * 2 + parity) * e->slot_bytes;
