@@ -72,7 +72,7 @@ def _gather(comm, form: str, x: torch.Tensor) -> torch.Tensor:
 
 def _restore(comm) -> None:
     """Back to the default decision (the pools' communicators serve other tests)."""
-    _testing.cma_init(comm, *_env.cma_plan(comm.world_size))
+    _testing.restore(comm)
 
 
 def _can_read_peers(comm) -> bool:
@@ -190,13 +190,16 @@ def _algo(comm, algo: str) -> None:
     _testing.set_cma_allreduce_min(comm, 0 if algo == "single-copy" else -1)
 
 
-def all_reduce_by_every_algorithm(comm):
+def all_reduce_by_every_algorithm(comm, threads=1):
     """all_reduce by single copy (every size), one-shot and two-shot: the same
     bits (one summation order), and the float64 sum of every rank's data; single
-    copy takes its three rounds where the reads are on."""
+    copy takes its three rounds where the reads are on.  ``threads``: per rank,
+    sharing every job of 4 KiB and more."""
     w = comm.world_size
     bad, used = [], True
     on = _testing.cma_init(comm, True, 0)[1] and comm.single_copy
+    if threads > 1:
+        _testing.set_threads(comm, threads, 4096)
     try:
         for n in (1, 33, 1000, 70_001, 600_000):
             for dt in (torch.float32, torch.bfloat16, torch.float16, torch.int32):
@@ -223,9 +226,6 @@ def all_reduce_by_every_algorithm(comm):
                     elif not torch.allclose(got["one-shot"].double(), ref, *tol):
                         bad.append(("reference", n, str(dt), op.name))
     finally:
-        _algo(comm, "one-shot")
-        _testing.set_twoshot_min(comm, None)
-        _testing.set_cma_allreduce_min(comm, None)
         _restore(comm)
     return on and used, bad
 
@@ -236,6 +236,15 @@ def test_single_copy_all_reduce_has_the_bits_of_the_other_algorithms(pools, worl
     assert [bad for _, bad in res] == [[]] * world
     if not all(used for used, _ in res):
         pytest.skip(NO_CMA)  # one-shot and two-shot were checked; single copy cannot run
+
+
+def test_single_copy_all_reduce_split_between_threads_has_the_same_bits(pools):
+    """Each rank's reads of its peers (and its reductions) split between 3
+    threads: the same bits as every algorithm on one thread, and the float64 sum."""
+    res = pools.run(2, all_reduce_by_every_algorithm, 3)
+    assert [bad for _, bad in res] == [[]] * 2
+    if not all(used for used, _ in res):
+        pytest.skip(NO_CMA)
 
 
 NO_CMA = (
@@ -288,8 +297,10 @@ def _single_copy(comm, which, x):
     """The collective under test, on the single-copy path (cma_init min 0)."""
     if which == "all_gather":
         return comm.all_gather(x)
-    if which == "all_reduce":
+    if which.startswith("all_reduce"):
         _testing.set_cma_allreduce_min(comm, 0)
+        if which == "all_reduce, 2 threads":  # the reads split between them
+            _testing.set_threads(comm, 2, 0)
         return comm.all_reduce(x)
     return comm.all_to_all_single(torch.empty_like(x), x)
 
@@ -319,7 +330,10 @@ def killed_while_read(comm, outdir, which):
     return res
 
 
-@pytest.mark.parametrize("which", ["all_gather", "all_to_all_single", "all_reduce"])
+SINGLE_COPY = ["all_gather", "all_to_all_single", "all_reduce", "all_reduce, 2 threads"]
+
+
+@pytest.mark.parametrize("which", SINGLE_COPY)
 def test_a_peer_killed_while_it_is_read(tmp_path, which):
     with LocalGroup(3, timeout=60) as g, pytest.raises(tpcomm.LaunchError) as info:
         if g.run(killed_while_read, str(tmp_path), which, timeout=60) == ["no cma"] * 3:
@@ -338,7 +352,7 @@ def unreadable(comm, which):
     return res, time.time() - t0
 
 
-@pytest.mark.parametrize("which", ["all_gather", "all_to_all_single", "all_reduce"])
+@pytest.mark.parametrize("which", SINGLE_COPY)
 def test_a_refused_read_is_a_clear_error_on_every_rank(which):
     res = tpcomm.launch(unreadable, 3, args=(which,), timeout=60)
     if res[0][0] is None:

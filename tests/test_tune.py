@@ -59,7 +59,8 @@ def engines_under_profiles(comm, paths, explicit):
                 d.all_reduce(torch.ones(65536 // dt.itemsize, dtype=dt))
                 rounds.append(_testing.rounds(d) - before)
             half = eng.twoshot_min16
-            return eng.twoshot_min, eng.cma_ar_min, eng.cma_min, eng.tuned, half, rounds
+            copies = (eng.current.nt_min, eng.current.threads_min)
+            return eng.twoshot_min, eng.cma_ar_min, eng.cma_min, eng.tuned, half, rounds, copies
         finally:
             d.close()
     finally:
@@ -74,6 +75,8 @@ def test_every_rank_uses_rank_0s_profile(pools, tmp_path):
         "twoshot_min_bytes_16bit": 4096,
         "cma_allreduce_min_bytes": 3 << 20,
         "cma_min_bytes": 5 << 20,
+        "nt_min_bytes": 2 << 20,
+        "threads_min_bytes": 6 << 20,
     }
     other = {"twoshot_min_bytes": 0, "cma_allreduce_min_bytes": -1, "cma_min_bytes": -1}
     paths = [
@@ -85,15 +88,18 @@ def test_every_rank_uses_rank_0s_profile(pools, tmp_path):
     assert [r[:3] for r in res] == [want, want]
     assert res[1][3] == mine  # what rank 0 sent
     # 64 KiB: bfloat16 two-shot (two rounds) from 4 KiB, float32 one-shot below 1 MiB
-    assert [r[4:] for r in res] == [(4096, [2, 1])] * 2
+    assert [r[4:6] for r in res] == [(4096, [2, 1])] * 2
+    assert [r[6] for r in res] == [(2 << 20, 6 << 20)] * 2  # the stores' and threads' points
     # a profile for world 2 serves world 3 too (the largest world measured up to it)
     res = pools.run(3, engines_under_profiles, paths + paths[:1], {})
     assert [r[:2] for r in res] == [want[:2]] * 3
     # a setting in the environment wins over the profile, on the ranks that set it
     env = {"TPCOMM_ALLREDUCE_ALGO": "one_shot", "TPCOMM_CMA_MIN_BYTES": "-1"}
+    env.update(TPCOMM_NT_MIN_BYTES="-1", TPCOMM_THREADS_MIN_BYTES="4096")
     res = pools.run(2, engines_under_profiles, paths, env)
     assert [r[:2] for r in res] == [(-1, mine["cma_allreduce_min_bytes"])] * 2
-    assert [r[4:] for r in res] == [(-1, [1, 1])] * 2
+    assert [r[4:6] for r in res] == [(-1, [1, 1])] * 2
+    assert [r[6] for r in res] == [(-1, 4096)] * 2
 
 
 def test_a_profile_made_elsewhere_is_ignored_and_said_once(tmp_path, caplog, monkeypatch):
@@ -125,7 +131,8 @@ def test_settings_from_rank_0_are_checked():
 def test_tune_writes_the_switch_points_of_what_it_measured(tmp_path):
     out = tmp_path / "profile.json"
     cmd = [sys.executable, "-m", "tpcomm", "tune", "-N", "2", "-b", "16K", "-e", "1M", "-f", "8"]
-    cmd += ["-R", "3", "--target", "0.005", "-o", str(out)]
+    # 2 threads per rank, measured against one even where they share the cores
+    cmd += ["-R", "3", "--target", "0.005", "--threads", "2", "--no-pin", "-o", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "profile written to" in r.stdout and "fastest" in r.stdout
@@ -159,6 +166,19 @@ def test_tune_writes_the_switch_points_of_what_it_measured(tmp_path):
         assert got["cma_min_bytes"] == point(ag)
     else:
         assert "cma_allreduce_min_bytes" not in got
+    nt = [ratio("nt_stores", s, "non-temporal", "cached") for s in sizes]
+    assert got["nt_min_bytes"] == point(nt)
+    threads = [ratio("threads", s, "threads", "one thread") for s in sizes]
+    assert got["threads_min_bytes"] == point(threads) and res["threads_per_rank"] == 2
+
+
+def test_tune_says_threads_were_not_measured_with_one_per_rank(tmp_path):
+    cmd = [sys.executable, "-m", "tpcomm", "tune", "-b", "64K", "-e", "64K", "-R", "1"]
+    cmd += ["--target", "0.002", "--threads", "1", "--dry-run"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "threads: not measured (1 per rank" in r.stdout and "nt_min_bytes=" in r.stdout
+    assert "threads_min_bytes" not in r.stdout and "no profile written" in r.stdout
 
 
 def test_perf_names_the_algorithm_of_each_size(tmp_path):

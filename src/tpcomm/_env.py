@@ -57,6 +57,9 @@ MAX_SPIN_US = 2000.0  # a spin holds the GIL and checks nothing: one liveness pe
 MAX_YIELD_US = 1e6
 MAX_BYTES = 1 << 48  # switch points in bytes: larger means never anyway
 MAX_THREADS = 256  # helper threads per rank (the core's limit)
+# A rank's helper threads take copies, reductions and single-copy reads of at
+# least this many bytes (smaller ones cost more to hand out than they save).
+DEFAULT_THREADS_MIN_BYTES = 256 << 10
 
 
 def _float(name: str, default: float, maximum: float, infinite: bool = False) -> float:
@@ -231,6 +234,14 @@ def threads(world: int) -> int:
     if mine < total:
         return max(1, min(mine, torch.get_num_threads()))
     return max(1, total // max(world, 1))
+
+
+def threads_min_bytes() -> int:
+    """TPCOMM_THREADS_MIN_BYTES: the smallest copy, reduction or single-copy read
+    (bytes) a rank splits between its threads (default 256 KiB; -1: never)."""
+    return _int(
+        "TPCOMM_THREADS_MIN_BYTES", DEFAULT_THREADS_MIN_BYTES, -1, MAX_BYTES, " (-1: never)"
+    )
 
 
 def isa() -> str:

@@ -25,8 +25,10 @@ __all__ = [
     "reduce_kernel",
     "rounds",
     "segment_size",
+    "restore",
     "set_twoshot_min",
     "set_cma_allreduce_min",
+    "set_threads",
     "symmetric_buffers",
     "threads",
     "touch",
@@ -44,10 +46,7 @@ def reduce_kernel(dtype: int, op: int, dst: int, srcs: list, count: int, nthread
     _engine.reduce_kernel(dtype, op, dst, srcs, count, nthreads)
 
 
-def engine(comm: Any) -> Optional[_engine.ShmEngine]:
-    """The shared-memory engine of ``comm`` (None: world size 1, across hosts, closed)."""
-    shm = comm._shm
-    return None if shm is None else shm.engine
+engine = _engine.engine_of
 
 
 def _eng(comm: Any) -> _engine.ShmEngine:
@@ -73,16 +72,27 @@ def set_twoshot_min(comm: Any, nbytes: Optional[int]) -> None:
     to the agreed setting)."""
     eng = _eng(comm)
     if nbytes is None:
-        eng.set_twoshot_min(eng.twoshot_min, eng.twoshot_min16)
+        eng.retune(twoshot_min=eng.settings.twoshot_min, twoshot_min16=eng.settings.twoshot_min16)
     else:
-        eng.set_twoshot_min(nbytes)
+        eng.retune(twoshot_min=nbytes, twoshot_min16=nbytes)
 
 
 def set_cma_allreduce_min(comm: Any, nbytes: Optional[int]) -> None:
     """Force this rank's single-copy all-reduce switch point (-1: never; None:
     back to the agreed setting).  Only where single-copy reads are on."""
     eng = _eng(comm)
-    eng._native.set_cma_allreduce_min(eng.cma_ar_min if nbytes is None else nbytes)
+    eng.retune(cma_ar_min=eng.settings.cma_ar_min if nbytes is None else nbytes)
+
+
+def set_threads(comm: Any, n: int, min_bytes: int) -> None:
+    """This rank's threads, sharing jobs of min_bytes and more (-1: none);
+    restore() undoes it."""
+    _eng(comm).retune(threads=n, threads_min=min_bytes)
+
+
+def restore(comm: Any) -> None:
+    """Every setting as agreed at creation, single copy included (collective)."""
+    _eng(comm).restore()
 
 
 def cma_init(comm: Any, want: bool, min_bytes: int) -> tuple[int, bool]:

@@ -316,7 +316,8 @@ def _check_paths(rep: Report, world: int) -> None:
         return
     dts = ", ".join(str(d).replace("torch.", "") for d in DTYPE_CODES)
     tuned = _check_profile(rep, world)
-    _, _, threads, two, two16, single, (cma_on, cma_least) = settings_for(world, tuned)
+    s = settings_for(world, tuned)
+    two, two16, single = s.twoshot_min, s.twoshot_min16, s.cma_ar_min
 
     def source(key: str) -> str:
         env = profile.SETTINGS[key]
@@ -334,16 +335,25 @@ def _check_paths(rep: Report, world: int) -> None:
             f"; bfloat16 and float16 two-shot from "
             f"{_human(two16) if two16 >= 0 else 'never'} ({source('twoshot_min_bytes_16bit')})"
         )
-    if single >= 0 and cma_on:
+    if single >= 0 and s.cma:
         ar += (
             f"; single copy from {_human(single)} where the ranks may read each other "
             f"({source('cma_allreduce_min_bytes')})"
         )
     first = routing.route(paths, _route_samples()[0][1]).path
     rep.ok(f"all_reduce: {_PATH_WORDS[first]}, {ar}; {dts}; SUM/AVG/MAX/MIN")
-    rep.info(f"  threads per rank: {threads} (TPCOMM_THREADS)")
+    if s.threads == 1 or s.threads_min < 0:
+        shared = "one thread for every job"
+    else:
+        shared = f"sharing jobs of {_human(s.threads_min)} and more"
+    rep.info(
+        f"  threads per rank: {s.threads} (TPCOMM_THREADS), {shared} "
+        f"({source('threads_min_bytes')})"
+    )
+    nt = "never" if s.nt_min < 0 else f"from {_human(s.nt_min)}"
+    rep.info(f"  non-temporal stores into the slots: {nt} ({source('nt_min_bytes')})")
     _print_routes(rep, paths)
-    _check_cma(rep, world, cma_least if cma_on else -1)
+    _check_cma(rep, world, s.cma_min)
     rep.ok("all_reduce of a comm.empty() tensor: zero-copy")
     rep.info("dist backend 'tpcomm': the same, plus scatter; isend/irecv and batch_isend_irecv")
     rep.info("run together when waited on (never deadlocked); recv without a source")

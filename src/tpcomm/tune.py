@@ -1,12 +1,13 @@
 """``tpcomm tune``: measure on this machine where each all-reduce algorithm
 (one-shot, two-shot, single copy; bfloat16's one-shot and two-shot apart, for
 both 16-bit floats) and the single-copy all_gather win, for the world sizes
-given, and write the switch points as a profile
+given, then, with those switch points, where non-temporal stores into the
+slots and a rank's helper threads pay; write the switch points as a profile
 (:mod:`tpcomm.shm.profile`) that every Communicator made here then uses.
 
-Every algorithm runs on the same ranks and data, in turns (the order turning
+Every variant runs on the same ranks and data, in turns (the order turning
 each repetition); the table's fastest is the lowest median time, and a
-switch point is the smallest measured size at which the other algorithm is
+switch point is the smallest measured size at which the other variant is
 faster by 3 % or more (the median of each repetition's own ratio) and at every
 larger size not slower by more than 3 % (-1: never).  Settings given in the
 environment still win over the profile.
@@ -22,22 +23,45 @@ from typing import Any
 
 import torch
 
+from . import _env
 from .ops import ReduceOp
 from .perf.table import parse_size
 from .perf.timing import agree, timed
+from .shm.engine import engine_of
 
 __all__ = ["add_arguments", "main", "run", "switch_point"]
 
 ALL_REDUCE = ("one-shot", "two-shot", "single-copy")
 ALL_GATHER = ("copy", "single-copy")
-# what is timed: all_reduce of float32 (its switch points serve the integers
+# first pass: all_reduce of float32 (its switch points serve the integers
 # too), of bfloat16 (the switch point of both 16-bit floats, whose reduce costs
 # more, so splitting it between the ranks can pay earlier), all_gather
-MEASURED = (
+ALGORITHMS = (
     ("all_reduce", ALL_REDUCE, torch.float32),
     ("all_reduce_bf16", ALL_REDUCE[:2], torch.bfloat16),
     ("all_gather", ALL_GATHER, torch.float32),
 )
+# second pass, float32 all_reduce with the first pass's switch points: stores
+# into the slots that bypass the caches, and a rank's helper threads (only
+# where a rank has more than one)
+NT, THREADS = ("cached", "non-temporal"), ("one thread", "threads")
+COPIES = (("nt_stores", NT, torch.float32), ("threads", THREADS, torch.float32))
+# what a variant changes in the engine (ShmEngine.retune; all_gather: cma_init)
+VARIANTS = {
+    "one-shot": {"twoshot_min": -1, "twoshot_min16": -1, "cma_ar_min": -1},
+    "two-shot": {"twoshot_min": 0, "twoshot_min16": 0, "cma_ar_min": -1},
+    "single-copy": {"twoshot_min": -1, "twoshot_min16": -1, "cma_ar_min": 0},
+    "cached": {"nt_min": -1},
+    "non-temporal": {"nt_min": 0},
+    "one thread": {"threads_min": -1},
+    "threads": {"threads_min": 0},
+}
+# a first-pass setting -> the engine setting it becomes in the second pass
+_APPLIED = {
+    "twoshot_min_bytes": "twoshot_min",
+    "twoshot_min_bytes_16bit": "twoshot_min16",
+    "cma_allreduce_min_bytes": "cma_ar_min",
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,6 +74,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-R", "--repeat", type=int, default=5, help="repetitions (the order turns)")
     p.add_argument("--target", type=float, default=0.05, help="seconds per algorithm and size")
     p.add_argument("--no-pin", action="store_true", help="do not pin rank r to CPU r")
+    p.add_argument(
+        "--threads", type=int, default=0,
+        help="threads per rank to measure against one (default: TPCOMM_THREADS' choice; "
+        "measured only where it is more than one)",
+    )  # fmt: skip
     p.add_argument("-o", "--output", help="the profile (default: TPCOMM_PROFILE or the cache's)")
     p.add_argument("--dry-run", action="store_true", help="measure and print, write nothing")
 
@@ -71,53 +100,75 @@ def switch_point(sizes: list, ratios: list, margin: float = MARGIN) -> int:
     return point
 
 
-def _use(comm: Any, collective: str, algo: str) -> None:
-    from . import _testing
-
-    if collective.startswith("all_reduce"):
-        _testing.set_twoshot_min(comm, 0 if algo == "two-shot" else -1)
-        _testing.set_cma_allreduce_min(comm, 0 if algo == "single-copy" else -1)
+def _use(eng: Any, collective: str, variant: str) -> None:
+    if collective == "all_gather":  # collective: every rank switches together
+        eng.cma_init(variant == "single-copy", 0)
     else:
-        _testing.cma_init(comm, algo == "single-copy", 0)
+        eng.retune(**VARIANTS[variant])
+
+
+def _time_variants(comm: Any, eng: Any, cfg: dict, measured: tuple, cma: bool) -> dict:
+    """{collective: {size: {variant: [seconds per call, per repetition]}}},
+    every variant of a size in turns, the order turning each repetition."""
+    out: dict = {}
+    w = comm.world_size
+    for collective, variants, dtype in measured:
+        out[collective] = {}
+        variants = [v for v in variants if cma or v != "single-copy"]
+        for size in cfg["sizes"]:
+            n = max(w, size // dtype.itemsize // w * w)
+            x = torch.rand(n if collective != "all_gather" else n // w).to(dtype)
+            fn = comm.all_gather if collective == "all_gather" else comm.all_reduce
+
+            def call(fn=fn, x=x) -> None:
+                fn(x)
+
+            times: dict = {v: [] for v in variants}
+            for rep in range(cfg["repeat"]):
+                turn = rep % len(variants)
+                for variant in variants[turn:] + variants[:turn]:
+                    _use(eng, collective, variant)
+                    call()
+                    probe = timed(call, 2)
+                    iters = agree(comm, max(3, int(cfg["target"] / max(probe, 1e-7))))
+                    comm.barrier()
+                    times[variant].append(timed(call, iters))
+            out[collective][size] = _worst(comm, times)
+    return out
 
 
 def _measure(comm: Any, cfg: dict) -> dict:
-    """One rank: {collective: {size: {algorithm: [seconds per call, per repetition]}}}."""
-    from . import _env, _testing
-
+    """One rank, the first pass (the algorithms): their times, and whether
+    single copy could run here."""
     torch.set_num_threads(1)
-    w = comm.world_size
+    eng = engine_of(comm)
     # single copy only where this machine lets the ranks read each other
-    cma = _testing.cma_init(comm, True, 0)[1]
-    out: dict = {"single_copy_possible": cma}
+    cma = eng.cma_init(True, 0)[1]
     try:
-        for collective, algos, dtype in MEASURED:
-            out[collective] = {}
-            algos = [a for a in algos if cma or a != "single-copy"]
-            for size in cfg["sizes"]:
-                n = max(w, size // dtype.itemsize // w * w)
-                x = torch.rand(n if collective != "all_gather" else n // w).to(dtype)
-                fn = comm.all_gather if collective == "all_gather" else comm.all_reduce
-
-                def call(fn=fn, x=x) -> None:
-                    fn(x)
-
-                times: dict = {a: [] for a in algos}
-                for rep in range(cfg["repeat"]):
-                    turn = rep % len(algos)
-                    for algo in algos[turn:] + algos[:turn]:
-                        _use(comm, collective, algo)
-                        call()
-                        probe = timed(call, 2)
-                        iters = agree(comm, max(3, int(cfg["target"] / max(probe, 1e-7))))
-                        comm.barrier()
-                        times[algo].append(timed(call, iters))
-                out[collective][size] = _worst(comm, times)
+        return {"single_copy_possible": cma, **_time_variants(comm, eng, cfg, ALGORITHMS, cma)}
     finally:
-        _testing.set_twoshot_min(comm, None)
-        _testing.set_cma_allreduce_min(comm, None)
-        _testing.cma_init(comm, *_env.cma_plan(w))
-    return out
+        eng.restore()
+
+
+def _measure_copies(comm: Any, cfg: dict, chosen: dict) -> dict:
+    """One rank, the second pass: with the first pass's switch points,
+    non-temporal stores against cached ones, and this rank's threads against
+    one (where it has more than one)."""
+    torch.set_num_threads(1)
+    eng = engine_of(comm)
+    threads = cfg["threads"] or eng.settings.threads
+    ar_min = chosen.get("cma_allreduce_min_bytes", -1)
+    cma = eng.cma_init(ar_min >= 0, 0)[1]
+    try:
+        eng.retune(**{_APPLIED[k]: v for k, v in chosen.items() if k in _APPLIED})
+        res = _time_variants(comm, eng, cfg, COPIES[:1], cma)
+        if threads > 1:  # with the stores just chosen (every rank has the same times)
+            nt = _copy_settings(cfg["sizes"], res)["nt_min_bytes"]
+            eng.retune(nt_min=nt, threads=threads)
+            res.update(_time_variants(comm, eng, cfg, COPIES[1:], cma))
+    finally:
+        eng.restore()
+    return {"threads_per_rank": threads, **res}
 
 
 def _worst(comm: Any, times: dict) -> dict:
@@ -130,45 +181,62 @@ def _worst(comm: Any, times: dict) -> dict:
     return out
 
 
-def _settings(sizes: list, res: dict) -> tuple:
-    """The switch points from one world's measurements, and a table per collective."""
+def _ratios(sizes: list, res: dict, collective: str, variant: str, *base: str) -> list:
+    """Per size, the median over the repetitions of each one's own ratio:
+    variant's time over the fastest of base's."""
+    out = []
+    for s in sizes:
+        t = res[collective][s]
+        reps = range(len(t[variant]))
+        out.append(statistics.median(t[variant][r] / min(t[b][r] for b in base) for r in reps))
+    return out
 
-    def median(collective: str, size: int, algo: str) -> float:
-        return statistics.median(res[collective][size][algo])
 
-    def ratios(collective: str, algo: str, *base: str) -> list:
-        """Per size, the median over the repetitions of each one's own
-        ratio: algo's time over the fastest of base's."""
-        out = []
-        for s in sizes:
-            t = res[collective][s]
-            reps = range(len(t[algo]))
-            out.append(statistics.median(t[algo][r] / min(t[b][r] for b in base) for r in reps))
-        return out
+def _settings(sizes: list, res: dict) -> dict:
+    """The algorithms' switch points from one world's first pass."""
+
+    def point(collective: str, variant: str, *base: str) -> int:
+        return switch_point(sizes, _ratios(sizes, res, collective, variant, *base))
 
     settings = {
-        "twoshot_min_bytes": switch_point(sizes, ratios("all_reduce", "two-shot", "one-shot")),
-        "twoshot_min_bytes_16bit": switch_point(
-            sizes, ratios("all_reduce_bf16", "two-shot", "one-shot")
-        ),
+        "twoshot_min_bytes": point("all_reduce", "two-shot", "one-shot"),
+        "twoshot_min_bytes_16bit": point("all_reduce_bf16", "two-shot", "one-shot"),
     }
     if res["single_copy_possible"]:
-        ar = ratios("all_reduce", "single-copy", "one-shot", "two-shot")
-        settings["cma_allreduce_min_bytes"] = switch_point(sizes, ar)
-        ag = ratios("all_gather", "single-copy", "copy")
-        settings["cma_min_bytes"] = switch_point(sizes, ag)
+        settings["cma_allreduce_min_bytes"] = point(
+            "all_reduce", "single-copy", "one-shot", "two-shot"
+        )
+        settings["cma_min_bytes"] = point("all_gather", "single-copy", "copy")
+    return settings
+
+
+def _copy_settings(sizes: list, res: dict) -> dict:
+    """Non-temporal stores' and helper threads' switch points from the second pass."""
+    out = {"nt_min_bytes": switch_point(sizes, _ratios(sizes, res, "nt_stores", *NT[::-1]))}
+    if "threads" in res:
+        out["threads_min_bytes"] = switch_point(
+            sizes, _ratios(sizes, res, "threads", *THREADS[::-1])
+        )
+    return out
+
+
+def _table(sizes: list, res: dict, measured: tuple) -> list:
+    """The lines that show what was measured, a table per collective."""
     lines = []
-    for collective, algos, _ in MEASURED:
-        algos = [a for a in algos if a in res[collective][sizes[0]]]
+    for collective, variants, _ in measured:
+        if collective not in res:
+            continue
+        variants = [v for v in variants if v in res[collective][sizes[0]]]
         lines.append(f"#   {collective}: median time per call (us), the slowest rank's")
-        lines.append("#   " + f"{'bytes':>10}" + "".join(f"{a:>13}" for a in algos) + "  fastest")
+        head = "".join(f"{v:>13}" for v in variants)
+        lines.append("#   " + f"{'bytes':>10}" + head + "  fastest")
         for s in sizes:
-            med = {a: median(collective, s, a) for a in algos}
+            med = {v: statistics.median(res[collective][s][v]) for v in variants}
             lines.append(
-                "    " + f"{s:>10}" + "".join(f"{med[a] * 1e6:>13.1f}" for a in algos)
+                "    " + f"{s:>10}" + "".join(f"{med[v] * 1e6:>13.1f}" for v in variants)
                 + f"  {min(med, key=med.get)}"
             )  # fmt: skip
-    return settings, lines
+    return lines
 
 
 def run(args: argparse.Namespace, out=sys.stdout) -> int:
@@ -181,6 +249,8 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
             raise ValueError("-N: world sizes of 2 or more")
         if args.minbytes > args.maxbytes or args.stepfactor < 2 or args.repeat < 1:
             raise ValueError("need -b <= -e, -f >= 2 and -R >= 1")
+        if not 0 <= args.threads <= _env.MAX_THREADS:
+            raise ValueError(f"--threads: 1 to {_env.MAX_THREADS} (0: TPCOMM_THREADS' choice)")
     except ValueError as e:
         print(f"# error: {e}", file=sys.stderr)
         return 2
@@ -190,15 +260,22 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
         s *= args.stepfactor
     here = profile.machine()
     out.write(f"# tpcomm tune: {here['cpu']}, {here['cpus']} CPUs, tpcomm {here['tpcomm']}\n")
-    cfg = {"sizes": sizes, "repeat": args.repeat, "target": args.target}
+    cfg = {"sizes": sizes, "repeat": args.repeat, "target": args.target, "threads": args.threads}
     chosen, measured = {}, {}
     t0 = time.monotonic()
     for w in worlds:
         with LocalGroup(w, pin=not args.no_pin) as group:
             res = group.run(_measure, cfg)[0]
-        settings, lines = _settings(sizes, res)
+            settings = _settings(sizes, res)
+            copies = group.run(_measure_copies, cfg, settings)[0]
+        settings.update(_copy_settings(sizes, copies))
+        res.update(copies)
         chosen[w], measured[str(w)] = settings, res
         out.write(f"# world {w}: {profile.encode(settings).replace(',', ', ')}\n")
+        lines = _table(sizes, res, ALGORITHMS + COPIES)
+        if "threads" not in res:
+            lines.append(f"#   threads: not measured ({copies['threads_per_rank']} per rank; "
+                         "--threads N measures N)")  # fmt: skip
         out.write("".join(line + "\n" for line in lines))
         out.flush()
     out.write(f"# elapsed {time.monotonic() - t0:.1f}s\n")

@@ -39,7 +39,7 @@ static int twoshot_chunk(Engine *e, char *src, size_t m, int dtype, int op, uint
     for (int i = 1; i < w; i++) {
         int j = (me + i) % w;
         size_t jlo = shard_start(m, w, j), jhi = shard_start(m, w, j + 1);
-        par_copy(e->pool, src + jlo * es, slot_of(e, j, 1 - p) + jlo * es, (jhi - jlo) * es);
+        par_copy_out(e->pool, src + jlo * es, slot_of(e, j, 1 - p) + jlo * es, (jhi - jlo) * es);
     }
     return ST_OK;
 }
@@ -75,7 +75,7 @@ static int zero_copy_all_reduce(Engine *e, struct sym *sb, size_t off, size_t co
     for (int i = 1; i < w; i++) {
         int j = (me + i) % w;
         size_t jlo = shard_start(count, w, j), jhi = shard_start(count, w, j + 1);
-        par_copy(e->pool, sb->base + off + jlo * es, sb->peers[j] + off + jlo * es,
+        par_copy_out(e->pool, sb->base + off + jlo * es, sb->peers[j] + off + jlo * es,
                  (jhi - jlo) * es);
     }
     return round_sync(e, kind, (uint32_t)dtype, (uint32_t)op, count, arg, ts);

@@ -185,20 +185,45 @@ int cma_rounds(Engine *e, uint32_t kind, uint32_t dtype, uint64_t numel, uint64_
  *   round 3: nobody reads this rank's tensor any more.
  * Per rank (W-1)/W of the tensor crosses once to be reduced and (W-1)/W once
  * as the result, against two-shot's copy in, copy of the result and copy out.
+ * A rank with helper threads splits its reads and reductions between them.
  * Used from cma_ar_min bytes where cma_init agreed single copy (off unless
  * TPCOMM_CMA_ALLREDUCE_MIN_BYTES or a tuned profile sets it); the choice
  * travels in the metadata (ARG_SINGLE_COPY) like the other algorithms'.
  */
+/* n bytes at `remote` in rank r's memory to `local`, split between this
+ * rank's threads (pool.c par_read) CMA_PIECE bytes at a time, aborts and the
+ * peer's death seen between the pieces as cma_copy sees them.  A status. */
+static int cma_read_par(Engine *e, int r, char *local, uint64_t remote, size_t n)
+{
+    if (!e->pool)
+        return cma_read(e, r, local, n, n, remote, n);
+    for (size_t done = 0; done < n;) {
+        size_t k = n - done < CMA_PIECE ? n - done : CMA_PIECE;
+        if (take_abort(e))
+            return ST_ABORTED;
+        fault_pause(e);
+        if (!peer_alive(e, r))
+            return cma_failed(e, r, ESRCH);
+        int err = par_read(e->pool, peer_pid(e, r), local + done, remote + done, k);
+        if (err)
+            return cma_failed(e, r, err);
+        done += k;
+    }
+    return ST_OK;
+}
+
 int cma_all_reduce(Engine *e, char *t, size_t count, int dtype, int op, uint32_t kind,
                    PyThreadState **ts)
 {
     const size_t es = dt_size[dtype];
     const int w = e->world, me = e->rank;
     const int p = (int)((e->round + 1) & 1);
-    /* a piece of every peer fits the slot, and stays in the caches while reduced */
+    /* a piece of every peer fits the slot, and stays in the caches while
+     * reduced: 256 KiB a thread */
     size_t piece = e->slot_bytes / (size_t)(w - 1) / es;
-    if (piece * es > (256u << 10))
-        piece = (256u << 10) / es;
+    const size_t most = (256u << 10) * (size_t)pool_threads(e->pool);
+    if (piece * es > most)
+        piece = most / es;
     char *scratch = slot_of(e, me, p);
     line_of(e, me, 0, p)->addr = e->fault.cma_addr ? 4096u : (uint64_t)(uintptr_t)t;
     int st = round_sync(e, kind, (uint32_t)dtype, (uint32_t)op, count, ARG_SINGLE_COPY, ts);
@@ -211,7 +236,7 @@ int cma_all_reduce(Engine *e, char *t, size_t count, int dtype, int op, uint32_t
                 continue;
             }
             char *into = scratch + (size_t)k++ * piece * es;
-            st = cma_read(e, r, into, n * es, n * es, line_of(e, r, 0, p)->addr + a * es, n * es);
+            st = cma_read_par(e, r, into, line_of(e, r, 0, p)->addr + a * es, n * es);
             e->srcs[r] = into;
         }
         if (st == ST_OK)
@@ -223,8 +248,8 @@ int cma_all_reduce(Engine *e, char *t, size_t count, int dtype, int op, uint32_t
         int j = (me + i) % w;
         size_t jlo = shard_start(count, w, j), jhi = shard_start(count, w, j + 1);
         if (jhi > jlo)
-            st = cma_read(e, j, t + jlo * es, (jhi - jlo) * es, (jhi - jlo) * es,
-                          line_of(e, j, 0, p)->addr + jlo * es, (jhi - jlo) * es);
+            st = cma_read_par(e, j, t + jlo * es, line_of(e, j, 0, p)->addr + jlo * es,
+                              (jhi - jlo) * es);
     }
     if (st == ST_OK) /* nobody reads this rank's tensor after this round */
         st = round_sync(e, kind, (uint32_t)dtype, (uint32_t)op, count, ARG_SINGLE_COPY, ts);

@@ -582,11 +582,13 @@ static PyObject *eng_remove_symmetric(Engine *e, PyObject *arg)
     Py_RETURN_TRUE;
 }
 
-/* set_threads(n): copies and reductions of large chunks use n threads */
-static PyObject *eng_set_threads(Engine *e, PyObject *arg)
+/* set_threads(n, min_bytes): copies, reductions and single-copy reads of at
+ * least min_bytes use n threads (min_bytes -1: one thread) */
+static PyObject *eng_set_threads(Engine *e, PyObject *args)
 {
-    long n = PyLong_AsLong(arg);
-    if (n == -1 && PyErr_Occurred())
+    long n;
+    long long min_bytes;
+    if (!PyArg_ParseTuple(args, "lL", &n, &min_bytes))
         return NULL;
     if (n < 1 || n > 256) {
         PyErr_Format(PyExc_ValueError, "set_threads: %ld threads, expected 1..256", n);
@@ -598,7 +600,7 @@ static PyObject *eng_set_threads(Engine *e, PyObject *arg)
     }
     pool_free(e->pool);
     e->pool = NULL;
-    if (n > 1 && !(e->pool = pool_new((int)n)))
+    if (n > 1 && min_bytes >= 0 && !(e->pool = pool_new((int)n, (size_t)min_bytes)))
         return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
@@ -710,8 +712,8 @@ static PyMethodDef eng_methods[] = {
      "address() -> int: where the segment is mapped"},
     {"mapping", (PyCFunction)eng_get_mapping, METH_NOARGS,
      "mapping() -> the object owning the mapping"},
-    {"set_threads", (PyCFunction)eng_set_threads, METH_O,
-     "set_threads(n): helper threads for large copies"},
+    {"set_threads", (PyCFunction)eng_set_threads, METH_VARARGS,
+     "set_threads(n, min_bytes): helper threads for copies of min_bytes and more"},
     {"set_twoshot_min", (PyCFunction)eng_set_twoshot_min, METH_O,
      "set_twoshot_min(nbytes): the all-reduce switch point"},
     {"set_twoshot_min16", (PyCFunction)eng_set_twoshot_min16, METH_O,

@@ -152,13 +152,16 @@ KERNEL static void sum2_bf16(uint16_t *d, const uint16_t *a, const uint16_t *b, 
 }
 
 /*
- * Copy into this rank's slot.  Above nt_min bytes the copy uses non-temporal
+ * Copy into this rank's slot.  From nt_min bytes the copy uses non-temporal
  * stores: the lines go to memory/L3 instead of this core's L2, so the peers
  * read them without snooping a modified line out of another core, and the
  * stores need no read-for-ownership of lines the peers still hold shared.
- * The slot is page aligned; the source may be anything.  AVX-512 machines
- * only (elsewhere it is a plain memcpy).  Measured slower on the development
- * machine, so off by default (docs/PERFORMANCE.md).
+ * 512-bit stores with the AVX-512 kernels, 256-bit with the AVX2 ones (the
+ * variant TPCOMM_ISA picks, so each is testable on an AVX-512 CPU); elsewhere
+ * a plain memcpy.  The destination's unaligned head goes by memcpy, so any
+ * address works.  Off by default (-1): slower where it was measured first;
+ * `tpcomm tune` measures it per machine.  Copies out of a slot are plain
+ * memcpys: their destination is the caller's, who reads it next.
  */
 #if defined(__x86_64__)
 __attribute__((target("avx512f"))) static void copy_nt_avx512(char *dst, const char *src, size_t n)
@@ -180,14 +183,23 @@ __attribute__((target("avx512f"))) static void copy_nt_avx512(char *dst, const c
         memcpy(dst + i, src + i, n - i);
 }
 
-static int nt_level(void)
+__attribute__((target("avx2"))) static void copy_nt_avx2(char *dst, const char *src, size_t n)
 {
-    static int level = -1;
-    if (level < 0) {
-        __builtin_cpu_init();
-        level = __builtin_cpu_supports("avx512f") ? 2 : 0;
+    size_t i = 0;
+    for (; i + 128 <= n; i += 128) {
+        __m256i a = _mm256_loadu_si256((const __m256i *)(src + i));
+        __m256i b = _mm256_loadu_si256((const __m256i *)(src + i + 32));
+        __m256i c = _mm256_loadu_si256((const __m256i *)(src + i + 64));
+        __m256i d = _mm256_loadu_si256((const __m256i *)(src + i + 96));
+        _mm256_stream_si256((__m256i *)(dst + i), a);
+        _mm256_stream_si256((__m256i *)(dst + i + 32), b);
+        _mm256_stream_si256((__m256i *)(dst + i + 64), c);
+        _mm256_stream_si256((__m256i *)(dst + i + 96), d);
     }
-    return level;
+    for (; i + 32 <= n; i += 32)
+        _mm256_stream_si256((__m256i *)(dst + i), _mm256_loadu_si256((const __m256i *)(src + i)));
+    if (i < n)
+        memcpy(dst + i, src + i, n - i);
 }
 #endif
 
@@ -199,13 +211,18 @@ void set_nt_min(long long v) { nt_min = v < 0 ? (size_t)-1 : (size_t)v; }
 void copy_in(char *dst, const char *src, size_t n)
 {
 #if defined(__x86_64__)
-    if (n >= nt_min) {
-        int lv = nt_level();
-        if (lv == 2) {
-            copy_nt_avx512(dst, src, n);
-            _mm_sfence();
-            return;
-        }
+    int isa = n >= nt_min ? kernel_isa_in_use() : ISA_SCALAR;
+    if (isa == ISA_AVX512 || isa == ISA_AVX2) {
+        size_t head = (size_t)(-(uintptr_t)dst & 63); /* to a 64-byte boundary */
+        if (head > n)
+            head = n;
+        memcpy(dst, src, head);
+        if (isa == ISA_AVX512)
+            copy_nt_avx512(dst + head, src + head, n - head);
+        else
+            copy_nt_avx2(dst + head, src + head, n - head);
+        _mm_sfence();
+        return;
     }
 #endif
     memcpy(dst, src, n);

@@ -34,8 +34,9 @@ static PyObject *eng_reduce_kernel(PyObject *self, PyObject *args)
         PyMem_Free(p);
         return NULL;
     }
-    /* nthreads > 1: the helper-thread path of a rank, for tests (one process) */
-    pool_t *P = nthreads > 1 ? pool_new(nthreads) : NULL;
+    /* nthreads > 1: the helper-thread path of a rank, for tests (one process),
+     * split at any size */
+    pool_t *P = nthreads > 1 ? pool_new(nthreads, 0) : NULL;
     if (nthreads > 1 && !P) {
         PyMem_Free(p);
         return PyErr_NoMemory();

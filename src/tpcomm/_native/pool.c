@@ -6,21 +6,26 @@
 /*
  * A rank with cores to spare (TPCOMM_THREADS, by default the CPUs it may use
  * divided by the ranks on the host) splits every copy and reduction of at
- * least PAR_MIN bytes into 64-element slices, one per thread.  The slices are
- * elementwise, so results are bitwise the same for any thread count, and the
- * other ranks need not use the same count.  Helpers wait on a private futex.
+ * least `min` bytes (TPCOMM_THREADS_MIN_BYTES or a tuned profile, default
+ * 256 KiB) into 64-element slices, one per thread, and a single-copy read of a
+ * peer (par_read) into page-aligned slices.  The slices are elementwise, so
+ * results are bitwise the same for any thread count, and the other ranks need
+ * not use the same count.  Helpers wait on a private futex.
  */
-#define PAR_MIN (256u * 1024u)
-
 struct pool {
     int nhelp;
+    size_t min; /* bytes from which a job is split */
     pthread_t *th;
     _Atomic uint32_t gen; /* bumped for every job (futex word) */
     _Atomic uint32_t done;
     int stop;
-    int kind; /* 0 copy, 1 reduce */
+    int kind; /* 0 copy into a slot, 1 reduce, 2 read from process pid at
+               * address `from`, 3 copy out (plain stores) */
     char *dst;
     const char *src;
+    pid_t pid;
+    uint64_t from;
+    int *errs; /* kind 2: each part's errno, 0 when it read its slice */
     void *const *srcs;
     int w, dtype, op;
     size_t n, es;
@@ -31,16 +36,39 @@ typedef struct {
     int index;
 } helper_arg;
 
+/* n bytes of process pid at `from` to dst, read whole (a short read goes on,
+ * EINTR is retried): 0, or the errno that stopped it. */
+static int read_range(pid_t pid, char *dst, uint64_t from, size_t n)
+{
+    for (size_t lo = 0; lo < n;) {
+        struct iovec lv = {dst + lo, n - lo}, rv = {(void *)(uintptr_t)(from + lo), n - lo};
+        ssize_t got = process_vm_readv(pid, &lv, 1, &rv, 1, 0);
+        if (got > 0)
+            lo += (size_t)got;
+        else if (!(got < 0 && errno == EINTR))
+            return got < 0 ? errno : EFAULT;
+    }
+    return 0;
+}
+
 static void job_slice(pool_t *P, int part, int parts)
 {
-    size_t per = ((P->n + (size_t)parts - 1) / (size_t)parts + 63) & ~(size_t)63;
+    const size_t align = P->kind == 2 ? 4096 : 64; /* a read pins whole pages */
+    size_t per = ((P->n + (size_t)parts - 1) / (size_t)parts + align - 1) & ~(align - 1);
     size_t lo = (size_t)part * per, hi = lo + per;
     if (lo >= P->n)
         return;
     if (hi > P->n)
         hi = P->n;
-    if (P->kind == 0) {
-        copy_in(P->dst + lo, P->src + lo, hi - lo);
+    if (P->kind == 0 || P->kind == 3) {
+        if (P->kind == 0)
+            copy_in(P->dst + lo, P->src + lo, hi - lo);
+        else
+            memcpy(P->dst + lo, P->src + lo, hi - lo);
+        return;
+    }
+    if (P->kind == 2) {
+        P->errs[part] = read_range(P->pid, P->dst + lo, P->from + lo, hi - lo);
         return;
     }
     void *s[P->w];
@@ -95,16 +123,21 @@ void pool_free(pool_t *P)
     for (int i = 0; i < P->nhelp; i++)
         pthread_join(P->th[i], NULL);
     free(P->th);
+    free(P->errs);
     free(P);
 }
 
-pool_t *pool_new(int nthreads)
+pool_t *pool_new(int nthreads, size_t min_bytes)
 {
     pool_t *P = calloc(1, sizeof *P);
     if (!P)
         return NULL;
+    P->min = min_bytes;
     P->th = calloc((size_t)nthreads, sizeof(pthread_t));
-    if (!P->th) {
+    P->errs = calloc((size_t)nthreads, sizeof(int));
+    if (!P->th || !P->errs) {
+        free(P->th);
+        free(P->errs);
         free(P);
         return NULL;
     }
@@ -126,23 +159,37 @@ pool_t *pool_new(int nthreads)
     return P;
 }
 
-void par_copy(pool_t *P, char *dst, const char *src, size_t n)
+static void par_copy_kind(pool_t *P, int kind, char *dst, const char *src, size_t n)
 {
-    if (!P || n < PAR_MIN) {
-        copy_in(dst, src, n);
-        return;
-    }
-    P->kind = 0;
+    P->kind = kind;
     P->dst = dst;
     P->src = src;
     P->n = n;
     pool_run(P);
 }
 
+/* n bytes into a slot (kernels.c copy_in: non-temporal stores where set) */
+void par_copy(pool_t *P, char *dst, const char *src, size_t n)
+{
+    if (!P || n < P->min)
+        copy_in(dst, src, n);
+    else
+        par_copy_kind(P, 0, dst, src, n);
+}
+
+/* n bytes out of a slot or a peer's buffer into the caller's memory */
+void par_copy_out(pool_t *P, char *dst, const char *src, size_t n)
+{
+    if (!P || n < P->min)
+        memcpy(dst, src, n);
+    else
+        par_copy_kind(P, 3, dst, src, n);
+}
+
 void par_reduce(pool_t *P, int dtype, int op, void *dst, void *const *srcs, int w,
                        size_t n)
 {
-    if (!P || n * dt_size[dtype] < PAR_MIN) {
+    if (!P || n * dt_size[dtype] < P->min) {
         do_reduce(dtype, op, dst, srcs, w, n);
         return;
     }
@@ -155,6 +202,26 @@ void par_reduce(pool_t *P, int dtype, int op, void *dst, void *const *srcs, int 
     P->es = dt_size[dtype];
     P->n = n;
     pool_run(P);
+}
+
+/* n bytes from process pid at `from` to dst, split between the threads from
+ * `min` bytes: 0, or the errno of a slice that failed (the caller names it:
+ * cma.c cma_failed).  The caller checked the peer is alive. */
+int par_read(pool_t *P, pid_t pid, char *dst, uint64_t from, size_t n)
+{
+    if (!P || n < P->min)
+        return read_range(pid, dst, from, n);
+    memset(P->errs, 0, (size_t)(P->nhelp + 1) * sizeof(int));
+    P->kind = 2;
+    P->dst = dst;
+    P->pid = pid;
+    P->from = from;
+    P->n = n;
+    pool_run(P);
+    for (int i = 0; i <= P->nhelp; i++)
+        if (P->errs[i])
+            return P->errs[i];
+    return 0;
 }
 
 /* threads working on a job: the helpers and the caller */

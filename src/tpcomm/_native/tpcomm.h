@@ -464,10 +464,12 @@ int reduce_avx512(int dtype, int op, void *dst, void *const *srcs, int w, size_t
 
 /* pool.c */
 void pool_free(pool_t *P);
-pool_t *pool_new(int nthreads);
-void par_copy(pool_t *P, char *dst, const char *src, size_t n);
+pool_t *pool_new(int nthreads, size_t min_bytes);
+void par_copy(pool_t *P, char *dst, const char *src, size_t n);     /* into a slot */
+void par_copy_out(pool_t *P, char *dst, const char *src, size_t n); /* out of one */
 void par_reduce(pool_t *P, int dtype, int op, void *dst, void *const *srcs, int w, size_t n);
 int pool_threads(const pool_t *P);
+int par_read(pool_t *P, pid_t pid, char *dst, uint64_t from, size_t n);
 
 /* wait.c: the one waiting loop (wait_until) and what it needs */
 enum { WAIT_IDLE = -100, WAIT_MOVED = -101, WAIT_DONE = -102 }; /* a poll's answers */

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ..ops import ReduceOp
-from ..shm.engine import time_memcpy
+from ..shm.engine import engine_of, time_memcpy
 from .peers import Peer
 from .table import COLLECTIVES, GROUP, dist_op, in_place, torch_dist
 from .timing import agree, fresh_timed, timed
@@ -114,8 +114,8 @@ def _libraries(comm: Any, cfg: dict, gloo_group: Any) -> dict:
 def _algorithm(comm: Any, collective: str, nbytes: int, dtype: Any) -> str:
     """What the shared-memory engine does for this call (shm/engine.py algorithm):
     one-shot, two-shot or single-copy all_reduce, copy or single-copy all_gather."""
-    shm = getattr(comm, "_shm", None)
-    return shm.engine.algorithm(collective, nbytes, dtype) if shm is not None else ""
+    eng = engine_of(comm)
+    return eng.algorithm(collective, nbytes, dtype) if eng is not None else ""
 
 
 def _state(cfg: dict, rank: int, world: int, count: int) -> dict:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from .. import _env, _native, layout, routing
 from ..bootstrap import Watch, broadcast_from_rank0, death_explains, local_cpu_count
@@ -31,7 +31,9 @@ __all__ = [
     "KIND_NAMES",
     "MAGIC",
     "NativeEngine",
+    "Settings",
     "ShmEngine",
+    "engine_of",
     "isa_variants",
     "kernel_isa",
     "reduce_kernel",
@@ -206,11 +208,36 @@ def _explicit(name: str) -> bool:
     return (os.environ.get(name) or "auto").strip().lower() != "auto"
 
 
-def settings_for(world: int, tuned: Optional[dict] = None) -> tuple:
-    """The engine's settings (each checked): non-temporal copy threshold, yield
-    time, threads per rank, the two-shot thresholds (float32 and the integers;
-    bfloat16 and float16), the single-copy all-reduce threshold, and the
-    single-copy plan (cma_init's arguments).  ``tuned``: rank 0's profile
+def engine_of(comm: Any) -> Optional[ShmEngine]:
+    """The shared-memory engine of a Communicator (None: world size 1, across
+    hosts, closed): how tpcomm tune, tpcomm perf and the tests reach it."""
+    shm = getattr(comm, "_shm", None)
+    return None if shm is None else shm.engine
+
+
+class Settings(NamedTuple):
+    """The engine's settings (settings_for)."""
+
+    nt_min: int  # copies into a slot of this many bytes use non-temporal stores (-1: never)
+    yield_us: float  # how long a wait yields before it sleeps
+    threads: int  # threads per rank
+    threads_min: int  # the smallest job they share (-1: never)
+    twoshot_min: int  # all_reduce two-shot from (float32 and the integers)
+    twoshot_min16: int  # the same for bfloat16 and float16
+    cma_ar_min: int  # all_reduce single-copy from (-1: never)
+    cma_min: int  # all_gather (and all_to_all) single-copy from (-1: never)
+    cma: bool  # single-copy reads allowed at all (TPCOMM_CMA)
+
+    @property
+    def cma_plan(self) -> tuple:
+        """cma_init's arguments: (single-copy reads wanted, all_gather's switch
+        point); wanted where some collective would use them."""
+        want = self.cma and (self.cma_min >= 0 or self.cma_ar_min >= 0)
+        return want, self.cma_min if self.cma_min >= 0 else _NEVER
+
+
+def settings_for(world: int, tuned: Optional[dict] = None) -> Settings:
+    """The engine's settings, each checked.  ``tuned``: rank 0's profile
     (shm/profile.py), used where this rank's environment does not set it."""
     tuned = tuned or {}
 
@@ -218,19 +245,17 @@ def settings_for(world: int, tuned: Optional[dict] = None) -> tuple:
         env = profile.SETTINGS[key]
         return default if key not in tuned or _explicit(env) else tuned[key]
 
-    cma_want, cma_least = _env.cma_plan(world)
-    if "cma_min_bytes" in tuned and not _explicit("TPCOMM_CMA_MIN_BYTES"):
-        least = tuned["cma_min_bytes"]
-        cma_want, cma_least = _env.cma() and least >= 0, max(least, 0)
     two = pick("twoshot_min_bytes", _env.twoshot_min_bytes(world))
-    return (
-        _env.nt_min_bytes(),
-        _env.yield_us(),
-        _env.threads(world),
-        two,
-        pick("twoshot_min_bytes_16bit", two),  # bfloat16 and float16: as the rest by default
-        pick("cma_allreduce_min_bytes", _env.cma_allreduce_min_bytes()),
-        (cma_want, cma_least),
+    return Settings(
+        nt_min=pick("nt_min_bytes", _env.nt_min_bytes()),
+        yield_us=_env.yield_us(),
+        threads=_env.threads(world),
+        threads_min=pick("threads_min_bytes", _env.threads_min_bytes()),
+        twoshot_min=two,
+        twoshot_min16=pick("twoshot_min_bytes_16bit", two),  # 16-bit: as the rest by default
+        cma_ar_min=pick("cma_allreduce_min_bytes", _env.cma_allreduce_min_bytes()),
+        cma_min=pick("cma_min_bytes", _env.cma_min_bytes(world)),
+        cma=_env.cma(),
     )
 
 
@@ -335,7 +360,7 @@ class ShmEngine:
         # single-copy all_gather: on when every rank can read every other one
         self.cma, self.cma_min = False, 0
         if world > 1:
-            status, _ = self.cma_init(*tuning[6])
+            status, _ = self.cma_init(*tuning.cma_plan)
             if status == ST_MISMATCH:  # the ranks' settings differ: say which, on every rank
                 info = self._errors.error_info()
                 self.close()
@@ -476,9 +501,18 @@ class ShmEngine:
     def threads(self) -> int:
         return self._native.threads
 
-    def set_twoshot_min(self, nbytes: int, nbytes16: Optional[int] = None) -> None:
-        self._native.set_twoshot_min(nbytes)
-        self._native.set_twoshot_min16(nbytes if nbytes16 is None else nbytes16)
+    def retune(self, **changes: Any) -> None:
+        """Change this rank's settings (``Settings`` fields but cma_plan) until
+        restore(): how tpcomm tune times one algorithm against another, and
+        tests force one.  Ranks whose switch points differ get a mismatch
+        error from the next call that they decide."""
+        self._apply(self.current._replace(**changes))
+
+    def restore(self) -> None:
+        """Back to the settings agreed at creation, single copy included
+        (collective: every rank calls it together)."""
+        self._apply(self.settings)
+        self.cma_init(*self.settings.cma_plan)
 
     def fault_check_delay(self, us: float) -> None:
         self._native.fault_check_delay(us)
@@ -505,20 +539,31 @@ class ShmEngine:
         tuning: Optional[tuple] = None,
     ) -> None:
         size = segment.segment_size(world, slot_bytes)
-        knobs = tuning or settings_for(world)
-        nt_min, yield_us, threads, self.twoshot_min, self.twoshot_min16, self.cma_ar_min, _ = knobs
-        _native.set_tuning(nt_min)
+        self.settings = tuning or settings_for(world)  # as agreed (retune changes current)
+        _native.set_tuning(self.settings.nt_min)
         self._native = _native.Engine(
-            fd, size, self.rank, world, slot_bytes, self.rank == 0, timeout, spin, yield_us
-        )
+            fd, size, self.rank, world, slot_bytes, self.rank == 0, timeout, spin,
+            self.settings.yield_us,
+        )  # fmt: skip
         # error details stay readable after close (a call another thread was
         # running when close() aborted it reports from here)
         self._errors = self._native
         self._validate(slot_bytes, size)
-        self._native.set_twoshot_min(self.twoshot_min)
-        self._native.set_twoshot_min16(self.twoshot_min16)
-        self._native.set_cma_allreduce_min(self.cma_ar_min)
-        self._native.set_threads(threads)
+        self._apply(self.settings)
+
+    def _apply(self, s: Settings) -> None:
+        """This rank's switch points and threads (not single copy: cma_init)."""
+        before = getattr(self, "current", None)
+        self.current = s
+        self.twoshot_min, self.twoshot_min16, self.cma_ar_min = (
+            s.twoshot_min, s.twoshot_min16, s.cma_ar_min,
+        )  # fmt: skip
+        self._native.set_twoshot_min(s.twoshot_min)
+        self._native.set_twoshot_min16(s.twoshot_min16)
+        self._native.set_cma_allreduce_min(s.cma_ar_min)
+        if before is None or (before.threads, before.threads_min) != (s.threads, s.threads_min):
+            self._native.set_threads(s.threads, s.threads_min)
+        _native.set_tuning(s.nt_min)
 
     def _validate(self, slot_bytes: int, size: int) -> None:
         h = self._native.header()

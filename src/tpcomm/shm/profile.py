@@ -2,7 +2,8 @@
 
 A profile is a JSON file (``TPCOMM_PROFILE``, default ``profile.json`` in the
 cache directory) that says, per world size, from how many bytes all_reduce goes
-two-shot and single-copy and all_gather single-copy.  Rank 0 reads it when a
+two-shot and single-copy, all_gather single-copy, copies into the slots use
+non-temporal stores and a rank's helper threads share the work.  Rank 0 reads it when a
 Communicator is made and sends its settings to the other ranks with the
 segment's name (:func:`encode` / :func:`decode`), so every rank uses rank 0's
 profile; a setting given in the environment still wins on the rank that sets it
@@ -32,6 +33,8 @@ SETTINGS = {
     "twoshot_min_bytes_16bit": "TPCOMM_ALLREDUCE_ALGO",  # bfloat16 and float16
     "cma_allreduce_min_bytes": "TPCOMM_CMA_ALLREDUCE_MIN_BYTES",
     "cma_min_bytes": "TPCOMM_CMA_MIN_BYTES",
+    "nt_min_bytes": "TPCOMM_NT_MIN_BYTES",  # non-temporal stores into the slots
+    "threads_min_bytes": "TPCOMM_THREADS_MIN_BYTES",  # a rank's helper threads
 }
 
 _log = logging.getLogger("tpcomm")
