@@ -80,7 +80,7 @@ BENCH_DIR ?= build/bench
 TP := $(VENV)/bin/tpcomm
 # every benchmark runs with the profile the first step measures (tpcomm tune)
 bench: export TPCOMM_PROFILE = $(abspath $(BENCH_DIR))/profile.json
-bench: install build/handoff
+bench: install build/handoff build/oneshot
 	$(PY) -m pip install -q --disable-pip-version-check $(BENCH_PACKAGES)
 	rm -rf $(BENCH_DIR) && mkdir -p $(BENCH_DIR)
 	$(TP) tune -N 2 -o $(BENCH_DIR)/profile.json > $(BENCH_DIR)/tune.txt; \
@@ -98,6 +98,8 @@ bench: install build/handoff
 	$(PY) benchmarks/pg_floor.py > $(BENCH_DIR)/pg_floor.txt && cat $(BENCH_DIR)/pg_floor.txt
 	$(PY) benchmarks/gather_dims.py > $(BENCH_DIR)/gather_dims.txt && cat $(BENCH_DIR)/gather_dims.txt
 	$(PY) benchmarks/p2p_batch.py > $(BENCH_DIR)/p2p_batch.txt && cat $(BENCH_DIR)/p2p_batch.txt
+	$(PY) benchmarks/stores.py > $(BENCH_DIR)/stores.txt && cat $(BENCH_DIR)/stores.txt
+	build/oneshot > $(BENCH_DIR)/oneshot.txt && cat $(BENCH_DIR)/oneshot.txt
 	{ echo "# producer copies N bytes on CPU 0, consumer reads them on CPU 1"; \
 	  echo "#    bytes   round(us)  copy(us)  read(us)  read GB/s"; \
 	  build/handoff 0 200000; \
@@ -111,6 +113,10 @@ bench: install build/handoff
 build/handoff: benchmarks/handoff.c
 	mkdir -p build
 	$(CC) -O3 -mavx2 -pthread -o $@ $<
+
+build/oneshot: benchmarks/oneshot.c
+	mkdir -p build
+	$(CC) -O3 -pthread -o $@ $<
 
 clean:
 	rm -rf build src/*.egg-info src/tpcomm/*.so

@@ -122,19 +122,29 @@ def human(n: int) -> str:
     return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB" if n >= 1 << 10 else f"{n} B"
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("1K"))
-    p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("64M"))
+def size_arguments(p: argparse.ArgumentParser, least: str, most: str) -> None:
+    """-b, -e, -f as tpcomm perf takes them (sizes_of turns them into the sizes)."""
+    p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size(least))
+    p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size(most))
     p.add_argument("-f", "--stepfactor", type=int, default=4)
-    p.add_argument("--rounds", type=int, default=9)
-    p.add_argument("--seconds", type=float, default=1.5, help="per size and variant")
-    p.add_argument("-J", "--json", metavar="FILE")
-    args = p.parse_args(argv)
+
+
+def sizes_of(args: argparse.Namespace) -> list:
     sizes, s = [], args.minbytes
     while s <= args.maxbytes:
         sizes.append(s)
         s *= args.stepfactor
+    return sizes
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    size_arguments(p, "1K", "64M")
+    p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--seconds", type=float, default=1.5, help="per size and variant")
+    p.add_argument("-J", "--json", metavar="FILE")
+    args = p.parse_args(argv)
+    sizes = sizes_of(args)
     have = isa_variants()
     # the auto choice, and AVX2 forced where the CPU has better
     variants = ["auto"] + (["avx2"] if "avx2" in have and "avx512" in have else [])

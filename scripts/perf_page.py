@@ -79,6 +79,16 @@ TEXTS = [
     ("pg_floor", "ProcessGroup layer alone (`benchmarks/pg_floor.py`)"),
     ("gather_dims", "Gathers along the last dim (`benchmarks/gather_dims.py`)"),
     ("p2p_batch", "batch_isend_irecv (`benchmarks/p2p_batch.py`)"),
+    (
+        "stores",
+        "Plain or non-temporal stores into the slots, and the choice made as it runs "
+        "(`benchmarks/stores.py`)",
+    ),
+    (
+        "oneshot",
+        "Where a small one-shot all_reduce's time goes, by protocol choice "
+        "(`benchmarks/oneshot.c`)",
+    ),
     ("handoff", "The bound: handing bytes from one core to the other (`benchmarks/handoff.c`)"),
     (
         "tp_decode",
@@ -310,7 +320,11 @@ def main(bench_dir: str) -> None:
         "ranks' shared-memory traffic runs 3-10x slower (1 MiB all_reduce ~500 us instead of "
         "~55 us) while memcpy on one core is as fast as ever and no steal time is counted; "
         "seen in about 1 of 10 runs on most days, in most runs for hours on some, on old and "
-        "new builds alike. A table that shows it is rerun, not kept (the header says which).",
+        "new builds alike; it comes and goes by seconds too, size by size. What is slow "
+        "in it is a store into a line the other core holds (`benchmarks/oneshot.c`: the copy "
+        "phase); non-temporal stores avoid that, and the all_reduce chunks choose them while "
+        "it lasts (the stores table). A table that shows it is rerun, not kept (the header "
+        "says which).",
         "- Worlds larger than the core count run oversubscribed: the engine stops spinning and "
         'yields at once (docs/ENGINE.md, "Waiting"); they are tested, not benchmarked here.',
         "- What was tried and not kept, and why the switch points are where they are: "

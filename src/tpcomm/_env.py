@@ -138,8 +138,18 @@ def yield_us() -> float:
 
 
 def nt_min_bytes() -> int:
-    """TPCOMM_NT_MIN_BYTES (default -1: never)."""
-    return _int("TPCOMM_NT_MIN_BYTES", DEFAULT_NT_MIN_BYTES, -1, MAX_BYTES, " (-1: never)")
+    """TPCOMM_NT_MIN_BYTES: copies into a slot of at least this many bytes use
+    non-temporal stores (default auto: -1, never, but small one-shot copy-ins
+    choose as they run, nt_auto)."""
+    if nt_auto():
+        return DEFAULT_NT_MIN_BYTES
+    return _int("TPCOMM_NT_MIN_BYTES", DEFAULT_NT_MIN_BYTES, -1, MAX_BYTES, " (-1: never) or auto")
+
+
+def nt_auto() -> bool:
+    """Whether one-shot copy-ins of 4-256 KiB choose plain or non-temporal
+    stores as they run: unless TPCOMM_NT_MIN_BYTES fixes the stores."""
+    return (os.environ.get("TPCOMM_NT_MIN_BYTES") or "auto").strip().lower() == "auto"
 
 
 # all_gathers that move at least this many bytes in all read the peers' inputs

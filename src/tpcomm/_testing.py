@@ -16,12 +16,14 @@ __all__ = [
     "MAGIC",
     "cma_init",
     "fault_check_delay",
+    "fault_stores",
     "fault_cma_addr",
     "isa_variants",
     "kernel_isa",
     "layout",
     "peer_pids",
     "send_raw",
+    "stores",
     "reduce_kernel",
     "rounds",
     "segment_size",
@@ -98,6 +100,17 @@ def restore(comm: Any) -> None:
 def cma_init(comm: Any, want: bool, min_bytes: int) -> tuple[int, bool]:
     """Agree again, collectively, on single-copy reads: (status, on)."""
     return _eng(comm).cma_init(want, min_bytes)
+
+
+def stores(comm: Any) -> dict:
+    """What this rank's one-shot copy-ins learnt about their stores."""
+    return _eng(comm).stores()
+
+
+def fault_stores(comm: Any, plain_us: float, nt_us: float) -> None:
+    """Make plain / non-temporal one-shot copy-ins (the ones chosen as they
+    run) this much slower."""
+    _eng(comm).fault_stores(plain_us, nt_us)
 
 
 def fault_check_delay(comm: Any, us: float) -> None:

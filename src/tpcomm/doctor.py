@@ -305,6 +305,13 @@ def _print_routes(rep: Report, paths: list) -> None:
         rep.info(f"  {label}: {words}{why}")
 
 
+def _native_nt() -> bool:
+    """Whether the reduce kernels in use come with a non-temporal copy."""
+    from .shm.engine import kernel_isa
+
+    return kernel_isa().split()[0] in ("avx2", "avx512")
+
+
 def _check_paths(rep: Report, world: int) -> None:
     from . import routing
     from .ops import DTYPE_CODES
@@ -351,7 +358,14 @@ def _check_paths(rep: Report, world: int) -> None:
         f"({source('threads_min_bytes')})"
     )
     nt = "never" if s.nt_min < 0 else f"from {_human(s.nt_min)}"
-    rep.info(f"  non-temporal stores into the slots: {nt} ({source('nt_min_bytes')})")
+    if s.nt_auto and _native_nt():
+        rep.info(
+            "  stores into the slots: each all_reduce chunk chooses plain or non-temporal as "
+            f"it runs (TPCOMM_NT_MIN_BYTES=auto); chunks threads share: non-temporal {nt} "
+            f"({source('nt_min_bytes')})"
+        )
+    else:
+        rep.info(f"  non-temporal stores into the slots: {nt} ({source('nt_min_bytes')})")
     _print_routes(rep, paths)
     _check_cma(rep, world, s.cma_min)
     rep.ok("all_reduce of a comm.empty() tensor: zero-copy")

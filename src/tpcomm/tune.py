@@ -51,8 +51,8 @@ VARIANTS = {
     "one-shot": {"twoshot_min": -1, "twoshot_min16": -1, "cma_ar_min": -1},
     "two-shot": {"twoshot_min": 0, "twoshot_min16": 0, "cma_ar_min": -1},
     "single-copy": {"twoshot_min": -1, "twoshot_min16": -1, "cma_ar_min": 0},
-    "cached": {"nt_min": -1},
-    "non-temporal": {"nt_min": 0},
+    "cached": {"nt_min": -1, "nt_auto": False},
+    "non-temporal": {"nt_min": 0, "nt_auto": False},
     "one thread": {"threads_min": -1},
     "threads": {"threads_min": 0},
 }

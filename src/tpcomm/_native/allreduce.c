@@ -5,6 +5,122 @@
 #include "tpcomm.h"
 
 /*
+ * The stores of a chunk's copies into the slots, chosen as it runs.  A plain
+ * store into a slot line the peers read last round must first take the line
+ * from their caches; a non-temporal one sends it to memory, and the peers
+ * then read it from there.  Which costs less changes with the machine's
+ * state, by seconds on a shared VM (benchmarks/oneshot.c: a 16 KiB one-shot
+ * 1.2 us with plain stores against 2.9 non-temporal, and minutes later 4.4
+ * against 2.5, on the same cores; benchmarks/stores.py).  So rank 0 times
+ * the parts of a chunk it does not wait in, its copies and reductions (not
+ * the waits: they hold the peers' lateness), on one chunk in 8, and keeps a
+ * moving average per algorithm, size (a bucket per power of two from 4 KiB;
+ * the last holds everything from 1 MiB) and store kind.  What it times
+ * includes reading the peers' slots, which is what their stores cost it, so
+ * every rank must store alike: rank 0 decides and writes its choice into the
+ * header, which every rank reads before its copy.  Two chunks in every
+ * STORE_EXPLORE rounds use the other kind, on every rank at once (the round
+ * numbers are the same everywhere), the second timed; a kind that costs under
+ * 0.8 of the one in use takes over.  A timed part that took more than twice
+ * the average counts as twice (a preempted call moves it a little; a change
+ * of state moves it sample by sample).  Only the copies' speed changes: the
+ * bytes, so the bits, are the same either way, and a rank that reads the
+ * choice a chunk late is merely slower for a chunk.  Off where an explicit
+ * TPCOMM_NT_MIN_BYTES fixes the stores (then nt_min decides), where no
+ * non-temporal copy exists (copy_nt_available), and for a chunk that a
+ * rank's threads share.
+ */
+#define STORE_EXPLORE 256u
+
+typedef struct {
+    int b;          /* bucket, -1: not chosen as it runs (nt_min decides) */
+    int nt;         /* the stores of this chunk (when b >= 0) */
+    int timed;      /* rank 0 times this chunk */
+    uint64_t spent; /* ns in the timed parts so far */
+    uint64_t mark;  /* when the current part began */
+} stores_t;
+
+/* The store kind bucket b uses now: rank 0's choice (every rank keeps the
+ * last it saw, for stores()) */
+static int store_choice(Engine *e, int b)
+{
+    int nt = (int)(atomic_load_explicit(&HDR(e)->stores, memory_order_relaxed) >> b) & 1;
+    if (nt != e->stores.nt[b]) {
+        e->stores.nt[b] = (uint8_t)nt;
+        e->stores.switches++;
+    }
+    return nt;
+}
+
+/* A chunk of `bytes` by `algo` (0 one-shot, 1 two-shot: `rounds` rounds a
+ * chunk) begins: its bucket, stores and whether it is timed. */
+static stores_t store_begin(Engine *e, size_t bytes, int algo, unsigned rounds)
+{
+    stores_t sc = {-1, 0, 0, 0, 0};
+    if (!e->stores.on || bytes < (1u << STORE_MIN_LOG2) || pool_splits(e->pool, bytes))
+        return sc;
+    int b = 63 - __builtin_clzll((unsigned long long)bytes) - STORE_MIN_LOG2;
+    sc.b = (b < STORE_SIZES ? b : STORE_SIZES - 1) + algo * STORE_SIZES;
+    const unsigned phase = (unsigned)(e->round & (STORE_EXPLORE - 1));
+    sc.nt = store_choice(e, sc.b) ^ (phase < 2 * rounds);
+    sc.timed = e->rank == 0 && ((phase >= rounds && phase < 2 * rounds) || (phase / rounds) % 8 == 5);
+    if (sc.timed)
+        sc.mark = now_ns();
+    return sc;
+}
+
+/* the stores of a copy of n bytes into a slot */
+static int store_nt(const Engine *e, const stores_t *sc, size_t n)
+{
+    return sc->b >= 0 ? sc->nt : n >= e->nt_min;
+}
+
+static void store_pause(stores_t *sc) /* a wait begins: not timed */
+{
+    if (sc->timed)
+        sc->spent += now_ns() - sc->mark;
+}
+
+static void store_resume(stores_t *sc)
+{
+    if (sc->timed)
+        sc->mark = now_ns();
+}
+
+/* The chunk is done (rank 0: learn from it) */
+static void store_end(Engine *e, stores_t *sc, size_t bytes)
+{
+    if (!sc->timed)
+        return;
+    store_pause(sc);
+    float x = (float)sc->spent * 1024.0f / (float)bytes, *c = e->stores.cost[sc->b];
+    const int nt = sc->nt, cur = e->stores.nt[sc->b];
+    if (c[nt] > 0.0f && x > 2.0f * c[nt])
+        x = 2.0f * c[nt];
+    c[nt] = c[nt] == 0.0f ? x : c[nt] + (x - c[nt]) * (nt == cur ? 0.25f : 0.5f);
+    if (c[!cur] > 0.0f && c[!cur] < 0.8f * c[cur])
+        atomic_fetch_xor_explicit(&HDR(e)->stores, 1u << sc->b, memory_order_relaxed);
+}
+
+/* round_sync, its wait left out of the chunk's time */
+static int sync_untimed(Engine *e, stores_t *sc, uint32_t kind, int dtype, int op, uint64_t count,
+                        uint64_t arg, PyThreadState **ts)
+{
+    store_pause(sc);
+    int st = round_sync(e, kind, (uint32_t)dtype, (uint32_t)op, count, arg, ts);
+    store_resume(sc);
+    return st;
+}
+
+/* tests: one kind of store made slow (fault_stores) */
+static void store_fault(const Engine *e, const stores_t *sc)
+{
+    if (sc->b >= 0 && e->fault.store_ns[sc->nt])
+        for (uint64_t until = now_ns() + e->fault.store_ns[sc->nt]; now_ns() < until;)
+            cpu_relax();
+}
+
+/*
  * Two-shot step for one chunk of m elements at src: the chunk is cut into W
  * shards (32-element aligned); rank r reduces shard r only.
  *   round n   (slot p):   every rank copies in all shards but its own, publishes;
@@ -24,16 +140,19 @@ static int twoshot_chunk(Engine *e, char *src, size_t m, int dtype, int op, uint
     const size_t lo = shard_start(m, w, me), hi = shard_start(m, w, me + 1);
     int p = (int)((e->round + 1) & 1);
     char *in = slot_of(e, me, p);
-    par_copy(e->pool, in, src, lo * es);
-    par_copy(e->pool, in + hi * es, src + hi * es, (m - hi) * es);
-    int st = round_sync(e, kind, (uint32_t)dtype, (uint32_t)op, count, 2, ts);
+    stores_t sc = store_begin(e, m * es, 1, 2);
+    par_copy(e->pool, in, src, lo * es, store_nt(e, &sc, lo * es));
+    par_copy(e->pool, in + hi * es, src + hi * es, (m - hi) * es, store_nt(e, &sc, (m - hi) * es));
+    store_fault(e, &sc);
+    int st = sync_untimed(e, &sc, kind, dtype, op, count, 2, ts);
     if (st != ST_OK)
         return st;
     for (int r = 0; r < w; r++)
         e->srcs[r] = r == me ? (void *)(src + lo * es) : (void *)(slot_of(e, r, p) + lo * es);
     par_reduce(e->pool, dtype, op, src + lo * es, e->srcs, w, hi - lo);
-    par_copy(e->pool, slot_of(e, me, 1 - p) + lo * es, src + lo * es, (hi - lo) * es);
-    st = round_sync(e, kind, (uint32_t)dtype, (uint32_t)op, count, 2, ts);
+    par_copy(e->pool, slot_of(e, me, 1 - p) + lo * es, src + lo * es, (hi - lo) * es,
+             store_nt(e, &sc, (hi - lo) * es));
+    st = sync_untimed(e, &sc, kind, dtype, op, count, 2, ts);
     if (st != ST_OK)
         return st;
     for (int i = 1; i < w; i++) {
@@ -41,6 +160,27 @@ static int twoshot_chunk(Engine *e, char *src, size_t m, int dtype, int op, uint
         size_t jlo = shard_start(m, w, j), jhi = shard_start(m, w, j + 1);
         par_copy_out(e->pool, src + jlo * es, slot_of(e, j, 1 - p) + jlo * es, (jhi - jlo) * es);
     }
+    store_end(e, &sc, m * es);
+    return ST_OK;
+}
+
+/* One-shot step for one chunk of m elements at src: copy it into this rank's
+ * slot p, publish, reduce every rank's slot (its own part from src) into src. */
+static int oneshot_chunk(Engine *e, char *src, size_t m, int dtype, int op, uint32_t kind,
+                         uint64_t count, PyThreadState **ts)
+{
+    const size_t bytes = m * dt_size[dtype];
+    const int p = (int)((e->round + 1) & 1);
+    stores_t sc = store_begin(e, bytes, 0, 1);
+    par_copy(e->pool, slot_of(e, e->rank, p), src, bytes, store_nt(e, &sc, bytes));
+    store_fault(e, &sc);
+    int st = sync_untimed(e, &sc, kind, dtype, op, count, 1, ts);
+    if (st != ST_OK)
+        return st;
+    for (int r = 0; r < e->world; r++)
+        e->srcs[r] = r == e->rank ? (void *)src : (void *)slot_of(e, r, p);
+    par_reduce(e->pool, dtype, op, src, e->srcs, e->world, m);
+    store_end(e, &sc, bytes);
     return ST_OK;
 }
 
@@ -123,18 +263,10 @@ int all_reduce_rounds(Engine *e, char *t, size_t count, int dtype, int op, uint3
     for (int first = 1; !whole && (first || done < count); first = 0) {
         size_t m = count - done < chunk ? count - done : chunk;
         char *src = t + done * es;
-        if (two) {
+        if (two)
             st = twoshot_chunk(e, src, m, dtype, op, kind, (uint64_t)count, &ts);
-        } else {
-            int p = (int)((e->round + 1) & 1);
-            par_copy(e->pool, slot_of(e, e->rank, p), src, m * es);
-            st = round_sync(e, kind, (uint32_t)dtype, (uint32_t)op, (uint64_t)count, 1, &ts);
-            if (st == ST_OK) {
-                for (int r = 0; r < e->world; r++)
-                    e->srcs[r] = r == e->rank ? (void *)src : (void *)slot_of(e, r, p);
-                par_reduce(e->pool, dtype, op, src, e->srcs, e->world, m);
-            }
-        }
+        else
+            st = oneshot_chunk(e, src, m, dtype, op, kind, (uint64_t)count, &ts);
         if (st != ST_OK)
             break;
         done += m;

@@ -451,6 +451,7 @@ static int eng_init(Engine *e, PyObject *args, PyObject *kw)
     e->twoshot_min = UINT64_MAX;
     e->twoshot_min16 = UINT64_MAX;
     e->cma_ar_min = UINT64_MAX;
+    e->nt_min = UINT64_MAX;
     if (create) {
         hdr_t *h = HDR(e);
         h->version = VERSION;
@@ -648,6 +649,14 @@ static PyObject *eng_set_twoshot_min16(Engine *e, PyObject *arg)
     return set_switch(&e->twoshot_min16, arg);
 }
 
+/* set_nt_min(bytes): copies into a slot of at least this many bytes use
+ * non-temporal stores (-1 = never; the all_reduce chunks whose stores are
+ * chosen as they run, allreduce.c, decide for themselves) */
+static PyObject *eng_set_nt_min(Engine *e, PyObject *arg)
+{
+    return set_switch(&e->nt_min, arg);
+}
+
 /* set_cma_allreduce_min(bytes): all-reduces of at least this many bytes go
  * single-copy where cma_init agreed it (-1 = never) */
 static PyObject *eng_set_cma_allreduce_min(Engine *e, PyObject *arg)
@@ -678,6 +687,62 @@ static PyObject *eng_fault_cma_addr(Engine *e, PyObject *arg)
         return NULL;
     e->fault.cma_addr = v;
     Py_RETURN_NONE;
+}
+
+/* Fault injection for tests: the copies of an all_reduce chunk whose stores
+ * are chosen as it runs (allreduce.c) take this many more microseconds,
+ * plain and non-temporal ones apart. */
+static PyObject *eng_fault_stores(Engine *e, PyObject *args)
+{
+    double us[2];
+    if (!PyArg_ParseTuple(args, "dd", &us[0], &us[1]))
+        return NULL;
+    for (int k = 0; k < 2; k++)
+        e->fault.store_ns[k] = us[k] > 0 ? (uint64_t)(us[k] * 1e3) : 0;
+    Py_RETURN_NONE;
+}
+
+/* set_stores_auto(on): all_reduce chunks choose their stores as they run
+ * (allreduce.c), where a non-temporal copy exists; off: nt_min decides.
+ * Turning it on starts from plain stores and nothing learnt. */
+static PyObject *eng_set_stores_auto(Engine *e, PyObject *arg)
+{
+    int v = PyObject_IsTrue(arg);
+    if (v < 0)
+        return NULL;
+    if (e->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "set_stores_auto: a collective is running");
+        return NULL;
+    }
+    memset(&e->stores, 0, sizeof e->stores);
+    e->stores.on = v && copy_nt_available();
+    if (e->rank == 0 && e->base) /* plain stores until rank 0 learns otherwise */
+        atomic_store_explicit(&HDR(e)->stores, 0, memory_order_relaxed);
+    return PyBool_FromLong(e->stores.on);
+}
+
+/* stores() -> {"on", "nt": [per bucket], "cost": [[plain, nt] ns per KiB],
+ * "switches", "min_bytes", "sizes"}: what the all_reduce chunks learnt; the
+ * buckets: one-shot by size (a power of two from min_bytes; `sizes` of them,
+ * the last from 1 MiB up), then two-shot the same (tests, benchmarks) */
+static PyObject *eng_stores(Engine *e, PyObject *unused)
+{
+    (void)unused;
+    PyObject *nt = PyList_New(STORE_BUCKETS), *cost = PyList_New(STORE_BUCKETS);
+    if (!nt || !cost) {
+        Py_XDECREF(nt);
+        Py_XDECREF(cost);
+        return NULL;
+    }
+    for (int b = 0; b < STORE_BUCKETS; b++) {
+        PyList_SET_ITEM(nt, b, PyLong_FromLong(e->stores.nt[b]));
+        PyList_SET_ITEM(cost, b, Py_BuildValue("(dd)", (double)e->stores.cost[b][0],
+                                               (double)e->stores.cost[b][1]));
+    }
+    return Py_BuildValue("{s:O,s:N,s:N,s:K,s:K,s:i}", "on", e->stores.on ? Py_True : Py_False,
+                         "nt", nt, "cost", cost, "switches",
+                         (unsigned long long)e->stores.switches, "min_bytes",
+                         (unsigned long long)(1u << STORE_MIN_LOG2), "sizes", STORE_SIZES);
 }
 
 /* layout() -> the segment offsets and sizes Python needs (shm/engine.py) */
@@ -714,10 +779,17 @@ static PyMethodDef eng_methods[] = {
      "mapping() -> the object owning the mapping"},
     {"set_threads", (PyCFunction)eng_set_threads, METH_VARARGS,
      "set_threads(n, min_bytes): helper threads for copies of min_bytes and more"},
+    {"set_stores_auto", (PyCFunction)eng_set_stores_auto, METH_O,
+     "set_stores_auto(on) -> on: all_reduce chunks choose their stores as they run"},
+    {"stores", (PyCFunction)eng_stores, METH_NOARGS, "stores() -> what the copy-ins learnt"},
+    {"fault_stores", (PyCFunction)eng_fault_stores, METH_VARARGS,
+     "fault_stores(plain_us, nt_us): copy-ins take this much longer (tests)"},
     {"set_twoshot_min", (PyCFunction)eng_set_twoshot_min, METH_O,
      "set_twoshot_min(nbytes): the all-reduce switch point"},
     {"set_twoshot_min16", (PyCFunction)eng_set_twoshot_min16, METH_O,
      "set_twoshot_min16(nbytes): the switch point of bfloat16 and float16"},
+    {"set_nt_min", (PyCFunction)eng_set_nt_min, METH_O,
+     "set_nt_min(nbytes): non-temporal stores into the slots from nbytes (-1: never)"},
     {"set_cma_allreduce_min", (PyCFunction)eng_set_cma_allreduce_min, METH_O,
      "set_cma_allreduce_min(nbytes): single-copy all-reduce from nbytes (-1: never)"},
     {"cma_init", (PyCFunction)eng_cma_init, METH_VARARGS,

@@ -152,8 +152,9 @@ KERNEL static void sum2_bf16(uint16_t *d, const uint16_t *a, const uint16_t *b, 
 }
 
 /*
- * Copy into this rank's slot.  From nt_min bytes the copy uses non-temporal
- * stores: the lines go to memory/L3 instead of this core's L2, so the peers
+ * Copy into this rank's slot, with non-temporal stores where the engine says
+ * (from its nt_min bytes, or as allreduce.c chooses as it runs): the lines go
+ * to memory/L3 instead of this core's L2, so the peers
  * read them without snooping a modified line out of another core, and the
  * stores need no read-for-ownership of lines the peers still hold shared.
  * 512-bit stores with the AVX-512 kernels, 256-bit with the AVX2 ones (the
@@ -203,15 +204,22 @@ __attribute__((target("avx2"))) static void copy_nt_avx2(char *dst, const char *
 }
 #endif
 
-static size_t nt_min = (size_t)-1; /* set_nt_min(); (size_t)-1 = never */
-
-/* copies into a slot of at least this many bytes use non-temporal stores (-1: never) */
-void set_nt_min(long long v) { nt_min = v < 0 ? (size_t)-1 : (size_t)v; }
-
-void copy_in(char *dst, const char *src, size_t n)
+/* 1 where copy_slot's non-temporal stores exist (x86 with the AVX2 or
+ * AVX-512 kernels in use), else 0: a plain memcpy either way */
+int copy_nt_available(void)
 {
 #if defined(__x86_64__)
-    int isa = n >= nt_min ? kernel_isa_in_use() : ISA_SCALAR;
+    int isa = kernel_isa_in_use();
+    return isa == ISA_AVX512 || isa == ISA_AVX2;
+#else
+    return 0;
+#endif
+}
+
+void copy_slot(char *dst, const char *src, size_t n, int nt)
+{
+#if defined(__x86_64__)
+    int isa = nt ? kernel_isa_in_use() : ISA_SCALAR;
     if (isa == ISA_AVX512 || isa == ISA_AVX2) {
         size_t head = (size_t)(-(uintptr_t)dst & 63); /* to a 64-byte boundary */
         if (head > n)
@@ -224,6 +232,8 @@ void copy_in(char *dst, const char *src, size_t n)
         _mm_sfence();
         return;
     }
+#else
+    (void)nt;
 #endif
     memcpy(dst, src, n);
 }

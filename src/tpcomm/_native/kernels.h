@@ -44,8 +44,8 @@ int kernel_set_isa(int isa);       /* 0, or -1: the CPU lacks it (nothing change
 int kernel_isa_in_use(void);       /* the variant do_reduce runs (never ISA_AUTO) */
 const char *kernel_isa_name(int isa);
 const char *kernel_isa(void);      /* the variant in use and why, for doctor and perf */
-void copy_in(char *dst, const char *src, size_t n);
-void set_nt_min(long long v);
+void copy_slot(char *dst, const char *src, size_t n, int nt); /* nt: non-temporal stores */
+int copy_nt_available(void);
 
 /* one file per variant; each returns 0 (nothing done) for a dtype it leaves
  * to the portable kernels, or where it is not built */

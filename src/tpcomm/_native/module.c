@@ -1,6 +1,6 @@
 /*
  * The module: its functions (segment_size, isa, reduce, copy, time_memcpy,
- * touch, set_tuning), the codes it exports, and PyInit.
+ * touch), the codes it exports, and PyInit.
  */
 #include "tpcomm.h"
 
@@ -137,18 +137,6 @@ static PyObject *mod_copy(PyObject *self, PyObject *const *args, Py_ssize_t narg
     Py_RETURN_NONE;
 }
 
-/* set_tuning(nt_min_bytes): copies into a slot of at least this many bytes use
- * non-temporal stores (-1: never). */
-static PyObject *mod_set_tuning(PyObject *self, PyObject *args)
-{
-    (void)self;
-    long long v;
-    if (!PyArg_ParseTuple(args, "L", &v))
-        return NULL;
-    set_nt_min(v);
-    Py_RETURN_NONE;
-}
-
 static PyObject *mod_isa(PyObject *self, PyObject *unused)
 {
     (void)self;
@@ -221,7 +209,6 @@ static PyMethodDef mod_methods[] = {
     {"segment_size", mod_segment_size, METH_VARARGS, NULL},
     {"reduce", eng_reduce_kernel, METH_VARARGS, NULL},
     {"isa", mod_isa, METH_NOARGS, NULL},
-    {"set_tuning", mod_set_tuning, METH_VARARGS, NULL},
     {"copy", (PyCFunction)(void (*)(void))mod_copy, METH_FASTCALL, NULL},
     {"time_memcpy", mod_time_memcpy, METH_VARARGS, NULL},
     {"touch", (PyCFunction)(void (*)(void))mod_touch, METH_FASTCALL, NULL},

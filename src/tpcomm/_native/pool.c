@@ -23,6 +23,7 @@ struct pool {
                * address `from`, 3 copy out (plain stores) */
     char *dst;
     const char *src;
+    int nt; /* kind 0: non-temporal stores */
     pid_t pid;
     uint64_t from;
     int *errs; /* kind 2: each part's errno, 0 when it read its slice */
@@ -61,10 +62,7 @@ static void job_slice(pool_t *P, int part, int parts)
     if (hi > P->n)
         hi = P->n;
     if (P->kind == 0 || P->kind == 3) {
-        if (P->kind == 0)
-            copy_in(P->dst + lo, P->src + lo, hi - lo);
-        else
-            memcpy(P->dst + lo, P->src + lo, hi - lo);
+        copy_slot(P->dst + lo, P->src + lo, hi - lo, P->kind == 0 && P->nt);
         return;
     }
     if (P->kind == 2) {
@@ -168,13 +166,15 @@ static void par_copy_kind(pool_t *P, int kind, char *dst, const char *src, size_
     pool_run(P);
 }
 
-/* n bytes into a slot (kernels.c copy_in: non-temporal stores where set) */
-void par_copy(pool_t *P, char *dst, const char *src, size_t n)
+/* n bytes into a slot (kernels.c copy_slot; nt: non-temporal stores) */
+void par_copy(pool_t *P, char *dst, const char *src, size_t n, int nt)
 {
-    if (!P || n < P->min)
-        copy_in(dst, src, n);
-    else
-        par_copy_kind(P, 0, dst, src, n);
+    if (!P || n < P->min) {
+        copy_slot(dst, src, n, nt);
+        return;
+    }
+    P->nt = nt;
+    par_copy_kind(P, 0, dst, src, n);
 }
 
 /* n bytes out of a slot or a peer's buffer into the caller's memory */
@@ -223,6 +223,9 @@ int par_read(pool_t *P, pid_t pid, char *dst, uint64_t from, size_t n)
             return P->errs[i];
     return 0;
 }
+
+/* whether a job of n bytes is split between threads */
+int pool_splits(const pool_t *P, size_t n) { return P && n >= P->min; }
 
 /* threads working on a job: the helpers and the caller */
 int pool_threads(const pool_t *P) { return P ? P->nhelp + 1 : 1; }

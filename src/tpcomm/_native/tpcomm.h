@@ -23,11 +23,12 @@
  *   engine.c          the Engine object: life cycle, entering calls, methods
  *   module.c          the module: its functions, constants and init
  *
- * Segment layout, version 4 (offsets from the mapping's base; seg_size()):
+ * Segment layout, version 5 (offsets from the mapping's base; seg_size()):
  *
  *   +--------------------------+ 0
  *   | header (4 KiB)           |  magic, version, world, slot_bytes, sizes,
- *   |                          |  attach counter, sleeper count, abort word
+ *   |                          |  attach counter, sleeper count, abort word,
+ *   |                          |  rank 0's choice of stores
  *   +--------------------------+ ctrl_off = 4096
  *   | rank 0 control           |  page-rounded (3 + 2W) lines: line 0 pid
  *   | rank 1 control           |  (and where its check word is, cma.c);
@@ -102,7 +103,7 @@
 #endif
 
 #define MAGIC 0x314d4d4f43505454ULL /* "TTPCOMM1" little endian */
-#define VERSION 4u
+#define VERSION 5u
 #define PAGE 4096u
 #define LINE 64u
 #define NCHAN 1          /* channels per rank: 0 = collectives */
@@ -148,6 +149,8 @@ typedef struct {
     _Alignas(64) _Atomic uint32_t attached; /* ranks that mapped the segment */
     _Alignas(64) _Atomic uint32_t sleepers; /* ranks asleep in futex_wait */
     _Alignas(64) _Atomic uint64_t abort_word; /* (reason << 32) | (rank + 1), 0 = fine */
+    _Alignas(64) _Atomic uint32_t stores; /* rank 0's store choice: bit b, bucket b
+                                           * non-temporal (allreduce.c) */
     _Alignas(64) char _end;
 } hdr_t;
 
@@ -208,6 +211,12 @@ static inline uint64_t now_ns(void)
 /* ------------------------------------------------------------------------ */
 
 typedef struct pool pool_t;   /* pool.c */
+
+/* chunks whose stores are chosen as they run (allreduce.c): from 4 KiB, a
+ * bucket per power of two up to 1 MiB and more, for one-shot and two-shot */
+#define STORE_MIN_LOG2 12
+#define STORE_SIZES 9
+#define STORE_BUCKETS (2 * STORE_SIZES)
 typedef struct tview tview_t; /* torch.c: the torch objects the fast paths compare with */
 
 /* The engine: one communicator's mapping of the segment, by concern. */
@@ -240,8 +249,17 @@ typedef struct {
     int cma;              /* all ranks can read each other's memory (cma_init) */
     uint64_t cma_min;     /* all_gathers of at least this many bytes read the peers directly */
     uint64_t cma_ar_min;  /* all-reduces of at least this many bytes too (cma_all_reduce) */
+    uint64_t nt_min;      /* copies into a slot of this many bytes: non-temporal stores */
     uint64_t cma_word;    /* the word peers read to check they can (cma_init) */
     pool_t *pool;         /* helper threads, NULL with one thread */
+    /* the stores of a chunk's copies into the slots, chosen per algorithm and
+     * size as it runs (allreduce.c: plain or non-temporal, whichever costs less) */
+    struct {
+        int on;                            /* set_stores_auto; off: nt_min decides */
+        uint8_t nt[STORE_BUCKETS];         /* in use per size: 1 non-temporal */
+        float cost[STORE_BUCKETS][2];      /* ns per KiB out of the waits (0: unknown) */
+        uint64_t switches;                 /* changes of mind, for tests and doctor */
+    } stores;
     tview_t *tv;          /* torch.c's, for the one-call fast paths */
 
     /* how waits wait (wait.c) */
@@ -294,6 +312,7 @@ typedef struct {
     struct {
         uint64_t check_delay_ns; /* sleep before a batch's verdicts */
         int cma_addr;            /* publish an unreadable input address */
+        uint64_t store_ns[2];    /* spin this long after a plain / non-temporal copy-in */
     } fault;
 } Engine;
 
@@ -452,11 +471,9 @@ typedef struct {
 /* ------------------------------------------------------------------------ */
 
 /* kernels.c */
-void copy_in(char *dst, const char *src, size_t n);
 void do_reduce(int dtype, int op, void *dst, void *const *srcs, int w, size_t n);
 
 const char *kernel_isa(void);
-void set_nt_min(long long v);
 
 /* kernels_avx512.c */
 int avx512_level(void);
@@ -465,10 +482,11 @@ int reduce_avx512(int dtype, int op, void *dst, void *const *srcs, int w, size_t
 /* pool.c */
 void pool_free(pool_t *P);
 pool_t *pool_new(int nthreads, size_t min_bytes);
-void par_copy(pool_t *P, char *dst, const char *src, size_t n);     /* into a slot */
+void par_copy(pool_t *P, char *dst, const char *src, size_t n, int nt); /* into a slot */
 void par_copy_out(pool_t *P, char *dst, const char *src, size_t n); /* out of one */
 void par_reduce(pool_t *P, int dtype, int op, void *dst, void *const *srcs, int w, size_t n);
 int pool_threads(const pool_t *P);
+int pool_splits(const pool_t *P, size_t n);
 int par_read(pool_t *P, pid_t pid, char *dst, uint64_t from, size_t n);
 
 /* wait.c: the one waiting loop (wait_until) and what it needs */

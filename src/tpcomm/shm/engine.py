@@ -219,6 +219,7 @@ class Settings(NamedTuple):
     """The engine's settings (settings_for)."""
 
     nt_min: int  # copies into a slot of this many bytes use non-temporal stores (-1: never)
+    nt_auto: bool  # one-shot copy-ins of 4-256 KiB choose their stores as they run
     yield_us: float  # how long a wait yields before it sleeps
     threads: int  # threads per rank
     threads_min: int  # the smallest job they share (-1: never)
@@ -248,6 +249,7 @@ def settings_for(world: int, tuned: Optional[dict] = None) -> Settings:
     two = pick("twoshot_min_bytes", _env.twoshot_min_bytes(world))
     return Settings(
         nt_min=pick("nt_min_bytes", _env.nt_min_bytes()),
+        nt_auto=_env.nt_auto(),
         yield_us=_env.yield_us(),
         threads=_env.threads(world),
         threads_min=pick("threads_min_bytes", _env.threads_min_bytes()),
@@ -514,6 +516,13 @@ class ShmEngine:
         self._apply(self.settings)
         self.cma_init(*self.settings.cma_plan)
 
+    def stores(self) -> dict:
+        """What the one-shot copy-ins learnt about their stores (_native/allreduce.c)."""
+        return self._native.stores()
+
+    def fault_stores(self, plain_us: float, nt_us: float) -> None:
+        self._native.fault_stores(plain_us, nt_us)
+
     def fault_check_delay(self, us: float) -> None:
         self._native.fault_check_delay(us)
 
@@ -540,7 +549,6 @@ class ShmEngine:
     ) -> None:
         size = segment.segment_size(world, slot_bytes)
         self.settings = tuning or settings_for(world)  # as agreed (retune changes current)
-        _native.set_tuning(self.settings.nt_min)
         self._native = _native.Engine(
             fd, size, self.rank, world, slot_bytes, self.rank == 0, timeout, spin,
             self.settings.yield_us,
@@ -563,7 +571,9 @@ class ShmEngine:
         self._native.set_cma_allreduce_min(s.cma_ar_min)
         if before is None or (before.threads, before.threads_min) != (s.threads, s.threads_min):
             self._native.set_threads(s.threads, s.threads_min)
-        _native.set_tuning(s.nt_min)
+        if before is None or before.nt_auto != s.nt_auto:
+            self._native.set_stores_auto(s.nt_auto)
+        self._native.set_nt_min(s.nt_min)
 
     def _validate(self, slot_bytes: int, size: int) -> None:
         h = self._native.header()

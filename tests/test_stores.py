@@ -1,0 +1,125 @@
+"""The copies of an all_reduce chunk into the slots choose plain or
+non-temporal stores as they run (_native/allreduce.c): the kind that costs
+rank 0 less takes over on every rank, one-shot and two-shot apart, the results
+are the float64 sum whichever kind runs, and an explicit TPCOMM_NT_MIN_BYTES
+turns the choice off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tpcomm
+from tpcomm import _testing
+from tpcomm.launch import LocalGroup
+
+from ._ref import make
+
+NT_KERNELS = any(isa in _testing.isa_variants() for isa in ("avx2", "avx512"))
+BUCKET = 2  # one-shot 16 KiB: buckets are powers of two from 4 KiB
+SIZES = 9  # buckets per algorithm: then two-shot's
+EXPLORE = 256  # rounds between two chunks of the other kind
+
+
+def calls_until_settled(comm, plain_us, nt_us, algo="one-shot", n=16384 // 4):
+    """Slow one kind down by the fault knob, run all_reduces of 16 KiB by algo
+    until every rank took the other kind (at most 8 exploring periods); the
+    kind in use then, the wrong results, and the calls it took."""
+    _testing.set_twoshot_min(comm, -1 if algo == "one-shot" else 0)
+    bucket = BUCKET + (SIZES if algo == "two-shot" else 0)
+    _testing.fault_stores(comm, plain_us, nt_us)
+    want = 1 if plain_us > nt_us else 0
+    xs = [make(r, n, torch.float32, 3).double() for r in range(comm.world_size)]
+    ref = sum(xs)
+    wrong, calls = 0, 0
+    try:
+        for calls in range(1, 8 * EXPLORE + 1):
+            x = make(comm.rank, n, torch.float32, 3)
+            comm.all_reduce(x)
+            if calls % 97 == 0:  # a sample of the results, against float64
+                wrong += not torch.allclose(x.double(), ref, 1e-5, 1e-4)
+            done = _testing.stores(comm)["nt"][bucket] == want
+            # the ranks decide apart: stop together, once every rank chose
+            if calls % 64 == 0:
+                flag = torch.tensor([0 if done else 1])
+                comm.all_reduce(flag)
+                if flag.item() == 0:
+                    break
+    finally:
+        _testing.fault_stores(comm, 0, 0)
+        _testing.set_twoshot_min(comm, None)
+    return _testing.stores(comm)["nt"][bucket], wrong, calls
+
+
+def both_ways(comm, algo):
+    state = _testing.stores(comm)
+    first = calls_until_settled(comm, 40.0, 0.0, algo)  # plain made slow: non-temporal wins
+    back = calls_until_settled(comm, 0.0, 40.0, algo)  # and back
+    return state, first, back, _testing.stores(comm)
+
+
+@pytest.mark.skipif(not NT_KERNELS, reason="no non-temporal copy here: the choice is off")
+@pytest.mark.parametrize("algo", ["one-shot", "two-shot"])
+def test_the_cheaper_stores_take_over_on_every_rank(algo):
+    bucket = BUCKET + (SIZES if algo == "two-shot" else 0)
+    with LocalGroup(2, timeout=120) as g:
+        res = g.run(both_ways, algo, timeout=300)
+    for r, (state, first, back, after) in enumerate(res):
+        assert state["on"] and state["nt"] == [0] * 2 * SIZES and state["switches"] == 0
+        assert state["sizes"] == SIZES and state["min_bytes"] == 4096
+        assert first[:2] == (1, 0), first  # non-temporal, no wrong result
+        assert back[:2] == (0, 0), back  # plain again
+        assert after["switches"] >= 2  # rank 0 chose, every rank followed
+        plain, nt = after["cost"][bucket]
+        if r == 0:  # it times the chunks; the others take its choice
+            assert plain > 0 and nt > 0  # both kinds were timed
+        else:
+            assert (plain, nt) == (0.0, 0.0)
+        other = BUCKET + SIZES - bucket  # the other algorithm's 16 KiB
+        assert after["cost"][other] == (0.0, 0.0) and after["nt"][other] == 0
+
+
+def stores_state(comm):
+    x = torch.ones(4096)
+    for _ in range(3 * EXPLORE):
+        comm.all_reduce(x.fill_(1))
+    return _testing.stores(comm), x.tolist() == [float(comm.world_size)] * 4096
+
+
+@pytest.mark.parametrize("setting", ["-1", "0", "auto"])
+def test_an_explicit_setting_fixes_the_stores(monkeypatch, setting):
+    monkeypatch.setenv("TPCOMM_NT_MIN_BYTES", setting)
+    with LocalGroup(2, timeout=60) as g:
+        res = g.run(stores_state, timeout=120)
+    for r, (state, ok) in enumerate(res):
+        assert ok
+        assert state["on"] is (setting == "auto" and NT_KERNELS)
+        if not state["on"]:
+            assert state["switches"] == 0 and state["cost"][BUCKET] == (0.0, 0.0)
+        elif r == 0:
+            assert state["cost"][BUCKET][0] > 0  # its 16 KiB calls were timed
+
+
+def test_scalar_kernels_leave_the_choice_off(monkeypatch):
+    monkeypatch.setenv("TPCOMM_ISA", "scalar")
+    with LocalGroup(2, timeout=60) as g:
+        res = g.run(stores_state, timeout=120)
+    assert [(state["on"], ok) for state, ok in res] == [(False, True)] * 2
+
+
+def test_tpcomm_nt_min_bytes_is_read_and_checked(monkeypatch):
+    from tpcomm import _env
+
+    monkeypatch.delenv("TPCOMM_NT_MIN_BYTES", raising=False)
+    assert _env.nt_auto() and _env.nt_min_bytes() == -1
+    monkeypatch.setenv("TPCOMM_NT_MIN_BYTES", "65536")
+    assert not _env.nt_auto() and _env.nt_min_bytes() == 65536
+    monkeypatch.setenv("TPCOMM_NT_MIN_BYTES", "sometimes")
+    with pytest.raises(ValueError, match="TPCOMM_NT_MIN_BYTES='sometimes'"):
+        _env.nt_min_bytes()
+    with pytest.raises(tpcomm.LaunchError, match="TPCOMM_NT_MIN_BYTES"):
+        tpcomm.launch(_rank, 2, timeout=60)
+
+
+def _rank(comm):
+    return comm.rank
