@@ -6,6 +6,8 @@ turns the choice off."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -123,3 +125,18 @@ def test_tpcomm_nt_min_bytes_is_read_and_checked(monkeypatch):
 
 def _rank(comm):
     return comm.rank
+
+
+def stores_on(comm):
+    return _testing.stores(comm)["on"]
+
+
+@pytest.mark.skipif(not NT_KERNELS, reason="no non-temporal copy here: the choice is off")
+@pytest.mark.skipif(
+    (os.cpu_count() or 1) > 7, reason="oversubscribing this host takes too many ranks"
+)
+def test_oversubscribed_ranks_keep_the_fixed_stores(pools):
+    """More ranks than cores: rank 0's timings would hold the others' turns."""
+    over = (os.cpu_count() or 1) + 1
+    assert pools.run(over, stores_on) == [False] * over
+    assert pools.run(2, stores_on) == [True] * 2

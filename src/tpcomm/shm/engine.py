@@ -288,6 +288,9 @@ class ShmEngine:
         # wait for needs the core.  (Pinned ranks see one CPU; count the host's.)
         oversubscribed = world > max(local_cpu_count(), os.cpu_count() or 1)
         spin = 0.0 if oversubscribed else _env.spin_us()
+        # nor can rank 0 time its copies there: the cores' other ranks preempt
+        # them, so the stores stay as TPCOMM_NT_MIN_BYTES says (docs/DECISIONS.md)
+        self._fixed_stores = oversubscribed
         # Every rank must agree on the layout: rank 0 decides it, writes the
         # header, and only then publishes the path (with the slot size).
         self.path = ""
@@ -549,6 +552,8 @@ class ShmEngine:
     ) -> None:
         size = segment.segment_size(world, slot_bytes)
         self.settings = tuning or settings_for(world)  # as agreed (retune changes current)
+        if self._fixed_stores:
+            self.settings = self.settings._replace(nt_auto=False)
         self._native = _native.Engine(
             fd, size, self.rank, world, slot_bytes, self.rank == 0, timeout, spin,
             self.settings.yield_us,
