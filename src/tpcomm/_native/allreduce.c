@@ -13,9 +13,10 @@
  * 1.2 us with plain stores against 2.9 non-temporal, and minutes later 4.4
  * against 2.5, on the same cores; benchmarks/stores.py).  So rank 0 times
  * the parts of a chunk it does not wait in, its copies and reductions (not
- * the waits: they hold the peers' lateness), on one chunk in 8, and keeps a
- * moving average per algorithm, size (a bucket per power of two from 4 KiB;
- * the last holds everything from 1 MiB) and store kind.  What it times
+ * the waits: they hold the peers' lateness), on one chunk in 16, with the
+ * core's cheap clock (ticks: the time stamp counter), and keeps a moving
+ * average per algorithm, size (a bucket per power of two from 4 KiB; the
+ * last holds everything from 1 MiB) and store kind.  What it times
  * includes reading the peers' slots, which is what their stores cost it, so
  * every rank must store alike: rank 0 decides and writes its choice into the
  * header, which every rank reads before its copy.  Two chunks in every
@@ -36,7 +37,7 @@ typedef struct {
     int b;          /* bucket, -1: not chosen as it runs (nt_min decides) */
     int nt;         /* the stores of this chunk (when b >= 0) */
     int timed;      /* rank 0 times this chunk */
-    uint64_t spent; /* ns in the timed parts so far */
+    uint64_t spent; /* ticks in the timed parts so far */
     uint64_t mark;  /* when the current part began */
 } stores_t;
 
@@ -63,9 +64,9 @@ static stores_t store_begin(Engine *e, size_t bytes, int algo, unsigned rounds)
     sc.b = (b < STORE_SIZES ? b : STORE_SIZES - 1) + algo * STORE_SIZES;
     const unsigned phase = (unsigned)(e->round & (STORE_EXPLORE - 1));
     sc.nt = store_choice(e, sc.b) ^ (phase < 2 * rounds);
-    sc.timed = e->rank == 0 && ((phase >= rounds && phase < 2 * rounds) || (phase / rounds) % 8 == 5);
+    sc.timed = e->rank == 0 && ((phase >= rounds && phase < 2 * rounds) || (phase / rounds) % 16 == 5);
     if (sc.timed)
-        sc.mark = now_ns();
+        sc.mark = ticks();
     return sc;
 }
 
@@ -78,13 +79,13 @@ static int store_nt(const Engine *e, const stores_t *sc, size_t n)
 static void store_pause(stores_t *sc) /* a wait begins: not timed */
 {
     if (sc->timed)
-        sc->spent += now_ns() - sc->mark;
+        sc->spent += ticks() - sc->mark;
 }
 
 static void store_resume(stores_t *sc)
 {
     if (sc->timed)
-        sc->mark = now_ns();
+        sc->mark = ticks();
 }
 
 /* The chunk is done (rank 0: learn from it) */

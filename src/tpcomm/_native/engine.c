@@ -721,7 +721,7 @@ static PyObject *eng_set_stores_auto(Engine *e, PyObject *arg)
     return PyBool_FromLong(e->stores.on);
 }
 
-/* stores() -> {"on", "nt": [per bucket], "cost": [[plain, nt] ns per KiB],
+/* stores() -> {"on", "nt": [per bucket], "cost": [[plain, nt] ticks per KiB],
  * "switches", "min_bytes", "sizes"}: what the all_reduce chunks learnt; the
  * buckets: one-shot by size (a power of two from min_bytes; `sizes` of them,
  * the last from 1 MiB up), then two-shot the same (tests, benchmarks) */

@@ -206,6 +206,21 @@ static inline uint64_t now_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+/* A cheap clock of this core for comparing two durations (allreduce.c's
+ * stores): the time stamp counter, the virtual counter on ARM, else now_ns */
+static inline uint64_t ticks(void)
+{
+#if defined(__x86_64__)
+    return __rdtsc();
+#elif defined(__aarch64__)
+    uint64_t v;
+    __asm__ __volatile__("mrs %0, cntvct_el0" : "=r"(v));
+    return v;
+#else
+    return now_ns();
+#endif
+}
+
 /* ------------------------------------------------------------------------ */
 /* the engine object                                                         */
 /* ------------------------------------------------------------------------ */
@@ -257,7 +272,7 @@ typedef struct {
     struct {
         int on;                            /* set_stores_auto; off: nt_min decides */
         uint8_t nt[STORE_BUCKETS];         /* in use per size: 1 non-temporal */
-        float cost[STORE_BUCKETS][2];      /* ns per KiB out of the waits (0: unknown) */
+        float cost[STORE_BUCKETS][2];      /* ticks per KiB out of the waits (0: unknown) */
         uint64_t switches;                 /* changes of mind, for tests and doctor */
     } stores;
     tview_t *tv;          /* torch.c's, for the one-call fast paths */
