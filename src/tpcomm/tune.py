@@ -26,7 +26,7 @@ import torch
 from . import _env
 from .ops import ReduceOp
 from .perf.table import parse_size
-from .perf.timing import agree, timed
+from .perf.timing import measured
 from .shm.engine import engine_of
 
 __all__ = ["add_arguments", "main", "run", "switch_point"]
@@ -107,12 +107,12 @@ def _use(eng: Any, collective: str, variant: str) -> None:
         eng.retune(**VARIANTS[variant])
 
 
-def _time_variants(comm: Any, eng: Any, cfg: dict, measured: tuple, cma: bool) -> dict:
+def _time_variants(comm: Any, eng: Any, cfg: dict, plan: tuple, cma: bool) -> dict:
     """{collective: {size: {variant: [seconds per call, per repetition]}}},
     every variant of a size in turns, the order turning each repetition."""
     out: dict = {}
     w = comm.world_size
-    for collective, variants, dtype in measured:
+    for collective, variants, dtype in plan:
         out[collective] = {}
         variants = [v for v in variants if cma or v != "single-copy"]
         for size in cfg["sizes"]:
@@ -128,11 +128,7 @@ def _time_variants(comm: Any, eng: Any, cfg: dict, measured: tuple, cma: bool) -
                 turn = rep % len(variants)
                 for variant in variants[turn:] + variants[:turn]:
                     _use(eng, collective, variant)
-                    call()
-                    probe = timed(call, 2)
-                    iters = agree(comm, max(3, int(cfg["target"] / max(probe, 1e-7))))
-                    comm.barrier()
-                    times[variant].append(timed(call, iters))
+                    times[variant].append(measured(comm, call, cfg["target"]))
             out[collective][size] = _worst(comm, times)
     return out
 
@@ -220,10 +216,10 @@ def _copy_settings(sizes: list, res: dict) -> dict:
     return out
 
 
-def _table(sizes: list, res: dict, measured: tuple) -> list:
+def _table(sizes: list, res: dict, plan: tuple) -> list:
     """The lines that show what was measured, a table per collective."""
     lines = []
-    for collective, variants, _ in measured:
+    for collective, variants, _ in plan:
         if collective not in res:
             continue
         variants = [v for v in variants if v in res[collective][sizes[0]]]
@@ -261,7 +257,7 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
     here = profile.machine()
     out.write(f"# tpcomm tune: {here['cpu']}, {here['cpus']} CPUs, tpcomm {here['tpcomm']}\n")
     cfg = {"sizes": sizes, "repeat": args.repeat, "target": args.target, "threads": args.threads}
-    chosen, measured = {}, {}
+    chosen, results = {}, {}
     t0 = time.monotonic()
     for w in worlds:
         with LocalGroup(w, pin=not args.no_pin) as group:
@@ -270,7 +266,7 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
             copies = group.run(_measure_copies, cfg, settings)[0]
         settings.update(_copy_settings(sizes, copies))
         res.update(copies)
-        chosen[w], measured[str(w)] = settings, res
+        chosen[w], results[str(w)] = settings, res
         out.write(f"# world {w}: {profile.encode(settings).replace(',', ', ')}\n")
         lines = _table(sizes, res, ALGORITHMS + COPIES)
         if "threads" not in res:
@@ -282,7 +278,7 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
     if args.dry_run:
         out.write("# --dry-run: no profile written\n")
         return 0
-    path = profile.write(chosen, measured, "tpcomm " + " ".join(sys.argv[1:]), args.output)
+    path = profile.write(chosen, results, "tpcomm " + " ".join(sys.argv[1:]), args.output)
     out.write(f"# profile written to {path}: Communicators made here use it "
               "(settings in the environment still win)\n")  # fmt: skip
     return 0

@@ -11,7 +11,7 @@ import torch
 from ..ops import ReduceOp
 from ..shm.engine import touch
 
-__all__ = ["agree", "fresh_timed", "free_port", "timed"]
+__all__ = ["agree", "fresh_timed", "free_port", "measured", "timed"]
 
 
 def timed(fn: Callable[[], Any], iters: int) -> float:
@@ -19,6 +19,26 @@ def timed(fn: Callable[[], Any], iters: int) -> float:
     for _ in range(iters):
         fn()
     return (time.perf_counter() - t0) / iters
+
+
+def measured(
+    comm: Any,
+    call: Callable[[], Any],
+    target: float,
+    most: int | None = None,
+    timer: Callable[[int], float] | None = None,
+) -> float:
+    """call() timed on every rank alike: warmed up, probed, then as many
+    iterations as take about ``target`` seconds on the slowest rank (at most
+    ``most``), after a barrier; ``timer(n)``: how n iterations are timed
+    (default: timed(call, n))."""
+    for _ in range(3):
+        call()
+    probe = timed(call, 3)
+    n = max(3, int(target / max(probe, 1e-7)))
+    n = agree(comm, n if most is None else min(most, n))
+    comm.barrier()
+    return timer(n) if timer is not None else timed(call, n)
 
 
 def fresh_timed(call: Callable[[dict], Any], st: dict, iters: int, barrier) -> float:

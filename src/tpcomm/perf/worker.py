@@ -12,7 +12,7 @@ from ..ops import ReduceOp
 from ..shm.engine import engine_of, time_memcpy
 from .peers import Peer
 from .table import COLLECTIVES, GROUP, dist_op, in_place, torch_dist
-from .timing import agree, fresh_timed, timed
+from .timing import agree, fresh_timed, measured, timed
 
 __all__ = ["worker"]
 
@@ -75,14 +75,8 @@ def _other_time(comm: Any, cfg: dict, run: Any, st: dict, iters: int) -> float:
     """Another library's time for the same call on the same data (gloo's, a
     peer's): warmed up, about --target seconds at most (never more iterations
     than tpcomm's), the same loop."""
-    for _ in range(3):
-        run(st)
-    probe = timed(lambda: run(st), 3)
-    n = agree(comm, max(3, min(iters, int(cfg["target"] / max(probe, 1e-7)))))
-    comm.barrier()
-    if cfg["fresh"]:
-        return fresh_timed(run, st, n, comm.barrier)
-    return timed(lambda: run(st), n)
+    fresh = (lambda n: fresh_timed(run, st, n, comm.barrier)) if cfg["fresh"] else None
+    return measured(comm, lambda: run(st), cfg["target"], iters, fresh)
 
 
 def _dist_run(cfg: dict, group: Any) -> Any:
