@@ -290,7 +290,7 @@ class ShmEngine:
         spin = 0.0 if oversubscribed else _env.spin_us()
         # nor can rank 0 time its copies there: the cores' other ranks preempt
         # them, so the stores stay as TPCOMM_NT_MIN_BYTES says (docs/DECISIONS.md)
-        self._fixed_stores = oversubscribed
+        fixed_stores = oversubscribed
         # Every rank must agree on the layout: rank 0 decides it, writes the
         # header, and only then publishes the path (with the slot size).
         self.path = ""
@@ -307,7 +307,7 @@ class ShmEngine:
                 try:
                     tuning = settings_for(world, self.tuned)
                     self.path, fd = segment.create(world, slot_bytes, group_tag)
-                    self._map(fd, world, slot_bytes, spin, timeout, tuning)
+                    self._map(fd, world, slot_bytes, spin, timeout, tuning, fixed_stores)
                 except CommError as e:
                     broadcast_from_rank0(store, prefix, 0, "segment", "!" + str(e), timeout, watch)
                     raise
@@ -333,7 +333,7 @@ class ShmEngine:
                     store.set(f"{prefix}/attach-failed", f"rank {rank}: {e}")
                     raise
                 self.path = path  # checked: from here on, this rank may unlink it
-                self._map(fd, world, slot_bytes, spin, timeout, tuning)
+                self._map(fd, world, slot_bytes, spin, timeout, tuning, fixed_stores)
             os.close(fd)
             fd = -1
             self._native.attach()
@@ -549,10 +549,11 @@ class ShmEngine:
         spin: float,
         timeout: float,
         tuning: Optional[tuple] = None,
+        fixed_stores: bool = False,
     ) -> None:
         size = segment.segment_size(world, slot_bytes)
         self.settings = tuning or settings_for(world)  # as agreed (retune changes current)
-        if self._fixed_stores:
+        if fixed_stores:
             self.settings = self.settings._replace(nt_auto=False)
         self._native = _native.Engine(
             fd, size, self.rank, world, slot_bytes, self.rank == 0, timeout, spin,
