@@ -3,6 +3,7 @@ data), checked on fresh data outside the timed loop, and memcpy's bound."""
 
 from __future__ import annotations
 
+import datetime
 import statistics
 from typing import Any
 
@@ -17,6 +18,25 @@ from .timing import agree, fresh_timed, measured, timed
 __all__ = ["worker"]
 
 
+def _store(comm: Any) -> Any:
+    """The store of torch.distributed's groups: rank 0 listens on a port the
+    kernel picks (a port chosen earlier and closed could be taken by another
+    process by then: EADDRINUSE) and tells the others through tpcomm."""
+    dist = torch_dist()
+    timeout = datetime.timedelta(seconds=120)
+    port = torch.zeros(1, dtype=torch.int64)
+    store = None
+    if comm.rank == 0:
+        store = dist.TCPStore(
+            "127.0.0.1", 0, comm.world_size, True, timeout, wait_for_workers=False
+        )  # the others learn its port below
+        port[0] = store.port
+    comm.broadcast(port, 0)
+    if store is None:
+        store = dist.TCPStore("127.0.0.1", int(port.item()), comm.world_size, False, timeout)
+    return store
+
+
 def _connect(comm: Any, cfg: dict) -> tuple:
     """The call under test (a Communicator method, or a plain dist.* call on a
     cpu:tpcomm default group with --backend dist), and the gloo group to compare
@@ -24,15 +44,14 @@ def _connect(comm: Any, cfg: dict) -> tuple:
     coll, op = COLLECTIVES[cfg["collective"]], ReduceOp[cfg["op"]]
     rank, world = comm.rank, comm.world_size
     gloo = "gloo" in cfg["compare"]
-    init = f"tcp://127.0.0.1:{cfg['port']}"
     if cfg.get("backend") == "dist":
         dist = torch_dist()
-        dist.init_process_group("cpu:tpcomm", init_method=init, rank=rank, world_size=world)
+        dist.init_process_group("cpu:tpcomm", store=_store(comm), rank=rank, world_size=world)
         return (lambda st: coll.run_dist(st, op)), (
             dist.new_group(backend="gloo") if gloo else None
         )
     if gloo:
-        torch_dist().init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+        torch_dist().init_process_group("gloo", store=_store(comm), rank=rank, world_size=world)
     return (lambda st: coll.run(comm, st, op)), None
 
 
