@@ -23,7 +23,6 @@ __all__ = [
     "nt_min_bytes",
     "cma",
     "cma_min_bytes",
-    "cma_plan",
     "cma_allreduce_min_bytes",
     "profile_path",
     "host_id_override",
@@ -139,7 +138,7 @@ def yield_us() -> float:
 
 def nt_min_bytes() -> int:
     """TPCOMM_NT_MIN_BYTES: copies into a slot of at least this many bytes use
-    non-temporal stores (default auto: -1, never, but small one-shot copy-ins
+    non-temporal stores (default auto: -1, never, but the all_reduce chunks
     choose as they run, nt_auto)."""
     if nt_auto():
         return DEFAULT_NT_MIN_BYTES
@@ -147,8 +146,8 @@ def nt_min_bytes() -> int:
 
 
 def nt_auto() -> bool:
-    """Whether one-shot copy-ins of 4-256 KiB choose plain or non-temporal
-    stores as they run: unless TPCOMM_NT_MIN_BYTES fixes the stores."""
+    """Whether all_reduce chunks of 4 KiB and more choose plain or
+    non-temporal stores as they run: unless TPCOMM_NT_MIN_BYTES fixes them."""
     return (os.environ.get("TPCOMM_NT_MIN_BYTES") or "auto").strip().lower() == "auto"
 
 
@@ -176,13 +175,6 @@ def cma_min_bytes(world: int) -> int:
     (default: CMA_MIN_BYTES for this world size; -1: never)."""
     key = max(k for k in CMA_MIN_BYTES if k <= max(world, 2))
     return _int("TPCOMM_CMA_MIN_BYTES", CMA_MIN_BYTES[key], -1, MAX_BYTES, " (-1: never)")
-
-
-def cma_plan(world: int) -> tuple[bool, int]:
-    """What a communicator of this size asks for: (single copy wanted, from how
-    many bytes), the arguments of the engine's cma_init."""
-    least = cma_min_bytes(world)
-    return cma() and least >= 0, max(least, 0)
 
 
 def cma_allreduce_min_bytes() -> int:

@@ -103,13 +103,13 @@ def cma_init(comm: Any, want: bool, min_bytes: int) -> tuple[int, bool]:
 
 
 def stores(comm: Any) -> dict:
-    """What this rank's one-shot copy-ins learnt about their stores."""
+    """What this rank's all_reduce chunks learnt about their stores."""
     return _eng(comm).stores()
 
 
 def fault_stores(comm: Any, plain_us: float, nt_us: float) -> None:
-    """Make plain / non-temporal one-shot copy-ins (the ones chosen as they
-    run) this much slower."""
+    """Make the plain / non-temporal copies of all_reduce chunks (those that
+    choose their stores as they run) this much slower."""
     _eng(comm).fault_stores(plain_us, nt_us)
 
 

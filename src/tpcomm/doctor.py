@@ -454,9 +454,9 @@ def _selftest(rep: Report, world: int) -> None:
         rep.ok(f"all_reduce over {world} ranks gave the right sums (torch {torch.__version__})")
     else:
         rep.fail(f"all_reduce gave wrong sums: {[r for r, _ in res]}")
-    if world > 1 and _env.cma_plan(world)[0]:
+    if world > 1 and settings_for(world, profile.settings(world)).cma_plan[0]:
         cma = "on" if res[0][1] else "off (the ranks may not read each other's memory)"
-        rep.info(f"single-copy all_gather between these ranks: {cma}")
+        rep.info(f"single-copy reads between these ranks: {cma}")
 
 
 def _selftest_rank(comm: Any) -> list:

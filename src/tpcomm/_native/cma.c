@@ -51,6 +51,19 @@ int cma_failed(Engine *e, int r, int err)
     return fail(e, ST_CMA, r, e->rank);
 }
 
+/* Before every read of rank r: ST_OK, or why not (an abort; the peer died) */
+static int cma_may_read(Engine *e, int r)
+{
+    if (take_abort(e))
+        return ST_ABORTED;
+    fault_pause(e); /* tests: a peer may die meanwhile */
+    /* never read a dead rank's pid: it may be another process's by now (the
+     * lock is held while the rank lives, and a live pid is not reused) */
+    if (!peer_alive(e, r))
+        return cma_failed(e, r, ESRCH);
+    return ST_OK;
+}
+
 /* CMA_IOV iovecs at most, CMA_PIECE bytes at most, from byte `off` of piece
  * i of the (address, length) pairs p[0..2n) on; how many */
 static int iov_fill(const uint64_t *p, Py_ssize_t n, Py_ssize_t i, uint64_t off, struct iovec *v)
@@ -94,13 +107,9 @@ static int cma_copy(Engine *e, int r, const uint64_t *loc, Py_ssize_t nloc, cons
     uint64_t lo = 0, ro = 0;
     struct iovec lv[CMA_IOV], rv[CMA_IOV];
     for (size_t done = 0; done < n;) {
-        if (take_abort(e))
-            return ST_ABORTED;
-        fault_pause(e); /* tests: a peer may die meanwhile */
-        /* never read a dead rank's pid: it may be another process's by now (the
-         * lock is held while the rank lives, and a live pid is not reused) */
-        if (!peer_alive(e, r))
-            return cma_failed(e, r, ESRCH);
+        int st = cma_may_read(e, r);
+        if (st != ST_OK)
+            return st;
         int nl = iov_fill(loc, nloc, li, lo, lv), nr = iov_fill(rem, nrem, ri, ro, rv);
         ssize_t got = process_vm_readv(peer_pid(e, r), lv, (unsigned long)nl, rv,
                                        (unsigned long)nr, 0);
@@ -191,19 +200,15 @@ int cma_rounds(Engine *e, uint32_t kind, uint32_t dtype, uint64_t numel, uint64_
  * travels in the metadata (ARG_SINGLE_COPY) like the other algorithms'.
  */
 /* n bytes at `remote` in rank r's memory to `local`, split between this
- * rank's threads (pool.c par_read) CMA_PIECE bytes at a time, aborts and the
- * peer's death seen between the pieces as cma_copy sees them.  A status. */
+ * rank's threads where it has them (pool.c par_read) CMA_PIECE bytes at a
+ * time, checked between the pieces as cma_copy checks.  A status. */
 static int cma_read_par(Engine *e, int r, char *local, uint64_t remote, size_t n)
 {
-    if (!e->pool)
-        return cma_read(e, r, local, n, n, remote, n);
     for (size_t done = 0; done < n;) {
         size_t k = n - done < CMA_PIECE ? n - done : CMA_PIECE;
-        if (take_abort(e))
-            return ST_ABORTED;
-        fault_pause(e);
-        if (!peer_alive(e, r))
-            return cma_failed(e, r, ESRCH);
+        int st = cma_may_read(e, r);
+        if (st != ST_OK)
+            return st;
         int err = par_read(e->pool, peer_pid(e, r), local + done, remote + done, k);
         if (err)
             return cma_failed(e, r, err);

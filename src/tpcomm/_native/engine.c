@@ -689,62 +689,6 @@ static PyObject *eng_fault_cma_addr(Engine *e, PyObject *arg)
     Py_RETURN_NONE;
 }
 
-/* Fault injection for tests: the copies of an all_reduce chunk whose stores
- * are chosen as it runs (allreduce.c) take this many more microseconds,
- * plain and non-temporal ones apart. */
-static PyObject *eng_fault_stores(Engine *e, PyObject *args)
-{
-    double us[2];
-    if (!PyArg_ParseTuple(args, "dd", &us[0], &us[1]))
-        return NULL;
-    for (int k = 0; k < 2; k++)
-        e->fault.store_ns[k] = us[k] > 0 ? (uint64_t)(us[k] * 1e3) : 0;
-    Py_RETURN_NONE;
-}
-
-/* set_stores_auto(on): all_reduce chunks choose their stores as they run
- * (allreduce.c), where a non-temporal copy exists; off: nt_min decides.
- * Turning it on starts from plain stores and nothing learnt. */
-static PyObject *eng_set_stores_auto(Engine *e, PyObject *arg)
-{
-    int v = PyObject_IsTrue(arg);
-    if (v < 0)
-        return NULL;
-    if (e->busy) {
-        PyErr_SetString(PyExc_RuntimeError, "set_stores_auto: a collective is running");
-        return NULL;
-    }
-    memset(&e->stores, 0, sizeof e->stores);
-    e->stores.on = v && copy_nt_available();
-    if (e->rank == 0 && e->base) /* plain stores until rank 0 learns otherwise */
-        atomic_store_explicit(&HDR(e)->stores, 0, memory_order_relaxed);
-    return PyBool_FromLong(e->stores.on);
-}
-
-/* stores() -> {"on", "nt": [per bucket], "cost": [[plain, nt] ticks per KiB],
- * "switches", "min_bytes", "sizes"}: what the all_reduce chunks learnt; the
- * buckets: one-shot by size (a power of two from min_bytes; `sizes` of them,
- * the last from 1 MiB up), then two-shot the same (tests, benchmarks) */
-static PyObject *eng_stores(Engine *e, PyObject *unused)
-{
-    (void)unused;
-    PyObject *nt = PyList_New(STORE_BUCKETS), *cost = PyList_New(STORE_BUCKETS);
-    if (!nt || !cost) {
-        Py_XDECREF(nt);
-        Py_XDECREF(cost);
-        return NULL;
-    }
-    for (int b = 0; b < STORE_BUCKETS; b++) {
-        PyList_SET_ITEM(nt, b, PyLong_FromLong(e->stores.nt[b]));
-        PyList_SET_ITEM(cost, b, Py_BuildValue("(dd)", (double)e->stores.cost[b][0],
-                                               (double)e->stores.cost[b][1]));
-    }
-    return Py_BuildValue("{s:O,s:N,s:N,s:K,s:K,s:i}", "on", e->stores.on ? Py_True : Py_False,
-                         "nt", nt, "cost", cost, "switches",
-                         (unsigned long long)e->stores.switches, "min_bytes",
-                         (unsigned long long)(1u << STORE_MIN_LOG2), "sizes", STORE_SIZES);
-}
-
 /* layout() -> the segment offsets and sizes Python needs (shm/engine.py) */
 PyObject *eng_layout(Engine *e, PyObject *unused)
 {

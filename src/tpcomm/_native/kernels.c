@@ -160,9 +160,8 @@ KERNEL static void sum2_bf16(uint16_t *d, const uint16_t *a, const uint16_t *b, 
  * 512-bit stores with the AVX-512 kernels, 256-bit with the AVX2 ones (the
  * variant TPCOMM_ISA picks, so each is testable on an AVX-512 CPU); elsewhere
  * a plain memcpy.  The destination's unaligned head goes by memcpy, so any
- * address works.  Off by default (-1): slower where it was measured first;
- * `tpcomm tune` measures it per machine.  Copies out of a slot are plain
- * memcpys: their destination is the caller's, who reads it next.
+ * address works.  Copies out of a slot are plain memcpys: their destination
+ * is the caller's, who reads it next.
  */
 #if defined(__x86_64__)
 __attribute__((target("avx512f"))) static void copy_nt_avx512(char *dst, const char *src, size_t n)

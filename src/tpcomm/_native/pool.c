@@ -19,11 +19,11 @@ struct pool {
     _Atomic uint32_t gen; /* bumped for every job (futex word) */
     _Atomic uint32_t done;
     int stop;
-    int kind; /* 0 copy into a slot, 1 reduce, 2 read from process pid at
-               * address `from`, 3 copy out (plain stores) */
+    int kind; /* 0 copy (into a slot: nt), 1 reduce, 2 read from process pid
+               * at address `from` */
     char *dst;
     const char *src;
-    int nt; /* kind 0: non-temporal stores */
+    int nt; /* kind 0: non-temporal stores (copies into a slot) */
     pid_t pid;
     uint64_t from;
     int *errs; /* kind 2: each part's errno, 0 when it read its slice */
@@ -61,8 +61,8 @@ static void job_slice(pool_t *P, int part, int parts)
         return;
     if (hi > P->n)
         hi = P->n;
-    if (P->kind == 0 || P->kind == 3) {
-        copy_slot(P->dst + lo, P->src + lo, hi - lo, P->kind == 0 && P->nt);
+    if (P->kind == 0) {
+        copy_slot(P->dst + lo, P->src + lo, hi - lo, P->nt);
         return;
     }
     if (P->kind == 2) {
@@ -157,15 +157,6 @@ pool_t *pool_new(int nthreads, size_t min_bytes)
     return P;
 }
 
-static void par_copy_kind(pool_t *P, int kind, char *dst, const char *src, size_t n)
-{
-    P->kind = kind;
-    P->dst = dst;
-    P->src = src;
-    P->n = n;
-    pool_run(P);
-}
-
 /* n bytes into a slot (kernels.c copy_slot; nt: non-temporal stores) */
 void par_copy(pool_t *P, char *dst, const char *src, size_t n, int nt)
 {
@@ -173,18 +164,17 @@ void par_copy(pool_t *P, char *dst, const char *src, size_t n, int nt)
         copy_slot(dst, src, n, nt);
         return;
     }
+    P->kind = 0;
     P->nt = nt;
-    par_copy_kind(P, 0, dst, src, n);
+    P->dst = dst;
+    P->src = src;
+    P->n = n;
+    pool_run(P);
 }
 
-/* n bytes out of a slot or a peer's buffer into the caller's memory */
-void par_copy_out(pool_t *P, char *dst, const char *src, size_t n)
-{
-    if (!P || n < P->min)
-        memcpy(dst, src, n);
-    else
-        par_copy_kind(P, 3, dst, src, n);
-}
+/* n bytes out of a slot or a peer's buffer into the caller's memory: plain
+ * stores (the caller reads them next) */
+void par_copy_out(pool_t *P, char *dst, const char *src, size_t n) { par_copy(P, dst, src, n, 0); }
 
 void par_reduce(pool_t *P, int dtype, int op, void *dst, void *const *srcs, int w,
                        size_t n)

@@ -14,7 +14,7 @@
  *   kernels_neon.c    the aarch64 NEON float-family kernels
  *   pool.c            a rank's helper threads for large copies and reductions
  *   wait.c            waits, futexes, liveness, aborts, the collective round
- *   allreduce.c       one-shot, two-shot and zero-copy all-reduce
+ *   allreduce.c       one-shot, two-shot and zero-copy all-reduce; their stores
  *   rounds.c          gather / broadcast / reduce-scatter / all-to-all rounds
  *   cma.c             single-copy reads of a peer's memory (process_vm_readv)
  *   p2p.c             point-to-point channels: send, receive head and body
@@ -540,6 +540,9 @@ int engine_add_types(PyObject *m);
 /* allreduce.c */
 int all_reduce_rounds(Engine *e, char *t, size_t count, int dtype, int op, uint32_t kind, PyThreadState **tsp);
 PyObject *eng_all_reduce(Engine *e, PyObject *const *args, Py_ssize_t nargs);
+PyObject *eng_set_stores_auto(Engine *e, PyObject *arg);
+PyObject *eng_stores(Engine *e, PyObject *unused);
+PyObject *eng_fault_stores(Engine *e, PyObject *args);
 
 /* rounds.c */
 PyObject *eng_sync(Engine *e, PyObject *const *args, Py_ssize_t nargs);

@@ -219,7 +219,7 @@ class Settings(NamedTuple):
     """The engine's settings (settings_for)."""
 
     nt_min: int  # copies into a slot of this many bytes use non-temporal stores (-1: never)
-    nt_auto: bool  # one-shot copy-ins of 4-256 KiB choose their stores as they run
+    nt_auto: bool  # all_reduce chunks of 4 KiB and more choose their stores as they run
     yield_us: float  # how long a wait yields before it sleeps
     threads: int  # threads per rank
     threads_min: int  # the smallest job they share (-1: never)
@@ -506,6 +506,19 @@ class ShmEngine:
     def threads(self) -> int:
         return self._native.threads
 
+    # the switch points in force (retune changes them; settings: as agreed)
+    @property
+    def twoshot_min(self) -> int:
+        return self.current.twoshot_min
+
+    @property
+    def twoshot_min16(self) -> int:
+        return self.current.twoshot_min16
+
+    @property
+    def cma_ar_min(self) -> int:
+        return self.current.cma_ar_min
+
     def retune(self, **changes: Any) -> None:
         """Change this rank's settings (``Settings`` fields but cma_plan) until
         restore(): how tpcomm tune times one algorithm against another, and
@@ -520,7 +533,7 @@ class ShmEngine:
         self.cma_init(*self.settings.cma_plan)
 
     def stores(self) -> dict:
-        """What the one-shot copy-ins learnt about their stores (_native/allreduce.c)."""
+        """What the all_reduce chunks learnt about their stores (_native/allreduce.c)."""
         return self._native.stores()
 
     def fault_stores(self, plain_us: float, nt_us: float) -> None:
@@ -569,9 +582,6 @@ class ShmEngine:
         """This rank's switch points and threads (not single copy: cma_init)."""
         before = getattr(self, "current", None)
         self.current = s
-        self.twoshot_min, self.twoshot_min16, self.cma_ar_min = (
-            s.twoshot_min, s.twoshot_min16, s.cma_ar_min,
-        )  # fmt: skip
         self._native.set_twoshot_min(s.twoshot_min)
         self._native.set_twoshot_min16(s.twoshot_min16)
         self._native.set_cma_allreduce_min(s.cma_ar_min)
