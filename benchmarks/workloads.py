@@ -42,7 +42,6 @@ forward faster, for reasons not found; so each backend keeps its own launch.
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
 import time
 
@@ -50,12 +49,7 @@ import torch
 import torch.distributed as dist
 
 import tpcomm
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tpcomm.launch import free_port
 
 
 def moe_forward(
@@ -233,7 +227,7 @@ def run(ranks: list, repeat: int, steps: int) -> list:
                 for _ in range(repeat):
                     for backend in ("gloo", "cpu:tpcomm"):
                         res = tpcomm.launch(
-                            fn, world, args=(_free_port(), backend, a, b, steps), timeout=600
+                            fn, world, args=(free_port(), backend, a, b, steps), timeout=600
                         )
                         # per step the slowest rank's time, the median over steps
                         run_ = (_slowest(r[0] for r in res), _slowest(r[1] for r in res))

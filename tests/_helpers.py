@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,6 +15,7 @@ import pytest
 import torch.distributed as dist
 
 import tpcomm
+from tpcomm.launch import free_port  # noqa: F401 (the tests import it from here)
 
 # What a loaded 2-core machine may add to a wait that should end at once (a
 # peer's death seen, an abort, Ctrl-C).  A bound on time in a test is a bound
@@ -23,12 +23,6 @@ import tpcomm
 # communicators' timeouts) several times longer, so it still tells "noticed"
 # from "waited for the timeout" without needing an idle machine.
 SLACK_S = 10.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun_env(comm, port, **extra):

@@ -1,11 +1,15 @@
 """The public API's smaller parts, each directly: the properties that say where
-a communicator's collectives run, try_send, from_store, peer_buffers.
+a communicator's collectives run, try_send, from_store, peer_buffers, the
+launcher's free_port.
 
 Guards: README's API table; each of these was reached only through other
 calls before.
 """
 
 from __future__ import annotations
+
+import importlib
+import socket
 
 import pytest
 import torch
@@ -81,6 +85,30 @@ def test_from_store_makes_communicators_apart_by_prefix():
     for r, (rank, world, shm, x, y) in enumerate(res):
         assert (rank, world, shm) == (r, 3, True)
         assert x == [6.0] * 3 and y == [0, 1, 2]
+
+
+def test_free_port_is_free_and_out_of_the_kernels_way(monkeypatch):
+    launch = importlib.import_module("tpcomm.launch")  # the module (tpcomm.launch is the function)
+    lo, _hi = launch._ephemeral_ports()
+    held = []
+    try:
+        for _ in range(20):  # each one free while the ones before are held
+            port = free_port()
+            if lo > 1024 + 64:
+                assert port < lo  # never one the kernel hands out by itself
+            s = socket.socket()
+            held.append(s)
+            s.bind(("127.0.0.1", port))
+        assert len({s.getsockname()[1] for s in held}) == 20
+    finally:
+        for s in held:
+            s.close()
+    # no room below the range: the kernel's pick, still free
+    monkeypatch.setattr(launch, "_ephemeral_ports", lambda: (1024, 60999))
+    port = free_port()
+    assert 1024 <= port <= 65535
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
 
 
 def _peer_buffers(comm):

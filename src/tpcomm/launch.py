@@ -15,7 +15,9 @@ import itertools
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
+import random
 import signal
+import socket
 import time
 import traceback
 from typing import Any, Callable, Optional, Sequence
@@ -24,9 +26,42 @@ from . import _env
 from .bootstrap import master_store
 from .errors import LaunchError, PeerFailedError
 
-__all__ = ["launch", "LocalGroup"]
+__all__ = ["free_port", "launch", "LocalGroup"]
 
 _ids = itertools.count()
+
+
+def _ephemeral_ports() -> tuple:
+    """The kernel's ephemeral port range (Linux's default where unreadable)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(v) for v in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that no socket holds now, for a rendezvous that
+    ranks started on this machine make later (``init_method="tcp://..."``,
+    MASTER_PORT).  Taken below the kernel's ephemeral range where there is
+    room: a port from that range, free when checked and bound only later,
+    can meanwhile become the local port of any socket that connects or binds
+    port 0 (gloo's connections do), and the rendezvous then fails with
+    EADDRINUSE.  Below the range only a program that names the port binds it.
+    """
+    lo, _hi = _ephemeral_ports()
+    below = list(range(max(1024, lo - 12000), lo))
+    for port in random.sample(below, min(len(below), 200)):
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # no room below the range: the kernel's pick
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:

@@ -20,7 +20,6 @@ from ..shm.engine import kernel_isa
 from . import mpi, peers
 from .peers import NAMES as PEER_NAMES
 from .table import COLLECTIVES, DTYPES, REDUCING, TYPE_NAMES, parse_size
-from .timing import free_port
 from .worker import worker
 
 __all__ = ["add_arguments", "main", "run"]
@@ -150,7 +149,6 @@ def _plan(args: argparse.Namespace) -> dict:
         "check": args.check,
         "compare": args.compare,
         "target": args.target,
-        "port": free_port(),
         "zero_copy": args.zero_copy,
         "backend": args.backend,
         "fresh": args.fresh,
@@ -344,8 +342,9 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
     cfg["peers"] = tuple(name for name, reason in why.items() if reason is None)
     reps, library = [], ""
     for rep in range(args.repeat):
-        cfg.update(rep=rep, port=free_port())
-        cfg["peer_tag"] = str(cfg["port"])
+        # names this repetition's segments of the other libraries (DeepSpeed
+        # takes it as its MASTER_PORT, so digits only)
+        cfg.update(rep=rep, peer_tag=f"{os.getpid()}{rep:03d}")
         mpi_rows = None
         # the ranks and mpirun take turns being first
         for part in ("ranks", "mpi") if rep % 2 == 0 else ("mpi", "ranks"):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 from typing import Any, Callable
 
@@ -11,7 +10,7 @@ import torch
 from ..ops import ReduceOp
 from ..shm.engine import touch
 
-__all__ = ["agree", "fresh_timed", "free_port", "measured", "timed"]
+__all__ = ["agree", "fresh_timed", "measured", "timed"]
 
 
 def timed(fn: Callable[[], Any], iters: int) -> float:
@@ -71,9 +70,3 @@ def agree(comm, value: int) -> int:
     t = torch.tensor([value], dtype=torch.int64)
     comm.all_reduce(t, ReduceOp.MAX)
     return int(t.item())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
