@@ -14,6 +14,7 @@ import torch
 import tpcomm
 from tpcomm import _testing
 from tpcomm.launch import LocalGroup
+from tpcomm.shm.engine import engine_of
 
 from ._ref import make
 
@@ -26,7 +27,8 @@ EXPLORE = 256  # rounds between two chunks of the other kind
 def calls_until_settled(comm, plain_us, nt_us, algo="one-shot", n=16384 // 4):
     """Slow one kind down by the fault knob, run all_reduces of 16 KiB by algo
     until every rank took the other kind (at most 8 exploring periods); the
-    kind in use then, the wrong results, and the calls it took."""
+    kind in use then, the wrong results, the calls it took, and the stores
+    the engine names for that size."""
     _testing.set_twoshot_min(comm, -1 if algo == "one-shot" else 0)
     bucket = BUCKET + (SIZES if algo == "two-shot" else 0)
     _testing.fault_stores(comm, plain_us, nt_us)
@@ -47,10 +49,11 @@ def calls_until_settled(comm, plain_us, nt_us, algo="one-shot", n=16384 // 4):
                 comm.all_reduce(flag)
                 if flag.item() == 0:
                     break
+        named = engine_of(comm).stores_in_use(4 * n, torch.float32)  # what tpcomm perf says
     finally:
         _testing.fault_stores(comm, 0, 0)
         _testing.set_twoshot_min(comm, None)
-    return _testing.stores(comm)["nt"][bucket], wrong, calls
+    return _testing.stores(comm)["nt"][bucket], wrong, calls, named
 
 
 def both_ways(comm, algo):
@@ -71,6 +74,7 @@ def test_the_cheaper_stores_take_over_on_every_rank(algo):
         assert state["sizes"] == SIZES and state["min_bytes"] == 4096
         assert first[:2] == (1, 0), first  # non-temporal, no wrong result
         assert back[:2] == (0, 0), back  # plain again
+        assert (first[3], back[3]) == ("nt", "plain")
         assert after["switches"] >= 2  # rank 0 chose, every rank followed
         plain, nt = after["cost"][bucket]
         if r == 0:  # it times the chunks; the others take its choice
@@ -85,7 +89,8 @@ def stores_state(comm):
     x = torch.ones(4096)
     for _ in range(3 * EXPLORE):
         comm.all_reduce(x.fill_(1))
-    return _testing.stores(comm), x.tolist() == [float(comm.world_size)] * 4096
+    named = engine_of(comm).stores_in_use(16384, torch.float32)
+    return _testing.stores(comm), x.tolist() == [float(comm.world_size)] * 4096, named
 
 
 @pytest.mark.parametrize("setting", ["-1", "0", "auto"])
@@ -93,9 +98,12 @@ def test_an_explicit_setting_fixes_the_stores(monkeypatch, setting):
     monkeypatch.setenv("TPCOMM_NT_MIN_BYTES", setting)
     with LocalGroup(2, timeout=60) as g:
         res = g.run(stores_state, timeout=120)
-    for r, (state, ok) in enumerate(res):
+    for r, (state, ok, named) in enumerate(res):
         assert ok
         assert state["on"] is (setting == "auto" and NT_KERNELS)
+        assert state["nt_copies"] is NT_KERNELS
+        if setting != "auto":  # fixed: non-temporal from 0 bytes where they exist
+            assert named == ("nt" if setting == "0" and NT_KERNELS else "plain")
         if not state["on"]:
             assert state["switches"] == 0 and state["cost"][BUCKET] == (0.0, 0.0)
         elif r == 0:
@@ -106,7 +114,7 @@ def test_scalar_kernels_leave_the_choice_off(monkeypatch):
     monkeypatch.setenv("TPCOMM_ISA", "scalar")
     with LocalGroup(2, timeout=60) as g:
         res = g.run(stores_state, timeout=120)
-    assert [(state["on"], ok) for state, ok in res] == [(False, True)] * 2
+    assert [(state["on"], ok, named) for state, ok, named in res] == [(False, True, "plain")] * 2
 
 
 def test_tpcomm_nt_min_bytes_is_read_and_checked(monkeypatch):

@@ -155,9 +155,11 @@ PyObject *eng_set_stores_auto(Engine *e, PyObject *arg)
 }
 
 /* stores() -> {"on", "nt": [per bucket], "cost": [[plain, nt] ticks per KiB],
- * "switches", "min_bytes", "sizes"}: what the all_reduce chunks learnt; the
- * buckets: one-shot by size (a power of two from min_bytes; `sizes` of them,
- * the last from 1 MiB up), then two-shot the same (tests, benchmarks) */
+ * "switches", "min_bytes", "sizes", "nt_copies"}: what the all_reduce chunks
+ * learnt; the buckets: one-shot by size (a power of two from min_bytes;
+ * `sizes` of them, the last from 1 MiB up), then two-shot the same;
+ * nt_copies: whether a non-temporal copy exists with the kernels in use
+ * (tests, benchmarks, tpcomm perf) */
 PyObject *eng_stores(Engine *e, PyObject *unused)
 {
     (void)unused;
@@ -172,10 +174,11 @@ PyObject *eng_stores(Engine *e, PyObject *unused)
         PyList_SET_ITEM(cost, b, Py_BuildValue("(dd)", (double)e->stores.cost[b][0],
                                                (double)e->stores.cost[b][1]));
     }
-    return Py_BuildValue("{s:O,s:N,s:N,s:K,s:K,s:i}", "on", e->stores.on ? Py_True : Py_False,
+    return Py_BuildValue("{s:O,s:N,s:N,s:K,s:K,s:i,s:O}", "on", e->stores.on ? Py_True : Py_False,
                          "nt", nt, "cost", cost, "switches",
                          (unsigned long long)e->stores.switches, "min_bytes",
-                         (unsigned long long)(1u << STORE_MIN_LOG2), "sizes", STORE_SIZES);
+                         (unsigned long long)(1u << STORE_MIN_LOG2), "sizes", STORE_SIZES,
+                         "nt_copies", copy_nt_available() ? Py_True : Py_False);
 }
 
 /*

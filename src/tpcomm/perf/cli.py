@@ -208,7 +208,7 @@ def _header(args: argparse.Namespace, cfg: dict) -> str:
         hdr += f"  {'vs best':>7} {'best':>9}"
     hdr += f"  {'memcpy(us)':>10} {'GB/s':>6}"
     if args.collective in ALGORITHM_NAMED and args.backend == "comm":
-        hdr += f"  {'algorithm':>11}"
+        hdr += f"  {'algorithm':>14}"
     return "\n".join(lines + [hdr]) + "\n"
 
 
@@ -317,7 +317,7 @@ def _rows(args: argparse.Namespace, cfg: dict, reps: list) -> tuple:
         line += f"  {m * 1e6:>10.2f} {row['size'] / m / 1e9:>6.1f}"
         rec["memcpy_time"] = m * 1e6
         if args.collective in ALGORITHM_NAMED and args.backend == "comm":
-            line += f"  {row.get('algorithm') or '-':>11}"
+            line += f"  {row.get('algorithm') or '-':>14}"
         lines.append(line)
         records.append(rec)
     return lines, records, wrong_total

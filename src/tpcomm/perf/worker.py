@@ -126,9 +126,16 @@ def _libraries(comm: Any, cfg: dict, gloo_group: Any) -> dict:
 
 def _algorithm(comm: Any, collective: str, nbytes: int, dtype: Any) -> str:
     """What the shared-memory engine does for this call (shm/engine.py algorithm):
-    one-shot, two-shot or single-copy all_reduce, copy or single-copy all_gather."""
+    one-shot, two-shot or single-copy all_reduce, copy or single-copy all_gather;
+    "/nt" where an all_reduce's copies into the slots used non-temporal stores
+    at the end of the timed calls (rank 0's choice: every rank stores alike)."""
     eng = engine_of(comm)
-    return eng.algorithm(collective, nbytes, dtype) if eng is not None else ""
+    if eng is None:
+        return ""
+    algo = eng.algorithm(collective, nbytes, dtype)
+    if collective == "all_reduce" and eng.stores_in_use(nbytes, dtype) == "nt":
+        algo += "/nt"
+    return algo
 
 
 def _state(cfg: dict, rank: int, world: int, count: int) -> dict:
@@ -181,7 +188,7 @@ def worker(comm: Any, cfg: dict) -> list[dict]:
                     row["time"] = timed(lambda st=st: call(st), iters)
                 row["iters"] = iters
             row["algorithm"] = _algorithm(comm, coll.name, row["size"], dtype)
-            if zbuf is not None and row["algorithm"] != "one-shot":
+            if zbuf is not None and not row["algorithm"].startswith("one-shot"):
                 row["algorithm"] = "zero-copy"  # a comm.empty tensor: read where it is
             if cfg.get("backend") == "dist" and coll.name == "all_reduce":
                 _overheads(row, st["x"], op, iters, comm)

@@ -496,6 +496,25 @@ class ShmEngine:
             return "single-copy" if self.cma and nbytes >= self.cma_min else "copy"
         return ""
 
+    def stores_in_use(self, nbytes: int, dtype: Any = None) -> str:
+        """The stores a plain all_reduce of ``nbytes`` of ``dtype`` copies
+        into the slots with now: "nt" (non-temporal) or "plain", as its
+        chunks chose them so far (_native/allreduce.c) or nt_min fixes them;
+        "" where it copies nothing into the slots (single copy).  What
+        tpcomm perf names beside the algorithm."""
+        algo = self.algorithm("all_reduce", nbytes, dtype)
+        if algo not in ("one-shot", "two-shot"):
+            return ""
+        chunk = min(nbytes, self.slot_bytes)
+        s, st = self.current, self._native.stores()
+        split = s.threads > 1 and 0 <= s.threads_min <= chunk  # the pool's chunks: nt_min
+        if st["on"] and chunk >= st["min_bytes"] and not split:
+            size = min(chunk.bit_length() - st["min_bytes"].bit_length(), st["sizes"] - 1)
+            bucket = size + (st["sizes"] if algo == "two-shot" else 0)
+            return "nt" if st["nt"][bucket] else "plain"
+        copy = chunk if algo == "one-shot" else chunk // self.world  # a shard
+        return "nt" if st["nt_copies"] and 0 <= s.nt_min <= copy else "plain"
+
     # -- knobs and views for tests (tpcomm._testing) -------------------------
 
     @property
