@@ -278,6 +278,81 @@ def test_threads_per_rank(monkeypatch, world):
         assert all(d == zc[0][1] for _, d in zc)
 
 
+def chunks_in_use(comm):
+    """The chunk and the rounds of a 1 MiB float32 all_reduce, one-shot and two-shot."""
+    eng = _testing.engine(comm)
+    rounds = []
+    for algo in ("oneshot", "twoshot"):
+        _testing.set_twoshot_min(comm, -1 if algo == "oneshot" else 0)
+        before = _testing.rounds(comm)
+        comm.all_reduce(torch.ones(SLOT // 4))
+        rounds.append(_testing.rounds(comm) - before)
+    _testing.set_twoshot_min(comm, None)
+    return eng.chunk(SLOT), eng.chunk(SLOT - 1), rounds
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_chunks_smaller_than_a_slot(monkeypatch, world):
+    """From TPCOMM_CHUNK_MIN_BYTES an all_reduce goes through the slots
+    TPCOMM_CHUNK_BYTES at a time: the rounds say so, and the results equal
+    the references and are bitwise equal across ranks, one-shot and two-shot,
+    for sizes that are and are not a multiple of the chunk."""
+    from tpcomm.launch import LocalGroup
+
+    monkeypatch.setenv("TPCOMM_CHUNK_MIN_BYTES", str(SLOT))
+    monkeypatch.setenv("TPCOMM_CHUNK_BYTES", "65536")
+    big = [c for c in _cases(world) if c[3] in LARGE]
+    with LocalGroup(world, timeout=30) as g:
+        # 1 MiB: 16 chunks of 64 KiB (two rounds each two-shot); 1 MiB less a byte: a slot
+        assert g.run(chunks_in_use) == [(65536, SLOT, [16, 32])] * world
+        for algo in ("oneshot", "twoshot"):
+            results = g.run(run_matrix_algo, big, algo, timeout=240)
+            problems = [p for _, ps in results for p in ps]
+            assert not problems, (algo, problems[:10])
+            assert all(res[0] == results[0][0] for res in results)
+
+
+def disagree_on_chunks(comm):
+    eng = _testing.engine(comm)
+    eng.retune(chunk_min=0 if comm.rank == 0 else -1)
+    try:
+        comm.all_reduce(torch.ones(SLOT // 2))
+        return "no error"
+    except ValueError as e:
+        return str(e)
+    finally:
+        eng.restore()
+
+
+def test_ranks_chunking_differently_are_told(monkeypatch):
+    from tpcomm.launch import LocalGroup
+
+    monkeypatch.setenv("TPCOMM_CHUNK_BYTES", "131072")
+    with LocalGroup(2, timeout=30) as g:
+        msgs = g.run(disagree_on_chunks, timeout=60)
+    for msg in msgs:
+        assert "mismatched collective" in msg
+        assert "-shot in chunks of 128 KiB)" in msg, msg  # rank 0
+        assert "-shot)" in msg, msg  # rank 1: a slot at a time
+
+
+def test_chunk_settings_are_checked(monkeypatch):
+    for name, bad in (("TPCOMM_CHUNK_MIN_BYTES", "-5"), ("TPCOMM_CHUNK_BYTES", "big")):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(tpcomm.LaunchError, match=name):
+            tpcomm.launch(_rank_of, 2, timeout=60)
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("TPCOMM_CHUNK_BYTES", str(3 * 4096 + 5))  # to a page, at most a slot
+    assert _env.chunk_bytes(SLOT) == 3 * 4096 and _env.chunk_bytes(8192) == 8192
+    monkeypatch.delenv("TPCOMM_CHUNK_BYTES")
+    l2 = _env.l2_bytes()  # default: half the L2 (64 KiB at least), or 256 KiB unknown
+    assert _env.chunk_bytes(1 << 30) == (max(65536, l2 // 2) if l2 else 256 << 10)
+
+
+def _rank_of(comm):
+    return comm.rank
+
+
 def run_matrix_algo(comm, cases, algo):
     _testing.set_twoshot_min(comm, -1 if algo == "oneshot" else 0)
     try:

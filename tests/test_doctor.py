@@ -44,6 +44,15 @@ def test_healthy(shm_dir):
     assert f"shared memory: {shm_dir}" in text and "no stale tpcomm segments" in text
     assert _testing.kernel_isa() in text and "backend 'tpcomm' registered" in text
     assert "all_reduce: shared memory" in text and "one-shot below" in text
+    assert "through the slots: a slot (1.0 MiB) at a time (TPCOMM_CHUNK_MIN_BYTES)" in text
+
+
+def test_doctor_names_the_chunks(shm_dir, monkeypatch):
+    monkeypatch.setenv("TPCOMM_CHUNK_MIN_BYTES", str(8 << 20))
+    monkeypatch.setenv("TPCOMM_CHUNK_BYTES", str(128 << 10))
+    rc, text = _doctor("-n", "2")
+    assert rc == 0, text
+    assert "a slot (1.0 MiB) at a time below 8.0 MiB, 128.0 KiB at a time from there" in text
 
 
 def test_command_line_exit_status(shm_dir):

@@ -59,7 +59,8 @@ def engines_under_profiles(comm, paths, explicit):
                 d.all_reduce(torch.ones(65536 // dt.itemsize, dtype=dt))
                 rounds.append(_testing.rounds(d) - before)
             half = eng.twoshot_min16
-            copies = (eng.current.nt_min, eng.current.threads_min)
+            s = eng.current
+            copies = (s.nt_min, s.threads_min, s.chunk_min, s.chunk_bytes)
             return eng.twoshot_min, eng.cma_ar_min, eng.cma_min, eng.tuned, half, rounds, copies
         finally:
             d.close()
@@ -77,6 +78,8 @@ def test_every_rank_uses_rank_0s_profile(pools, tmp_path):
         "cma_min_bytes": 5 << 20,
         "nt_min_bytes": 2 << 20,
         "threads_min_bytes": 6 << 20,
+        "chunk_min_bytes": 7 << 20,
+        "chunk_bytes": 128 << 10,
     }
     other = {"twoshot_min_bytes": 0, "cma_allreduce_min_bytes": -1, "cma_min_bytes": -1}
     paths = [
@@ -89,17 +92,19 @@ def test_every_rank_uses_rank_0s_profile(pools, tmp_path):
     assert res[1][3] == mine  # what rank 0 sent
     # 64 KiB: bfloat16 two-shot (two rounds) from 4 KiB, float32 one-shot below 1 MiB
     assert [r[4:6] for r in res] == [(4096, [2, 1])] * 2
-    assert [r[6] for r in res] == [(2 << 20, 6 << 20)] * 2  # the stores' and threads' points
+    # the stores', threads' and chunks' points, and rank 0's chunk
+    assert [r[6] for r in res] == [(2 << 20, 6 << 20, 7 << 20, 128 << 10)] * 2
     # a profile for world 2 serves world 3 too (the largest world measured up to it)
     res = pools.run(3, engines_under_profiles, paths + paths[:1], {})
     assert [r[:2] for r in res] == [want[:2]] * 3
     # a setting in the environment wins over the profile, on the ranks that set it
     env = {"TPCOMM_ALLREDUCE_ALGO": "one_shot", "TPCOMM_CMA_MIN_BYTES": "-1"}
     env.update(TPCOMM_NT_MIN_BYTES="-1", TPCOMM_THREADS_MIN_BYTES="4096")
+    env.update(TPCOMM_CHUNK_MIN_BYTES="-1")
     res = pools.run(2, engines_under_profiles, paths, env)
     assert [r[:2] for r in res] == [(-1, mine["cma_allreduce_min_bytes"])] * 2
     assert [r[4:6] for r in res] == [(-1, [1, 1])] * 2
-    assert [r[6] for r in res] == [(-1, 4096)] * 2
+    assert [r[6] for r in res] == [(-1, 4096, -1, 128 << 10)] * 2
 
 
 def test_a_profile_made_elsewhere_is_ignored_and_said_once(tmp_path, caplog, monkeypatch):
@@ -133,7 +138,8 @@ def test_tune_writes_the_switch_points_of_what_it_measured(tmp_path):
     cmd = [sys.executable, "-m", "tpcomm", "tune", "-N", "2", "-b", "16K", "-e", "1M", "-f", "8"]
     # 2 threads per rank, measured against one even where they share the cores
     cmd += ["-R", "3", "--target", "0.005", "--threads", "2", "--no-pin", "-o", str(out)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    env = {**os.environ, "TPCOMM_CHUNK_BYTES": "65536"}  # chunks measured from 128 KiB
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "profile written to" in r.stdout and "fastest" in r.stdout
     prof, why = profile.read(str(out))
@@ -170,6 +176,12 @@ def test_tune_writes_the_switch_points_of_what_it_measured(tmp_path):
     assert got["nt_min_bytes"] == point(nt)
     threads = [ratio("threads", s, "threads", "one thread") for s in sizes]
     assert got["threads_min_bytes"] == point(threads) and res["threads_per_rank"] == 2
+    # a slot at a time against 64 KiB at a time, past one chunk only
+    assert sorted(res["chunks"], key=int) == [str(128 << 10), str(1 << 20)]
+    sizes = sizes[1:]
+    chunks = [ratio("chunks", s, "chunks", "slots") for s in sizes]
+    assert got["chunk_min_bytes"] == point(chunks)
+    assert got.get("chunk_bytes") == (65536 if point(chunks) >= 0 else None)
 
 
 def test_tune_says_threads_were_not_measured_with_one_per_rank(tmp_path):
@@ -189,10 +201,10 @@ def test_perf_names_the_algorithm_of_each_size(tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     rows = json.loads(out.read_text())["results"]
-    algos = [row["algorithm"] for row in rows]
+    algos = [row["algorithm"].removesuffix("/nt") for row in rows]  # whatever the stores
     assert algos[:2] == ["one-shot", "one-shot"]  # 1 KiB, 32 KiB: below the 256 KiB default
     assert algos[2] in ("single-copy", "two-shot")  # two-shot where single copy is refused
-    assert all(line.split()[-1] == a for line, a in zip(_rows(r.stdout), algos))
+    assert all(line.split()[-1].removesuffix("/nt") == a for line, a in zip(_rows(r.stdout), algos))
 
 
 def _rows(text: str) -> list:

@@ -24,6 +24,8 @@ __all__ = [
     "cma",
     "cma_min_bytes",
     "cma_allreduce_min_bytes",
+    "chunk_min_bytes",
+    "chunk_bytes",
     "profile_path",
     "host_id_override",
     "cuda_algo",
@@ -244,6 +246,48 @@ def threads_min_bytes() -> int:
     return _int(
         "TPCOMM_THREADS_MIN_BYTES", DEFAULT_THREADS_MIN_BYTES, -1, MAX_BYTES, " (-1: never)"
     )
+
+
+def chunk_min_bytes() -> int:
+    """TPCOMM_CHUNK_MIN_BYTES: an all_reduce through the slots of at least this
+    many bytes goes TPCOMM_CHUNK_BYTES at a time instead of a slot at a time
+    (default -1: never; tpcomm tune measures where it pays)."""
+    return _int("TPCOMM_CHUNK_MIN_BYTES", -1, -1, MAX_BYTES, " (-1: never)")
+
+
+def l2_bytes() -> int:
+    """This CPU's level-2 cache per core as the kernel reports it (0: unknown)."""
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        for index in sorted(os.listdir(base)):
+            d = os.path.join(base, index)
+            with open(os.path.join(d, "level")) as f:
+                if f.read().strip() != "2":
+                    continue
+            with open(os.path.join(d, "type")) as f:
+                if f.read().strip() not in ("Unified", "Data"):
+                    continue
+            with open(os.path.join(d, "size")) as f:
+                text = f.read().strip().upper()
+            unit = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
+            return int(text.rstrip("KM")) * unit
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+DEFAULT_CHUNK_BYTES = 256 << 10  # where the L2 is unknown
+
+
+def chunk_bytes(slot: int) -> int:
+    """TPCOMM_CHUNK_BYTES: the chunk of TPCOMM_CHUNK_MIN_BYTES, rounded down to
+    a 4 KiB page and at most a slot (default: half this CPU's L2, at least
+    64 KiB: a chunk and its slot's copy then stay in the core's cache between
+    the copy in and the reduce)."""
+    l2 = l2_bytes()
+    default = max(64 << 10, l2 // 2) if l2 else DEFAULT_CHUNK_BYTES
+    value = _int("TPCOMM_CHUNK_BYTES", default, 4096, MAX_SLOT_BYTES)
+    return min(value // 4096 * 4096, slot)
 
 
 def isa() -> str:

@@ -323,7 +323,7 @@ def _check_paths(rep: Report, world: int) -> None:
         return
     dts = ", ".join(str(d).replace("torch.", "") for d in DTYPE_CODES)
     tuned = _check_profile(rep, world)
-    s = settings_for(world, tuned)
+    s = settings_for(world, _env.slot_bytes(), tuned)
     two, two16, single = s.twoshot_min, s.twoshot_min16, s.cma_ar_min
 
     def source(key: str) -> str:
@@ -366,6 +366,15 @@ def _check_paths(rep: Report, world: int) -> None:
         )
     else:
         rep.info(f"  non-temporal stores into the slots: {nt} ({source('nt_min_bytes')})")
+    slot = _human(_env.slot_bytes())
+    if s.chunk_min < 0 or s.chunk_bytes >= _env.slot_bytes():
+        rep.info(f"  through the slots: a slot ({slot}) at a time ({source('chunk_min_bytes')})")
+    else:
+        rep.info(
+            f"  through the slots: a slot ({slot}) at a time below {_human(s.chunk_min)}, "
+            f"{_human(s.chunk_bytes)} at a time from there ({source('chunk_min_bytes')}; "
+            f"chunk: {source('chunk_bytes')})"
+        )
     _print_routes(rep, paths)
     _check_cma(rep, world, s.cma_min)
     rep.ok("all_reduce of a comm.empty() tensor: zero-copy")
@@ -454,7 +463,7 @@ def _selftest(rep: Report, world: int) -> None:
         rep.ok(f"all_reduce over {world} ranks gave the right sums (torch {torch.__version__})")
     else:
         rep.fail(f"all_reduce gave wrong sums: {[r for r, _ in res]}")
-    if world > 1 and settings_for(world, profile.settings(world)).cma_plan[0]:
+    if world > 1 and settings_for(world, _env.slot_bytes(), profile.settings(world)).cma_plan[0]:
         cma = "on" if res[0][1] else "off (the ranks may not read each other's memory)"
         rep.info(f"single-copy reads between these ranks: {cma}")
 

@@ -2,7 +2,8 @@
 (one-shot, two-shot, single copy; bfloat16's one-shot and two-shot apart, for
 both 16-bit floats) and the single-copy all_gather win, for the world sizes
 given, then, with those switch points, where non-temporal stores into the
-slots and a rank's helper threads pay; write the switch points as a profile
+slots, a rank's helper threads and going through the slots in chunks of half
+the L2 instead of a slot at a time pay; write the switch points as a profile
 (:mod:`tpcomm.shm.profile`) that every Communicator made here then uses.
 
 Every variant runs on the same ranks and data, in turns (the order turning
@@ -45,7 +46,13 @@ ALGORITHMS = (
 # into the slots that bypass the caches, and a rank's helper threads (only
 # where a rank has more than one)
 NT, THREADS = ("cached", "non-temporal"), ("one thread", "threads")
-COPIES = (("nt_stores", NT, torch.float32), ("threads", THREADS, torch.float32))
+# and an all_reduce a slot at a time against chunk_bytes (half the L2) at a time
+CHUNKS = ("slots", "chunks")
+COPIES = (
+    ("nt_stores", NT, torch.float32),
+    ("threads", THREADS, torch.float32),
+    ("chunks", CHUNKS, torch.float32),
+)
 # what a variant changes in the engine (ShmEngine.retune; all_gather: cma_init)
 VARIANTS = {
     "one-shot": {"twoshot_min": -1, "twoshot_min16": -1, "cma_ar_min": -1},
@@ -55,6 +62,8 @@ VARIANTS = {
     "non-temporal": {"nt_min": 0, "nt_auto": False},
     "one thread": {"threads_min": -1},
     "threads": {"threads_min": 0},
+    "slots": {"chunk_min": -1},
+    "chunks": {"chunk_min": 0},
 }
 # a first-pass setting -> the engine setting it becomes in the second pass
 _APPLIED = {
@@ -158,13 +167,20 @@ def _measure_copies(comm: Any, cfg: dict, chosen: dict) -> dict:
     try:
         eng.retune(**{_APPLIED[k]: v for k, v in chosen.items() if k in _APPLIED})
         res = _time_variants(comm, eng, cfg, COPIES[:1], cma)
-        if threads > 1:  # with the stores just chosen (every rank has the same times)
-            nt = _copy_settings(cfg["sizes"], res)["nt_min_bytes"]
+        # with the stores just chosen (every rank has the same times)
+        nt = _copy_settings(cfg["sizes"], res)["nt_min_bytes"]
+        if threads > 1:
             eng.retune(nt_min=nt, threads=threads)
-            res.update(_time_variants(comm, eng, cfg, COPIES[1:], cma))
+            res.update(_time_variants(comm, eng, cfg, COPIES[1:2], cma))
+        chunk = eng.current.chunk_bytes
+        big = {**cfg, "sizes": [s for s in cfg["sizes"] if s > chunk]}
+        if chunk < eng.slot_bytes and big["sizes"]:  # rank 0's chunk: what a profile gives
+            s = eng.settings
+            eng.retune(nt_min=nt, threads=s.threads, threads_min=s.threads_min)
+            res.update(_time_variants(comm, eng, big, COPIES[2:], cma))
     finally:
         eng.restore()
-    return {"threads_per_rank": threads, **res}
+    return {"threads_per_rank": threads, "chunk_bytes": chunk, **res}
 
 
 def _worst(comm: Any, times: dict) -> dict:
@@ -213,6 +229,11 @@ def _copy_settings(sizes: list, res: dict) -> dict:
         out["threads_min_bytes"] = switch_point(
             sizes, _ratios(sizes, res, "threads", *THREADS[::-1])
         )
+    if "chunks" in res:
+        big = [s for s in sizes if s in res["chunks"]]
+        out["chunk_min_bytes"] = switch_point(big, _ratios(big, res, "chunks", *CHUNKS[::-1]))
+        if out["chunk_min_bytes"] >= 0:
+            out["chunk_bytes"] = res["chunk_bytes"]
     return out
 
 
@@ -222,11 +243,14 @@ def _table(sizes: list, res: dict, plan: tuple) -> list:
     for collective, variants, _ in plan:
         if collective not in res:
             continue
-        variants = [v for v in variants if v in res[collective][sizes[0]]]
+        measured = [s for s in sizes if s in res[collective]]  # chunks: past one chunk
+        if not measured:
+            continue
+        variants = [v for v in variants if v in res[collective][measured[0]]]
         lines.append(f"#   {collective}: median time per call (us), the slowest rank's")
         head = "".join(f"{v:>13}" for v in variants)
         lines.append("#   " + f"{'bytes':>10}" + head + "  fastest")
-        for s in sizes:
+        for s in measured:
             med = {v: statistics.median(res[collective][s][v]) for v in variants}
             lines.append(
                 "    " + f"{s:>10}" + "".join(f"{med[v] * 1e6:>13.1f}" for v in variants)

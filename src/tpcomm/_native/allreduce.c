@@ -194,7 +194,7 @@ PyObject *eng_stores(Engine *e, PyObject *unused)
  * 2(W-1)/W of the chunk from its peers instead of (W-1), and reduces 1/W.
  */
 static int twoshot_chunk(Engine *e, char *src, size_t m, int dtype, int op, uint32_t kind,
-                         uint64_t count, PyThreadState **ts)
+                         uint64_t count, uint64_t arg, PyThreadState **ts)
 {
     const size_t es = dt_size[dtype];
     const int w = e->world, me = e->rank;
@@ -205,7 +205,7 @@ static int twoshot_chunk(Engine *e, char *src, size_t m, int dtype, int op, uint
     par_copy(e->pool, in, src, lo * es, store_nt(e, &sc, lo * es));
     par_copy(e->pool, in + hi * es, src + hi * es, (m - hi) * es, store_nt(e, &sc, (m - hi) * es));
     store_fault(e, &sc);
-    int st = sync_untimed(e, &sc, kind, dtype, op, count, 2, ts);
+    int st = sync_untimed(e, &sc, kind, dtype, op, count, arg, ts);
     if (st != ST_OK)
         return st;
     for (int r = 0; r < w; r++)
@@ -213,7 +213,7 @@ static int twoshot_chunk(Engine *e, char *src, size_t m, int dtype, int op, uint
     par_reduce(e->pool, dtype, op, src + lo * es, e->srcs, w, hi - lo);
     par_copy(e->pool, slot_of(e, me, 1 - p) + lo * es, src + lo * es, (hi - lo) * es,
              store_nt(e, &sc, (hi - lo) * es));
-    st = sync_untimed(e, &sc, kind, dtype, op, count, 2, ts);
+    st = sync_untimed(e, &sc, kind, dtype, op, count, arg, ts);
     if (st != ST_OK)
         return st;
     for (int i = 1; i < w; i++) {
@@ -228,14 +228,14 @@ static int twoshot_chunk(Engine *e, char *src, size_t m, int dtype, int op, uint
 /* One-shot step for one chunk of m elements at src: copy it into this rank's
  * slot p, publish, reduce every rank's slot (its own part from src) into src. */
 static int oneshot_chunk(Engine *e, char *src, size_t m, int dtype, int op, uint32_t kind,
-                         uint64_t count, PyThreadState **ts)
+                         uint64_t count, uint64_t arg, PyThreadState **ts)
 {
     const size_t bytes = m * dt_size[dtype];
     const int p = (int)((e->round + 1) & 1);
     stores_t sc = store_begin(e, bytes, 0, 1);
     par_copy(e->pool, slot_of(e, e->rank, p), src, bytes, store_nt(e, &sc, bytes));
     store_fault(e, &sc);
-    int st = sync_untimed(e, &sc, kind, dtype, op, count, 1, ts);
+    int st = sync_untimed(e, &sc, kind, dtype, op, count, arg, ts);
     if (st != ST_OK)
         return st;
     for (int r = 0; r < e->world; r++)
@@ -295,8 +295,9 @@ static struct sym *find_sym(Engine *e, const char *t, size_t bytes)
  * a symmetric buffer, single copy (cma.c) from cma_ar_min bytes, else chunked:
  * one-shot (every rank reduces the whole chunk: one round) below twoshot_min
  * bytes (twoshot_min16 for bfloat16 and float16), two-shot (two rounds) from
- * there.  The choice travels in the
- * metadata (arg 1, 2, ARG_ZERO_COPY + where, ARG_SINGLE_COPY), so ranks
+ * there; a chunk is a slot, or chunk_bytes from chunk_min bytes.  The choice
+ * travels in the metadata (arg 1 or 2 plus the chunk's pages << 8 where it
+ * is not a slot, ARG_ZERO_COPY + where, ARG_SINGLE_COPY), so ranks
  * configured differently get a mismatch error, not garbage.  Runs
  * inside a begun call (call_begin: *tsp the GIL's saved state, if released).
  */
@@ -304,9 +305,14 @@ int all_reduce_rounds(Engine *e, char *t, size_t count, int dtype, int op, uint3
                    PyThreadState **tsp)
 {
     const size_t es = dt_size[dtype];
-    const size_t chunk = e->slot_bytes / es;
     const uint64_t two_min = dtype == DT_BF16 || dtype == DT_F16 ? e->twoshot_min16 : e->twoshot_min;
     const int two = count * es >= two_min;
+    /* a slot at a time, or chunk_bytes at a time from chunk_min bytes (the
+     * chunk's pages travel in the metadata: ranks that chunk differently
+     * get a mismatch error) */
+    const int small = count * es >= e->chunk_min && e->chunk_bytes && e->chunk_bytes < e->slot_bytes;
+    const size_t chunk = (small ? e->chunk_bytes : e->slot_bytes) / es;
+    const uint64_t arg = (two ? 2u : 1u) | (small ? (e->chunk_bytes >> 12) << 8 : 0);
     PyThreadState *ts = *tsp;
     int st = ST_OK;
     size_t done = 0;
@@ -325,9 +331,9 @@ int all_reduce_rounds(Engine *e, char *t, size_t count, int dtype, int op, uint3
         size_t m = count - done < chunk ? count - done : chunk;
         char *src = t + done * es;
         if (two)
-            st = twoshot_chunk(e, src, m, dtype, op, kind, (uint64_t)count, &ts);
+            st = twoshot_chunk(e, src, m, dtype, op, kind, (uint64_t)count, arg, &ts);
         else
-            st = oneshot_chunk(e, src, m, dtype, op, kind, (uint64_t)count, &ts);
+            st = oneshot_chunk(e, src, m, dtype, op, kind, (uint64_t)count, arg, &ts);
         if (st != ST_OK)
             break;
         done += m;

@@ -450,6 +450,8 @@ static int eng_init(Engine *e, PyObject *args, PyObject *kw)
     e->failed = 0;
     e->twoshot_min = UINT64_MAX;
     e->twoshot_min16 = UINT64_MAX;
+    e->chunk_min = UINT64_MAX;
+    e->chunk_bytes = 0;
     e->cma_ar_min = UINT64_MAX;
     e->nt_min = UINT64_MAX;
     if (create) {
@@ -649,6 +651,25 @@ static PyObject *eng_set_twoshot_min16(Engine *e, PyObject *arg)
     return set_switch(&e->twoshot_min16, arg);
 }
 
+/* set_chunks(min_bytes, chunk_bytes): all-reduces through the slots of at
+ * least min_bytes (-1: none) go chunk_bytes at a time (a multiple of 4 KiB,
+ * at most a slot) instead of a slot at a time (allreduce.c) */
+static PyObject *eng_set_chunks(Engine *e, PyObject *args)
+{
+    long long min_bytes, bytes;
+    if (!PyArg_ParseTuple(args, "LL", &min_bytes, &bytes))
+        return NULL;
+    if (bytes < 4096 || bytes % 4096 || (uint64_t)bytes > e->slot_bytes) {
+        PyErr_Format(PyExc_ValueError,
+                     "set_chunks: %lld bytes, expected a multiple of 4096 up to the slot (%llu)",
+                     bytes, (unsigned long long)e->slot_bytes);
+        return NULL;
+    }
+    e->chunk_min = min_bytes < 0 ? UINT64_MAX : (uint64_t)min_bytes;
+    e->chunk_bytes = (uint64_t)bytes;
+    Py_RETURN_NONE;
+}
+
 /* set_nt_min(bytes): copies into a slot of at least this many bytes use
  * non-temporal stores (-1 = never; the all_reduce chunks whose stores are
  * chosen as they run, allreduce.c, decide for themselves) */
@@ -732,6 +753,8 @@ static PyMethodDef eng_methods[] = {
      "set_twoshot_min(nbytes): the all-reduce switch point"},
     {"set_twoshot_min16", (PyCFunction)eng_set_twoshot_min16, METH_O,
      "set_twoshot_min16(nbytes): the switch point of bfloat16 and float16"},
+    {"set_chunks", (PyCFunction)eng_set_chunks, METH_VARARGS,
+     "set_chunks(min_bytes, chunk_bytes): all-reduces from min_bytes go chunk_bytes at a time"},
     {"set_nt_min", (PyCFunction)eng_set_nt_min, METH_O,
      "set_nt_min(nbytes): non-temporal stores into the slots from nbytes (-1: never)"},
     {"set_cma_allreduce_min", (PyCFunction)eng_set_cma_allreduce_min, METH_O,

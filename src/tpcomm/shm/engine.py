@@ -157,6 +157,9 @@ def _describe_call(kind: int, dtype: int, op: int, count: int, arg: int | None =
     if kind == KIND_ALL_REDUCE:
         if arg & 0xFF == _native.ARG_ZERO_COPY:
             return f"{text}, algorithm=zero-copy in buffer {(arg >> 8) & 0xFFFF} at {arg >> 24})"
+        algo, pages = arg & 0xFF, arg >> 8
+        if algo in (1, 2) and pages:  # chunk_bytes at a time
+            return f"{text}, algorithm={_ALGOS[algo]} in chunks of {pages * 4} KiB)"
         return f"{text}, algorithm={_ALGOS.get(arg, arg)})"
     if kind == KIND_BROADCAST:
         return f"{text}, src={arg})"
@@ -228,6 +231,8 @@ class Settings(NamedTuple):
     cma_ar_min: int  # all_reduce single-copy from (-1: never)
     cma_min: int  # all_gather (and all_to_all) single-copy from (-1: never)
     cma: bool  # single-copy reads allowed at all (TPCOMM_CMA)
+    chunk_min: int  # all_reduce through the slots chunk_bytes at a time from (-1: never)
+    chunk_bytes: int  # that chunk (the others go a slot at a time)
 
     @property
     def cma_plan(self) -> tuple:
@@ -237,7 +242,7 @@ class Settings(NamedTuple):
         return want, self.cma_min if self.cma_min >= 0 else _NEVER
 
 
-def settings_for(world: int, tuned: Optional[dict] = None) -> Settings:
+def settings_for(world: int, slot: int, tuned: Optional[dict] = None) -> Settings:
     """The engine's settings, each checked.  ``tuned``: rank 0's profile
     (shm/profile.py), used where this rank's environment does not set it."""
     tuned = tuned or {}
@@ -247,6 +252,7 @@ def settings_for(world: int, tuned: Optional[dict] = None) -> Settings:
         return default if key not in tuned or _explicit(env) else tuned[key]
 
     two = pick("twoshot_min_bytes", _env.twoshot_min_bytes(world))
+    chunk = pick("chunk_bytes", _env.chunk_bytes(slot)) // 4096 * 4096  # a profile's too
     return Settings(
         nt_min=pick("nt_min_bytes", _env.nt_min_bytes()),
         nt_auto=_env.nt_auto(),
@@ -258,6 +264,8 @@ def settings_for(world: int, tuned: Optional[dict] = None) -> Settings:
         cma_ar_min=pick("cma_allreduce_min_bytes", _env.cma_allreduce_min_bytes()),
         cma_min=pick("cma_min_bytes", _env.cma_min_bytes(world)),
         cma=_env.cma(),
+        chunk_min=pick("chunk_min_bytes", _env.chunk_min_bytes()),
+        chunk_bytes=min(max(4096, chunk), slot),
     )
 
 
@@ -281,7 +289,7 @@ class ShmEngine:
         # raises the same error on every rank at once, none waits for another.
         slot_bytes = _env.slot_bytes()
         select_kernels()
-        tuning = settings_for(world)
+        tuning = settings_for(world, slot_bytes)
         # rank 0's tuned profile (tpcomm tune), sent to the others with the segment
         self.tuned = profile.settings(world) if rank == 0 else {}
         # Ranks that outnumber the cores gain nothing by spinning: the peer they
@@ -305,7 +313,7 @@ class ShmEngine:
         try:
             if rank == 0:
                 try:
-                    tuning = settings_for(world, self.tuned)
+                    tuning = settings_for(world, slot_bytes, self.tuned)
                     self.path, fd = segment.create(world, slot_bytes, group_tag)
                     self._map(fd, world, slot_bytes, spin, timeout, tuning, fixed_stores)
                 except CommError as e:
@@ -326,7 +334,7 @@ class ShmEngine:
                         self.tuned = profile.decode(tuned_text)
                     except ValueError as e:
                         raise CommError(str(e)) from None
-                    tuning = settings_for(world, self.tuned)
+                    tuning = settings_for(world, slot_bytes, self.tuned)
                     path = segment.derive(group_tag, token)
                     fd = segment.open_existing(path, world, slot_bytes)
                 except CommError as e:  # tell the others, who wait for this rank to attach
@@ -496,6 +504,12 @@ class ShmEngine:
             return "single-copy" if self.cma and nbytes >= self.cma_min else "copy"
         return ""
 
+    def chunk(self, nbytes: int) -> int:
+        """The bytes an all_reduce of ``nbytes`` moves through the slots at a
+        time: a slot, or chunk_bytes from chunk_min bytes."""
+        s = self.current
+        return s.chunk_bytes if 0 <= s.chunk_min <= nbytes else self.slot_bytes
+
     def stores_in_use(self, nbytes: int, dtype: Any = None) -> str:
         """The stores a plain all_reduce of ``nbytes`` of ``dtype`` copies
         into the slots with now: "nt" (non-temporal) or "plain", as its
@@ -505,8 +519,8 @@ class ShmEngine:
         algo = self.algorithm("all_reduce", nbytes, dtype)
         if algo not in ("one-shot", "two-shot"):
             return ""
-        chunk = min(nbytes, self.slot_bytes)
         s, st = self.current, self._native.stores()
+        chunk = min(nbytes, self.chunk(nbytes))
         split = s.threads > 1 and 0 <= s.threads_min <= chunk  # the pool's chunks: nt_min
         if st["on"] and chunk >= st["min_bytes"] and not split:
             size = min(chunk.bit_length() - st["min_bytes"].bit_length(), st["sizes"] - 1)
@@ -584,7 +598,8 @@ class ShmEngine:
         fixed_stores: bool = False,
     ) -> None:
         size = segment.segment_size(world, slot_bytes)
-        self.settings = tuning or settings_for(world)  # as agreed (retune changes current)
+        # as agreed (retune changes current)
+        self.settings = tuning or settings_for(world, slot_bytes)
         if fixed_stores:
             self.settings = self.settings._replace(nt_auto=False)
         self._native = _native.Engine(
@@ -604,6 +619,7 @@ class ShmEngine:
         self._native.set_twoshot_min(s.twoshot_min)
         self._native.set_twoshot_min16(s.twoshot_min16)
         self._native.set_cma_allreduce_min(s.cma_ar_min)
+        self._native.set_chunks(s.chunk_min, s.chunk_bytes)
         if before is None or (before.threads, before.threads_min) != (s.threads, s.threads_min):
             self._native.set_threads(s.threads, s.threads_min)
         if before is None or before.nt_auto != s.nt_auto:
