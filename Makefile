@@ -87,6 +87,8 @@ bench: install build/handoff build/oneshot
 		st=$$?; cat $(BENCH_DIR)/tune.txt; exit $$st
 	for d in float32 bfloat16 float16; do \
 		$(TP) perf all_reduce $(BENCH_ARGS) -d $$d -J $(BENCH_DIR)/all_reduce_$$d.json || exit 1; done
+	# tensors from comm.empty: read where they are (zero copy)
+	$(TP) perf all_reduce -b 1K -e 64M -f 4 -R 5 -Z -J $(BENCH_DIR)/all_reduce_zero_copy.json
 	# the three dtypes in turns, auto and (beside AVX-512) AVX2 kernels
 	$(PY) benchmarks/dtypes.py -J $(BENCH_DIR)/dtypes.json > $(BENCH_DIR)/dtypes.txt; \
 		st=$$?; cat $(BENCH_DIR)/dtypes.txt; exit $$st

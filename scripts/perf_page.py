@@ -38,6 +38,12 @@ RUNS = [
         f"{ALL_REDUCE} -d float16",
     ),
     (
+        "all_reduce_zero_copy",
+        "all_reduce, float32, of tensors from `comm.empty` (zero copy: each rank reads the "
+        "others' tensors where they are)",
+        "tpcomm perf all_reduce -b 1K -e 64M -f 4 -R 5 -Z",
+    ),
+    (
         "all_gather",
         "all_gather",
         "tpcomm perf all_gather -b 1K -e 16M -f 4 --compare gloo,mpi --fresh",
@@ -314,8 +320,10 @@ def main(bench_dir: str) -> None:
         "## Known limits",
         "",
         "- At 4 MiB and up every library is bound by this VM's memory bandwidth: compare the "
-        "tpcomm and memcpy columns above (a two-shot all-reduce moves about five times the "
-        "tensor through memory per rank).",
+        "tpcomm and memcpy columns above. A plain tensor's all_reduce first copies it into "
+        "shared memory and then reduces from there, two passes over it per rank, while "
+        "`process_vm_readv` (single copy) costs about two memcpys here; a tensor from "
+        "`comm.empty` is read where it is (the zero-copy table), one pass.",
         "- This VM has a slow mode: for a whole run (minutes), or its first seconds, the "
         "ranks' shared-memory traffic runs 3-10x slower (1 MiB all_reduce ~500 us instead of "
         "~55 us) while memcpy on one core is as fast as ever and no steal time is counted; "
