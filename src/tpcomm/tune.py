@@ -175,8 +175,9 @@ def _measure_copies(comm: Any, cfg: dict, chosen: dict) -> dict:
         chunk = eng.current.chunk_bytes
         big = {**cfg, "sizes": [s for s in cfg["sizes"] if s > chunk]}
         if chunk < eng.slot_bytes and big["sizes"]:  # rank 0's chunk: what a profile gives
+            # the stores as they will run: chosen as it runs where the settings say so
             s = eng.settings
-            eng.retune(nt_min=nt, threads=s.threads, threads_min=s.threads_min)
+            eng.retune(nt_min=nt, nt_auto=s.nt_auto, threads=s.threads, threads_min=s.threads_min)
             res.update(_time_variants(comm, eng, big, COPIES[2:], cma))
     finally:
         eng.restore()
