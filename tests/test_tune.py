@@ -60,7 +60,7 @@ def engines_under_profiles(comm, paths, explicit):
                 rounds.append(_testing.rounds(d) - before)
             half = eng.twoshot_min16
             s = eng.current
-            copies = (s.nt_min, s.threads_min, s.chunk_min, s.chunk_bytes)
+            copies = (s.nt_min, s.threads_min, s.chunk_min, s.chunk_bytes, s.zc_min)
             return eng.twoshot_min, eng.cma_ar_min, eng.cma_min, eng.tuned, half, rounds, copies
         finally:
             d.close()
@@ -80,6 +80,7 @@ def test_every_rank_uses_rank_0s_profile(pools, tmp_path):
         "threads_min_bytes": 6 << 20,
         "chunk_min_bytes": 7 << 20,
         "chunk_bytes": 128 << 10,
+        "zero_copy_min_bytes": 8 << 20,
     }
     other = {"twoshot_min_bytes": 0, "cma_allreduce_min_bytes": -1, "cma_min_bytes": -1}
     paths = [
@@ -92,19 +93,19 @@ def test_every_rank_uses_rank_0s_profile(pools, tmp_path):
     assert res[1][3] == mine  # what rank 0 sent
     # 64 KiB: bfloat16 two-shot (two rounds) from 4 KiB, float32 one-shot below 1 MiB
     assert [r[4:6] for r in res] == [(4096, [2, 1])] * 2
-    # the stores', threads' and chunks' points, and rank 0's chunk
-    assert [r[6] for r in res] == [(2 << 20, 6 << 20, 7 << 20, 128 << 10)] * 2
+    # the stores', threads' and chunks' points, rank 0's chunk, zero copy's point
+    assert [r[6] for r in res] == [(2 << 20, 6 << 20, 7 << 20, 128 << 10, 8 << 20)] * 2
     # a profile for world 2 serves world 3 too (the largest world measured up to it)
     res = pools.run(3, engines_under_profiles, paths + paths[:1], {})
     assert [r[:2] for r in res] == [want[:2]] * 3
     # a setting in the environment wins over the profile, on the ranks that set it
     env = {"TPCOMM_ALLREDUCE_ALGO": "one_shot", "TPCOMM_CMA_MIN_BYTES": "-1"}
     env.update(TPCOMM_NT_MIN_BYTES="-1", TPCOMM_THREADS_MIN_BYTES="4096")
-    env.update(TPCOMM_CHUNK_MIN_BYTES="-1")
+    env.update(TPCOMM_CHUNK_MIN_BYTES="-1", TPCOMM_ZERO_COPY_MIN_BYTES="0")
     res = pools.run(2, engines_under_profiles, paths, env)
     assert [r[:2] for r in res] == [(-1, mine["cma_allreduce_min_bytes"])] * 2
     assert [r[4:6] for r in res] == [(-1, [1, 1])] * 2
-    assert [r[6] for r in res] == [(-1, 4096, -1, 128 << 10)] * 2
+    assert [r[6] for r in res] == [(-1, 4096, -1, 128 << 10, 0)] * 2
 
 
 def test_a_profile_made_elsewhere_is_ignored_and_said_once(tmp_path, caplog, monkeypatch):
@@ -176,6 +177,8 @@ def test_tune_writes_the_switch_points_of_what_it_measured(tmp_path):
     assert got["nt_min_bytes"] == point(nt)
     threads = [ratio("threads", s, "threads", "one thread") for s in sizes]
     assert got["threads_min_bytes"] == point(threads) and res["threads_per_rank"] == 2
+    zc = [ratio("zero_copy", s, "zero-copy", "copies") for s in [16 << 10, 128 << 10, 1 << 20]]
+    assert got["zero_copy_min_bytes"] == point(zc)
     # a slot at a time against 64 KiB at a time, past one chunk only
     assert sorted(res["chunks"], key=int) == [str(128 << 10), str(1 << 20)]
     sizes = sizes[1:]

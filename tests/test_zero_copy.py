@@ -19,7 +19,7 @@ from tpcomm.shm.symmetric import MAX_LIVE
 
 from ._ref import DTYPES, FLOATS, digest, make, reference
 
-BIG = 300_000  # elements: above the two-shot / zero-copy threshold for every dtype
+BIG = 300_000  # elements: above the zero-copy threshold (256 KiB) for every dtype
 
 
 def zero_copy_matrix(comm):
@@ -69,6 +69,43 @@ def disagree(comm):
 def test_ranks_disagreeing_on_zero_copy(pools):
     for msg in pools.run(2, disagree):
         assert "mismatched collective" in msg and "zero-copy" in msg, msg
+
+
+def by_its_switch_point(comm):
+    """(rounds, equal to the reference) of a 256 KiB float32 all_reduce of a
+    comm.empty tensor under (zero-copy point, two-shot point) settings, and
+    the error when the ranks' zero-copy points differ."""
+    eng = _testing.engine(comm)
+    n, w = 65536, comm.world_size
+    x = comm.empty((n,), torch.float32)
+    ref = reference([make(q, n, torch.float32, 5) for q in range(w)], tpcomm.ReduceOp.SUM)
+    out = []
+    for zc, two in ((-1, -1), (0, -1), (0, 0), (n * 4 + 1, 0)):
+        eng.retune(zc_min=zc, twoshot_min=two)
+        x.copy_(make(comm.rank, n, torch.float32, 5))
+        r0 = _testing.rounds(comm)
+        comm.all_reduce(x)
+        out.append((_testing.rounds(comm) - r0, torch.equal(x, ref)))
+    eng.retune(zc_min=0 if comm.rank == 0 else -1, twoshot_min=-1)
+    try:
+        comm.all_reduce(x)
+        msg = "no error"
+    except ValueError as e:
+        msg = str(e)
+    eng.restore()
+    return out, msg
+
+
+def test_zero_copy_has_its_own_switch_point(pools):
+    """Zero-copy from TPCOMM_ZERO_COPY_MIN_BYTES whatever algorithm plain
+    tensors use (a profile that keeps plain tensors one-shot at every size
+    kept comm.empty tensors from zero copy once); below it, or at -1, the
+    copying algorithm in force."""
+    for out, msg in pools.run(2, by_its_switch_point):
+        # never: one-shot (1 round); from 0: zero-copy (3 rounds) beside one-shot or
+        # two-shot plain tensors; below the point: two-shot (2 rounds)
+        assert out == [(1, True), (3, True), (3, True), (2, True)], out
+        assert "mismatched collective" in msg and "zero-copy" in msg and "one-shot" in msg, msg
 
 
 def ordinary_use(comm):

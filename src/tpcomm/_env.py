@@ -26,6 +26,7 @@ __all__ = [
     "cma_allreduce_min_bytes",
     "chunk_min_bytes",
     "chunk_bytes",
+    "zero_copy_min_bytes",
     "profile_path",
     "host_id_override",
     "cuda_algo",
@@ -245,6 +246,18 @@ def threads_min_bytes() -> int:
     (bytes) a rank splits between its threads (default 256 KiB; -1: never)."""
     return _int(
         "TPCOMM_THREADS_MIN_BYTES", DEFAULT_THREADS_MIN_BYTES, -1, MAX_BYTES, " (-1: never)"
+    )
+
+
+DEFAULT_ZERO_COPY_MIN_BYTES = 256 << 10
+
+
+def zero_copy_min_bytes() -> int:
+    """TPCOMM_ZERO_COPY_MIN_BYTES: an all_reduce of a tensor from
+    Communicator.empty of at least this many bytes reads the peers' tensors
+    where they are (default 256 KiB; -1: never, it copies like any other)."""
+    return _int(
+        "TPCOMM_ZERO_COPY_MIN_BYTES", DEFAULT_ZERO_COPY_MIN_BYTES, -1, MAX_BYTES, " (-1: never)"
     )
 
 

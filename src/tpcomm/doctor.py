@@ -377,7 +377,8 @@ def _check_paths(rep: Report, world: int) -> None:
         )
     _print_routes(rep, paths)
     _check_cma(rep, world, s.cma_min)
-    rep.ok("all_reduce of a comm.empty() tensor: zero-copy")
+    zc = "never" if s.zc_min < 0 else f"from {_human(s.zc_min)}"
+    rep.ok(f"all_reduce of a comm.empty() tensor: zero-copy {zc} ({source('zero_copy_min_bytes')})")
     rep.info("dist backend 'tpcomm': the same, plus scatter; isend/irecv and batch_isend_irecv")
     rep.info("run together when waited on (never deadlocked); recv without a source")
     rep.info("(dist.recv(t), comm.recv_any) takes the first message from any rank")

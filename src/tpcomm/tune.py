@@ -2,8 +2,9 @@
 (one-shot, two-shot, single copy; bfloat16's one-shot and two-shot apart, for
 both 16-bit floats) and the single-copy all_gather win, for the world sizes
 given, then, with those switch points, where non-temporal stores into the
-slots, a rank's helper threads and going through the slots in chunks of half
-the L2 instead of a slot at a time pay; write the switch points as a profile
+slots, a rank's helper threads, going through the slots in chunks of half
+the L2 instead of a slot at a time, and reading a comm.empty tensor where it
+is instead of copying it pay; write the switch points as a profile
 (:mod:`tpcomm.shm.profile`) that every Communicator made here then uses.
 
 Every variant runs on the same ranks and data, in turns (the order turning
@@ -46,12 +47,15 @@ ALGORITHMS = (
 # into the slots that bypass the caches, and a rank's helper threads (only
 # where a rank has more than one)
 NT, THREADS = ("cached", "non-temporal"), ("one thread", "threads")
-# and an all_reduce a slot at a time against chunk_bytes (half the L2) at a time
-CHUNKS = ("slots", "chunks")
+# and an all_reduce a slot at a time against chunk_bytes (half the L2) at a
+# time; and, of a comm.empty tensor, the copies against reading the peers'
+# tensors where they are
+CHUNKS, ZERO_COPY = ("slots", "chunks"), ("copies", "zero-copy")
 COPIES = (
     ("nt_stores", NT, torch.float32),
     ("threads", THREADS, torch.float32),
     ("chunks", CHUNKS, torch.float32),
+    ("zero_copy", ZERO_COPY, torch.float32),
 )
 # what a variant changes in the engine (ShmEngine.retune; all_gather: cma_init)
 VARIANTS = {
@@ -64,6 +68,8 @@ VARIANTS = {
     "threads": {"threads_min": 0},
     "slots": {"chunk_min": -1},
     "chunks": {"chunk_min": 0},
+    "copies": {"zc_min": -1},
+    "zero-copy": {"zc_min": 0},
 }
 # a first-pass setting -> the engine setting it becomes in the second pass
 _APPLIED = {
@@ -127,6 +133,8 @@ def _time_variants(comm: Any, eng: Any, cfg: dict, plan: tuple, cma: bool) -> di
         for size in cfg["sizes"]:
             n = max(w, size // dtype.itemsize // w * w)
             x = torch.rand(n if collective != "all_gather" else n // w).to(dtype)
+            if collective == "zero_copy":  # in shared memory (collective: every rank)
+                x = comm.empty(x.shape, dtype).copy_(x)
             fn = comm.all_gather if collective == "all_gather" else comm.all_reduce
 
             def call(fn=fn, x=x) -> None:
@@ -157,8 +165,10 @@ def _measure(comm: Any, cfg: dict) -> dict:
 
 def _measure_copies(comm: Any, cfg: dict, chosen: dict) -> dict:
     """One rank, the second pass: with the first pass's switch points,
-    non-temporal stores against cached ones, and this rank's threads against
-    one (where it has more than one)."""
+    non-temporal stores against cached ones, this rank's threads against one
+    (where it has more than one), a slot at a time against chunks (past one
+    chunk), and the zero-copy all_reduce of comm.empty tensors against
+    copying them."""
     torch.set_num_threads(1)
     eng = engine_of(comm)
     threads = cfg["threads"] or eng.settings.threads
@@ -178,7 +188,14 @@ def _measure_copies(comm: Any, cfg: dict, chosen: dict) -> dict:
             # the stores as they will run: chosen as it runs where the settings say so
             s = eng.settings
             eng.retune(nt_min=nt, nt_auto=s.nt_auto, threads=s.threads, threads_min=s.threads_min)
-            res.update(_time_variants(comm, eng, big, COPIES[2:], cma))
+            res.update(_time_variants(comm, eng, big, COPIES[2:3], cma))
+        # with the stores and chunks as they will run
+        s = eng.settings
+        eng.retune(nt_min=nt, nt_auto=s.nt_auto, threads=s.threads, threads_min=s.threads_min)
+        if "chunks" in res:
+            points = _copy_settings(cfg["sizes"], {**res, "chunk_bytes": chunk})
+            eng.retune(chunk_min=points["chunk_min_bytes"])
+        res.update(_time_variants(comm, eng, cfg, COPIES[3:], cma))
     finally:
         eng.restore()
     return {"threads_per_rank": threads, "chunk_bytes": chunk, **res}
@@ -229,6 +246,10 @@ def _copy_settings(sizes: list, res: dict) -> dict:
     if "threads" in res:
         out["threads_min_bytes"] = switch_point(
             sizes, _ratios(sizes, res, "threads", *THREADS[::-1])
+        )
+    if "zero_copy" in res:
+        out["zero_copy_min_bytes"] = switch_point(
+            sizes, _ratios(sizes, res, "zero_copy", *ZERO_COPY[::-1])
         )
     if "chunks" in res:
         big = [s for s in sizes if s in res["chunks"]]

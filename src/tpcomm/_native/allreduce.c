@@ -292,7 +292,8 @@ static struct sym *find_sym(Engine *e, const char *t, size_t bytes)
 
 /*
  * The all-reduce of `count` elements at t, in place: zero-copy when t lies in
- * a symmetric buffer, single copy (cma.c) from cma_ar_min bytes, else chunked:
+ * a symmetric buffer (from zc_min bytes), single copy (cma.c) from cma_ar_min
+ * bytes, else chunked:
  * one-shot (every rank reduces the whole chunk: one round) below twoshot_min
  * bytes (twoshot_min16 for bfloat16 and float16), two-shot (two rounds) from
  * there; a chunk is a slot, or chunk_bytes from chunk_min bytes.  The choice
@@ -316,7 +317,7 @@ int all_reduce_rounds(Engine *e, char *t, size_t count, int dtype, int op, uint3
     PyThreadState *ts = *tsp;
     int st = ST_OK;
     size_t done = 0;
-    struct sym *sb = e->nsym && two ? find_sym(e, t, count * es) : NULL;
+    struct sym *sb = e->nsym && count * es >= e->zc_min ? find_sym(e, t, count * es) : NULL;
     int whole = 1; /* one algorithm takes the whole tensor in its rounds */
     if (sb) {
         size_t off = (size_t)(t - sb->base);

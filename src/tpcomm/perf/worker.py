@@ -124,15 +124,18 @@ def _libraries(comm: Any, cfg: dict, gloo_group: Any) -> dict:
     return libs
 
 
-def _algorithm(comm: Any, collective: str, nbytes: int, dtype: Any) -> str:
+def _algorithm(comm: Any, collective: str, nbytes: int, dtype: Any, symmetric: bool) -> str:
     """What the shared-memory engine does for this call (shm/engine.py algorithm):
-    one-shot, two-shot or single-copy all_reduce, copy or single-copy all_gather;
-    "/nt" where an all_reduce's copies into the slots used non-temporal stores
-    at the end of the timed calls (rank 0's choice: every rank stores alike)."""
+    one-shot, two-shot, single-copy or (a comm.empty tensor) zero-copy
+    all_reduce, copy or single-copy all_gather; "/nt" where an all_reduce's
+    copies into the slots used non-temporal stores at the end of the timed
+    calls (rank 0's choice: every rank stores alike)."""
     eng = engine_of(comm)
     if eng is None:
         return ""
-    algo = eng.algorithm(collective, nbytes, dtype)
+    algo = eng.algorithm(collective, nbytes, dtype, symmetric)
+    if algo == "zero-copy":
+        return algo
     if collective == "all_reduce" and eng.stores_in_use(nbytes, dtype) == "nt":
         algo += "/nt"
     return algo
@@ -187,9 +190,7 @@ def worker(comm: Any, cfg: dict) -> list[dict]:
                 else:
                     row["time"] = timed(lambda st=st: call(st), iters)
                 row["iters"] = iters
-            row["algorithm"] = _algorithm(comm, coll.name, row["size"], dtype)
-            if zbuf is not None and not row["algorithm"].startswith("one-shot"):
-                row["algorithm"] = "zero-copy"  # a comm.empty tensor: read where it is
+            row["algorithm"] = _algorithm(comm, coll.name, row["size"], dtype, zbuf is not None)
             if cfg.get("backend") == "dist" and coll.name == "all_reduce":
                 _overheads(row, st["x"], op, iters, comm)
             if cfg["check"]:

@@ -231,6 +231,7 @@ class Settings(NamedTuple):
     cma_ar_min: int  # all_reduce single-copy from (-1: never)
     cma_min: int  # all_gather (and all_to_all) single-copy from (-1: never)
     cma: bool  # single-copy reads allowed at all (TPCOMM_CMA)
+    zc_min: int  # all_reduce of a comm.empty tensor: zero-copy from (-1: never)
     chunk_min: int  # all_reduce through the slots chunk_bytes at a time from (-1: never)
     chunk_bytes: int  # that chunk (the others go a slot at a time)
 
@@ -264,6 +265,7 @@ def settings_for(world: int, slot: int, tuned: Optional[dict] = None) -> Setting
         cma_ar_min=pick("cma_allreduce_min_bytes", _env.cma_allreduce_min_bytes()),
         cma_min=pick("cma_min_bytes", _env.cma_min_bytes(world)),
         cma=_env.cma(),
+        zc_min=pick("zero_copy_min_bytes", _env.zero_copy_min_bytes()),
         chunk_min=pick("chunk_min_bytes", _env.chunk_min_bytes()),
         chunk_bytes=min(max(4096, chunk), slot),
     )
@@ -491,11 +493,15 @@ class ShmEngine:
         if self._native is not None and not self.failed:
             self._native.abort(ST_PEER_DEAD)
 
-    def algorithm(self, collective: str, nbytes: int, dtype: Any = None) -> str:
+    def algorithm(
+        self, collective: str, nbytes: int, dtype: Any = None, symmetric: bool = False
+    ) -> str:
         """How this engine does a plain call of ``collective`` moving ``nbytes``
-        of ``dtype`` (all_reduce: its tensor; all_gather: the result): what
-        tpcomm perf names."""
+        of ``dtype`` (all_reduce: its tensor, ``symmetric`` where it is from
+        Communicator.empty; all_gather: the result): what tpcomm perf names."""
         if collective == "all_reduce":
+            if symmetric and 0 <= self.current.zc_min <= nbytes:
+                return "zero-copy"
             if self.cma and 0 <= self.cma_ar_min <= nbytes:
                 return "single-copy"
             two = self.twoshot_min16 if dtype in HALF_DTYPES else self.twoshot_min
@@ -619,6 +625,7 @@ class ShmEngine:
         self._native.set_twoshot_min(s.twoshot_min)
         self._native.set_twoshot_min16(s.twoshot_min16)
         self._native.set_cma_allreduce_min(s.cma_ar_min)
+        self._native.set_zero_copy_min(s.zc_min)
         self._native.set_chunks(s.chunk_min, s.chunk_bytes)
         if before is None or (before.threads, before.threads_min) != (s.threads, s.threads_min):
             self._native.set_threads(s.threads, s.threads_min)

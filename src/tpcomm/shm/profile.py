@@ -3,8 +3,9 @@
 A profile is a JSON file (``TPCOMM_PROFILE``, default ``profile.json`` in the
 cache directory) that says, per world size, from how many bytes all_reduce goes
 two-shot and single-copy, all_gather single-copy, copies into the slots use
-non-temporal stores, a rank's helper threads share the work and an all_reduce
-goes through the slots in cache-sized chunks (and that chunk).  Rank 0 reads it when a
+non-temporal stores, a rank's helper threads share the work, an all_reduce of
+a comm.empty tensor reads the peers' tensors where they are, and an
+all_reduce goes through the slots in cache-sized chunks (and that chunk).  Rank 0 reads it when a
 Communicator is made and sends its settings to the other ranks with the
 segment's name (:func:`encode` / :func:`decode`), so every rank uses rank 0's
 profile; a setting given in the environment still wins on the rank that sets it
@@ -36,6 +37,7 @@ SETTINGS = {
     "cma_min_bytes": "TPCOMM_CMA_MIN_BYTES",
     "nt_min_bytes": "TPCOMM_NT_MIN_BYTES",  # non-temporal stores into the slots
     "threads_min_bytes": "TPCOMM_THREADS_MIN_BYTES",  # a rank's helper threads
+    "zero_copy_min_bytes": "TPCOMM_ZERO_COPY_MIN_BYTES",  # all_reduce of comm.empty tensors
     "chunk_min_bytes": "TPCOMM_CHUNK_MIN_BYTES",  # all_reduce chunk_bytes at a time
     "chunk_bytes": "TPCOMM_CHUNK_BYTES",  # (rank 0's: the ranks must agree)
 }
