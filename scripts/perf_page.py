@@ -163,7 +163,7 @@ def rep_ratio(r: dict, lib: str) -> str:
 def table(data: dict) -> list[str]:
     rs = data["results"]
     compared = data.get("compare") or [
-        lib for lib, _ in LIBRARIES if any(f"{lib}_time" in r for r in rs)
+        lib for lib, _ in LIBRARIES if any(r.get(f"{lib}_time") is not None for r in rs)
     ]
     has_pg = any(r.get("pg_time") is not None for r in rs)
     has_best = any(r.get("vs_best") is not None for r in rs)

@@ -17,7 +17,7 @@ import torch
 
 from tpcomm import _testing
 from tpcomm.shm import profile
-from tpcomm.tune import switch_point
+from tpcomm.tune import switch_point, switch_window
 
 
 def test_switch_point():
@@ -29,6 +29,17 @@ def test_switch_point():
     # within the margin (3 %) a ratio is a tie: it neither wins nor stops a win below it
     assert switch_point(sizes, [1.1, 0.99, 0.9, 1.02]) == 3
     assert switch_point(sizes, [0.98, 0.99, 1.01, 1.0]) == -1
+
+
+def test_switch_window():
+    sizes = [1, 2, 3, 4, 5, 6, 7, 8]
+    # wins from 5, loses again at 8: from 5 up to 7
+    assert switch_window(sizes, [1.3, 1.2, 1.1, 1.05, 0.8, 0.5, 0.7, 1.06]) == (5, 7)
+    assert switch_window(sizes, [1.3, 1.2, 1.1, 1.05, 0.8, 0.5, 0.7, 0.9]) == (5, -1)  # no limit
+    assert switch_window(sizes, [1.3] * 8) == (-1, -1)
+    assert switch_window(sizes, [1.0] * 8) == (-1, -1)  # ties only: never
+    # the run with the most wins: 3-5 (two) over 1 (one) and 7-8 (one)
+    assert switch_window(sizes, [0.9, 1.1, 0.9, 0.9, 1.0, 1.2, 0.9, 1.0]) == (3, 5)
 
 
 def _profile(path, worlds, **machine) -> str:
@@ -60,7 +71,7 @@ def engines_under_profiles(comm, paths, explicit):
                 rounds.append(_testing.rounds(d) - before)
             half = eng.twoshot_min16
             s = eng.current
-            copies = (s.nt_min, s.threads_min, s.chunk_min, s.chunk_bytes, s.zc_min)
+            copies = (s.nt_min, s.threads_min, s.chunk_min, s.chunk_bytes, s.zc_min, s.zc_max)
             return eng.twoshot_min, eng.cma_ar_min, eng.cma_min, eng.tuned, half, rounds, copies
         finally:
             d.close()
@@ -81,6 +92,7 @@ def test_every_rank_uses_rank_0s_profile(pools, tmp_path):
         "chunk_min_bytes": 7 << 20,
         "chunk_bytes": 128 << 10,
         "zero_copy_min_bytes": 8 << 20,
+        "zero_copy_max_bytes": 9 << 20,
     }
     other = {"twoshot_min_bytes": 0, "cma_allreduce_min_bytes": -1, "cma_min_bytes": -1}
     paths = [
@@ -93,8 +105,8 @@ def test_every_rank_uses_rank_0s_profile(pools, tmp_path):
     assert res[1][3] == mine  # what rank 0 sent
     # 64 KiB: bfloat16 two-shot (two rounds) from 4 KiB, float32 one-shot below 1 MiB
     assert [r[4:6] for r in res] == [(4096, [2, 1])] * 2
-    # the stores', threads' and chunks' points, rank 0's chunk, zero copy's point
-    assert [r[6] for r in res] == [(2 << 20, 6 << 20, 7 << 20, 128 << 10, 8 << 20)] * 2
+    # the stores', threads' and chunks' points, rank 0's chunk, zero copy's window
+    assert [r[6] for r in res] == [(2 << 20, 6 << 20, 7 << 20, 128 << 10, 8 << 20, 9 << 20)] * 2
     # a profile for world 2 serves world 3 too (the largest world measured up to it)
     res = pools.run(3, engines_under_profiles, paths + paths[:1], {})
     assert [r[:2] for r in res] == [want[:2]] * 3
@@ -105,7 +117,7 @@ def test_every_rank_uses_rank_0s_profile(pools, tmp_path):
     res = pools.run(2, engines_under_profiles, paths, env)
     assert [r[:2] for r in res] == [(-1, mine["cma_allreduce_min_bytes"])] * 2
     assert [r[4:6] for r in res] == [(-1, [1, 1])] * 2
-    assert [r[6] for r in res] == [(-1, 4096, -1, 128 << 10, 0)] * 2
+    assert [r[6] for r in res] == [(-1, 4096, -1, 128 << 10, 0, 9 << 20)] * 2
 
 
 def test_a_profile_made_elsewhere_is_ignored_and_said_once(tmp_path, caplog, monkeypatch):
@@ -177,8 +189,9 @@ def test_tune_writes_the_switch_points_of_what_it_measured(tmp_path):
     assert got["nt_min_bytes"] == point(nt)
     threads = [ratio("threads", s, "threads", "one thread") for s in sizes]
     assert got["threads_min_bytes"] == point(threads) and res["threads_per_rank"] == 2
-    zc = [ratio("zero_copy", s, "zero-copy", "copies") for s in [16 << 10, 128 << 10, 1 << 20]]
-    assert got["zero_copy_min_bytes"] == point(zc)
+    zc = [ratio("zero_copy", s, "zero-copy", "copies") for s in sizes]
+    want = switch_window(sizes, zc)  # the rule has its own test above
+    assert (got["zero_copy_min_bytes"], got.get("zero_copy_max_bytes", -1)) == want
     # a slot at a time against 64 KiB at a time, past one chunk only
     assert sorted(res["chunks"], key=int) == [str(128 << 10), str(1 << 20)]
     sizes = sizes[1:]

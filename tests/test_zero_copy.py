@@ -80,13 +80,14 @@ def by_its_switch_point(comm):
     x = comm.empty((n,), torch.float32)
     ref = reference([make(q, n, torch.float32, 5) for q in range(w)], tpcomm.ReduceOp.SUM)
     out = []
-    for zc, two in ((-1, -1), (0, -1), (0, 0), (n * 4 + 1, 0)):
-        eng.retune(zc_min=zc, twoshot_min=two)
+    cases = ((-1, -1, -1), (0, -1, -1), (0, -1, 0), (n * 4 + 1, -1, 0), (0, n * 4 - 1, 0))
+    for zc, top, two in cases:
+        eng.retune(zc_min=zc, zc_max=top, twoshot_min=two)
         x.copy_(make(comm.rank, n, torch.float32, 5))
         r0 = _testing.rounds(comm)
         comm.all_reduce(x)
         out.append((_testing.rounds(comm) - r0, torch.equal(x, ref)))
-    eng.retune(zc_min=0 if comm.rank == 0 else -1, twoshot_min=-1)
+    eng.retune(zc_min=0 if comm.rank == 0 else -1, zc_max=-1, twoshot_min=-1)
     try:
         comm.all_reduce(x)
         msg = "no error"
@@ -97,14 +98,14 @@ def by_its_switch_point(comm):
 
 
 def test_zero_copy_has_its_own_switch_point(pools):
-    """Zero-copy from TPCOMM_ZERO_COPY_MIN_BYTES whatever algorithm plain
-    tensors use (a profile that keeps plain tensors one-shot at every size
-    kept comm.empty tensors from zero copy once); below it, or at -1, the
-    copying algorithm in force."""
+    """Zero-copy from TPCOMM_ZERO_COPY_MIN_BYTES up to _MAX_BYTES whatever
+    algorithm plain tensors use (a profile that keeps plain tensors one-shot
+    at every size kept comm.empty tensors from zero copy once); outside, or
+    at -1, the copying algorithm in force."""
     for out, msg in pools.run(2, by_its_switch_point):
         # never: one-shot (1 round); from 0: zero-copy (3 rounds) beside one-shot or
-        # two-shot plain tensors; below the point: two-shot (2 rounds)
-        assert out == [(1, True), (3, True), (3, True), (2, True)], out
+        # two-shot plain tensors; below the window or past its top: two-shot (2 rounds)
+        assert out == [(1, True), (3, True), (3, True), (2, True), (2, True)], out
         assert "mismatched collective" in msg and "zero-copy" in msg and "one-shot" in msg, msg
 
 

@@ -27,6 +27,7 @@ __all__ = [
     "chunk_min_bytes",
     "chunk_bytes",
     "zero_copy_min_bytes",
+    "zero_copy_max_bytes",
     "profile_path",
     "host_id_override",
     "cuda_algo",
@@ -259,6 +260,13 @@ def zero_copy_min_bytes() -> int:
     return _int(
         "TPCOMM_ZERO_COPY_MIN_BYTES", DEFAULT_ZERO_COPY_MIN_BYTES, -1, MAX_BYTES, " (-1: never)"
     )
+
+
+def zero_copy_max_bytes() -> int:
+    """TPCOMM_ZERO_COPY_MAX_BYTES: the largest such all_reduce that goes zero
+    copy (default -1: no limit; tpcomm tune sets one where the copies, in
+    cache-sized chunks, win again past it)."""
+    return _int("TPCOMM_ZERO_COPY_MAX_BYTES", -1, -1, MAX_BYTES, " (-1: no limit)")
 
 
 def chunk_min_bytes() -> int:

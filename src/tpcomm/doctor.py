@@ -378,6 +378,8 @@ def _check_paths(rep: Report, world: int) -> None:
     _print_routes(rep, paths)
     _check_cma(rep, world, s.cma_min)
     zc = "never" if s.zc_min < 0 else f"from {_human(s.zc_min)}"
+    if s.zc_min >= 0 and s.zc_max >= 0:
+        zc += f" up to {_human(s.zc_max)}"
     rep.ok(f"all_reduce of a comm.empty() tensor: zero-copy {zc} ({source('zero_copy_min_bytes')})")
     rep.info("dist backend 'tpcomm': the same, plus scatter; isend/irecv and batch_isend_irecv")
     rep.info("run together when waited on (never deadlocked); recv without a source")

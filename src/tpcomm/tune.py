@@ -31,7 +31,7 @@ from .perf.table import parse_size
 from .perf.timing import measured
 from .shm.engine import engine_of
 
-__all__ = ["add_arguments", "main", "run", "switch_point"]
+__all__ = ["add_arguments", "main", "run", "switch_point", "switch_window"]
 
 ALL_REDUCE = ("one-shot", "two-shot", "single-copy")
 ALL_GATHER = ("copy", "single-copy")
@@ -113,6 +113,27 @@ def switch_point(sizes: list, ratios: list, margin: float = MARGIN) -> int:
         if ratio <= 1 - margin:
             point = size
     return point
+
+
+def switch_window(sizes: list, ratios: list, margin: float = MARGIN) -> tuple:
+    """(lo, hi): the other algorithm from lo up to hi (hi -1: no limit; lo -1:
+    never), for one that wins over a range of sizes and loses again past it
+    (zero copy against copies in cache-sized chunks).  Of the runs of sizes
+    where it is never slower by more than the margin, the one where it wins
+    (by the margin) at the most sizes; lo its first win, hi its last size
+    unless the run reaches the largest size."""
+    best, best_wins = (-1, -1), 0
+    i = 0
+    while i < len(sizes):
+        j = i
+        while j < len(sizes) and ratios[j] <= 1 + margin:
+            j += 1
+        wins = [k for k in range(i, j) if ratios[k] <= 1 - margin]
+        if len(wins) >= max(best_wins, 1):
+            best_wins = len(wins)
+            best = (sizes[wins[0]], -1 if j == len(sizes) else sizes[j - 1])
+        i = j + 1
+    return best
 
 
 def _use(eng: Any, collective: str, variant: str) -> None:
@@ -248,9 +269,10 @@ def _copy_settings(sizes: list, res: dict) -> dict:
             sizes, _ratios(sizes, res, "threads", *THREADS[::-1])
         )
     if "zero_copy" in res:
-        out["zero_copy_min_bytes"] = switch_point(
-            sizes, _ratios(sizes, res, "zero_copy", *ZERO_COPY[::-1])
-        )
+        lo, hi = switch_window(sizes, _ratios(sizes, res, "zero_copy", *ZERO_COPY[::-1]))
+        out["zero_copy_min_bytes"] = lo
+        if lo >= 0 and hi >= 0:
+            out["zero_copy_max_bytes"] = hi
     if "chunks" in res:
         big = [s for s in sizes if s in res["chunks"]]
         out["chunk_min_bytes"] = switch_point(big, _ratios(big, res, "chunks", *CHUNKS[::-1]))

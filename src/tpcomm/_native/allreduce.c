@@ -292,7 +292,7 @@ static struct sym *find_sym(Engine *e, const char *t, size_t bytes)
 
 /*
  * The all-reduce of `count` elements at t, in place: zero-copy when t lies in
- * a symmetric buffer (from zc_min bytes), single copy (cma.c) from cma_ar_min
+ * a symmetric buffer (zc_min to zc_max bytes), single copy (cma.c) from cma_ar_min
  * bytes, else chunked:
  * one-shot (every rank reduces the whole chunk: one round) below twoshot_min
  * bytes (twoshot_min16 for bfloat16 and float16), two-shot (two rounds) from
@@ -317,7 +317,8 @@ int all_reduce_rounds(Engine *e, char *t, size_t count, int dtype, int op, uint3
     PyThreadState *ts = *tsp;
     int st = ST_OK;
     size_t done = 0;
-    struct sym *sb = e->nsym && count * es >= e->zc_min ? find_sym(e, t, count * es) : NULL;
+    const int zc = count * es >= e->zc_min && count * es <= e->zc_max;
+    struct sym *sb = e->nsym && zc ? find_sym(e, t, count * es) : NULL;
     int whole = 1; /* one algorithm takes the whole tensor in its rounds */
     if (sb) {
         size_t off = (size_t)(t - sb->base);

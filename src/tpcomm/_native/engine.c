@@ -451,6 +451,7 @@ static int eng_init(Engine *e, PyObject *args, PyObject *kw)
     e->twoshot_min = UINT64_MAX;
     e->twoshot_min16 = UINT64_MAX;
     e->zc_min = UINT64_MAX;
+    e->zc_max = UINT64_MAX;
     e->chunk_min = UINT64_MAX;
     e->chunk_bytes = 0;
     e->cma_ar_min = UINT64_MAX;
@@ -652,12 +653,18 @@ static PyObject *eng_set_twoshot_min16(Engine *e, PyObject *arg)
     return set_switch(&e->twoshot_min16, arg);
 }
 
-/* set_zero_copy_min(bytes): all-reduces of at least this many bytes of a
- * tensor in a symmetric buffer (Communicator.empty) read the peers' tensors
- * where they are (-1 = never: they copy through the slots like any other) */
-static PyObject *eng_set_zero_copy_min(Engine *e, PyObject *arg)
+/* set_zero_copy(min_bytes, max_bytes): all-reduces of min_bytes to max_bytes
+ * of a tensor in a symmetric buffer (Communicator.empty) read the peers'
+ * tensors where they are (min -1: never, they copy through the slots like
+ * any other; max -1: no limit) */
+static PyObject *eng_set_zero_copy(Engine *e, PyObject *args)
 {
-    return set_switch(&e->zc_min, arg);
+    long long lo, hi;
+    if (!PyArg_ParseTuple(args, "LL", &lo, &hi))
+        return NULL;
+    e->zc_min = lo < 0 ? UINT64_MAX : (uint64_t)lo;
+    e->zc_max = hi < 0 ? UINT64_MAX : (uint64_t)hi;
+    Py_RETURN_NONE;
 }
 
 /* set_chunks(min_bytes, chunk_bytes): all-reduces through the slots of at
@@ -762,8 +769,8 @@ static PyMethodDef eng_methods[] = {
      "set_twoshot_min(nbytes): the all-reduce switch point"},
     {"set_twoshot_min16", (PyCFunction)eng_set_twoshot_min16, METH_O,
      "set_twoshot_min16(nbytes): the switch point of bfloat16 and float16"},
-    {"set_zero_copy_min", (PyCFunction)eng_set_zero_copy_min, METH_O,
-     "set_zero_copy_min(nbytes): zero-copy all-reduce of a symmetric tensor from nbytes"},
+    {"set_zero_copy", (PyCFunction)eng_set_zero_copy, METH_VARARGS,
+     "set_zero_copy(min, max): zero-copy all-reduce of a symmetric tensor of min..max bytes"},
     {"set_chunks", (PyCFunction)eng_set_chunks, METH_VARARGS,
      "set_chunks(min_bytes, chunk_bytes): all-reduces from min_bytes go chunk_bytes at a time"},
     {"set_nt_min", (PyCFunction)eng_set_nt_min, METH_O,

@@ -261,7 +261,8 @@ typedef struct {
     void **srcs;          /* scratch: world source pointers */
     uint64_t twoshot_min; /* all-reduces of at least this many bytes go two-shot */
     uint64_t twoshot_min16; /* the same for bfloat16 and float16 (their reduce costs more) */
-    uint64_t zc_min;      /* all-reduces of a symmetric buffer's tensor from here: zero-copy */
+    uint64_t zc_min, zc_max; /* all-reduces of a symmetric buffer's tensor of zc_min to
+                              * zc_max bytes: zero-copy */
     uint64_t chunk_min;   /* all-reduces of at least this many bytes go chunk_bytes at a time */
     uint64_t chunk_bytes; /* (set_chunks; 0: a slot at a time) */
     int cma;              /* all ranks can read each other's memory (cma_init) */

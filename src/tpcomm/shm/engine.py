@@ -232,6 +232,7 @@ class Settings(NamedTuple):
     cma_min: int  # all_gather (and all_to_all) single-copy from (-1: never)
     cma: bool  # single-copy reads allowed at all (TPCOMM_CMA)
     zc_min: int  # all_reduce of a comm.empty tensor: zero-copy from (-1: never)
+    zc_max: int  # up to (-1: no limit)
     chunk_min: int  # all_reduce through the slots chunk_bytes at a time from (-1: never)
     chunk_bytes: int  # that chunk (the others go a slot at a time)
 
@@ -266,6 +267,7 @@ def settings_for(world: int, slot: int, tuned: Optional[dict] = None) -> Setting
         cma_min=pick("cma_min_bytes", _env.cma_min_bytes(world)),
         cma=_env.cma(),
         zc_min=pick("zero_copy_min_bytes", _env.zero_copy_min_bytes()),
+        zc_max=pick("zero_copy_max_bytes", _env.zero_copy_max_bytes()),
         chunk_min=pick("chunk_min_bytes", _env.chunk_min_bytes()),
         chunk_bytes=min(max(4096, chunk), slot),
     )
@@ -500,7 +502,8 @@ class ShmEngine:
         of ``dtype`` (all_reduce: its tensor, ``symmetric`` where it is from
         Communicator.empty; all_gather: the result): what tpcomm perf names."""
         if collective == "all_reduce":
-            if symmetric and 0 <= self.current.zc_min <= nbytes:
+            s = self.current
+            if symmetric and 0 <= s.zc_min <= nbytes and (s.zc_max < 0 or nbytes <= s.zc_max):
                 return "zero-copy"
             if self.cma and 0 <= self.cma_ar_min <= nbytes:
                 return "single-copy"
@@ -625,7 +628,7 @@ class ShmEngine:
         self._native.set_twoshot_min(s.twoshot_min)
         self._native.set_twoshot_min16(s.twoshot_min16)
         self._native.set_cma_allreduce_min(s.cma_ar_min)
-        self._native.set_zero_copy_min(s.zc_min)
+        self._native.set_zero_copy(s.zc_min, s.zc_max)
         self._native.set_chunks(s.chunk_min, s.chunk_bytes)
         if before is None or (before.threads, before.threads_min) != (s.threads, s.threads_min):
             self._native.set_threads(s.threads, s.threads_min)

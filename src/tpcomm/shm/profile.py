@@ -38,6 +38,7 @@ SETTINGS = {
     "nt_min_bytes": "TPCOMM_NT_MIN_BYTES",  # non-temporal stores into the slots
     "threads_min_bytes": "TPCOMM_THREADS_MIN_BYTES",  # a rank's helper threads
     "zero_copy_min_bytes": "TPCOMM_ZERO_COPY_MIN_BYTES",  # all_reduce of comm.empty tensors
+    "zero_copy_max_bytes": "TPCOMM_ZERO_COPY_MAX_BYTES",  # (up to here; -1: no limit)
     "chunk_min_bytes": "TPCOMM_CHUNK_MIN_BYTES",  # all_reduce chunk_bytes at a time
     "chunk_bytes": "TPCOMM_CHUNK_BYTES",  # (rank 0's: the ranks must agree)
 }
