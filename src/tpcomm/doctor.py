@@ -323,7 +323,8 @@ def _check_paths(rep: Report, world: int) -> None:
         return
     dts = ", ".join(str(d).replace("torch.", "") for d in DTYPE_CODES)
     tuned = _check_profile(rep, world)
-    s = settings_for(world, _env.slot_bytes(), tuned)
+    slot_bytes = _env.slot_bytes()
+    s = settings_for(world, slot_bytes, tuned)
     two, two16, single = s.twoshot_min, s.twoshot_min16, s.cma_ar_min
 
     def source(key: str) -> str:
@@ -366,8 +367,8 @@ def _check_paths(rep: Report, world: int) -> None:
         )
     else:
         rep.info(f"  non-temporal stores into the slots: {nt} ({source('nt_min_bytes')})")
-    slot = _human(_env.slot_bytes())
-    if s.chunk_min < 0 or s.chunk_bytes >= _env.slot_bytes():
+    slot = _human(slot_bytes)
+    if s.chunk_min < 0 or s.chunk_bytes >= slot_bytes:
         rep.info(f"  through the slots: a slot ({slot}) at a time ({source('chunk_min_bytes')})")
     else:
         rep.info(

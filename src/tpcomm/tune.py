@@ -203,16 +203,16 @@ def _measure_copies(comm: Any, cfg: dict, chosen: dict) -> dict:
         if threads > 1:
             eng.retune(nt_min=nt, threads=threads)
             res.update(_time_variants(comm, eng, cfg, COPIES[1:2], cma))
-        chunk = eng.current.chunk_bytes
-        big = {**cfg, "sizes": [s for s in cfg["sizes"] if s > chunk]}
-        if chunk < eng.slot_bytes and big["sizes"]:  # rank 0's chunk: what a profile gives
-            # the stores as they will run: chosen as it runs where the settings say so
-            s = eng.settings
-            eng.retune(nt_min=nt, nt_auto=s.nt_auto, threads=s.threads, threads_min=s.threads_min)
-            res.update(_time_variants(comm, eng, big, COPIES[2:3], cma))
-        # with the stores and chunks as they will run
+        # the stores and threads as they will run from here (the stores chosen as
+        # they run where the settings say so: fixed, the smaller chunks would
+        # fall below nt_min and lose by the stores alone)
         s = eng.settings
         eng.retune(nt_min=nt, nt_auto=s.nt_auto, threads=s.threads, threads_min=s.threads_min)
+        chunk = eng.current.chunk_bytes
+        big = {**cfg, "sizes": [n for n in cfg["sizes"] if n > chunk]}
+        if chunk < eng.slot_bytes and big["sizes"]:  # rank 0's chunk: what a profile gives
+            res.update(_time_variants(comm, eng, big, COPIES[2:3], cma))
+        # zero copy against the copies with the chunks as they will run
         if "chunks" in res:
             points = _copy_settings(cfg["sizes"], {**res, "chunk_bytes": chunk})
             eng.retune(chunk_min=points["chunk_min_bytes"])
@@ -262,7 +262,8 @@ def _settings(sizes: list, res: dict) -> dict:
 
 
 def _copy_settings(sizes: list, res: dict) -> dict:
-    """Non-temporal stores' and helper threads' switch points from the second pass."""
+    """The second pass's settings: the switch points of non-temporal stores,
+    helper threads and chunks (and rank 0's chunk), zero copy's window."""
     out = {"nt_min_bytes": switch_point(sizes, _ratios(sizes, res, "nt_stores", *NT[::-1]))}
     if "threads" in res:
         out["threads_min_bytes"] = switch_point(
