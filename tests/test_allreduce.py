@@ -312,6 +312,81 @@ def test_chunks_smaller_than_a_slot(monkeypatch, world):
             assert all(res[0] == results[0][0] for res in results)
 
 
+# configurations of an all_reduce: engine settings, and a comm.empty tensor or not
+PLANS = {
+    "one-shot": ({"twoshot_min": -1, "twoshot_min16": -1, "chunk_min": -1}, False),
+    "two-shot": ({"twoshot_min": 0, "twoshot_min16": 0, "chunk_min": -1}, False),
+    "chunked one-shot": ({"twoshot_min": -1, "twoshot_min16": -1, "chunk_min": 0}, False),
+    "chunked two-shot": ({"twoshot_min": 0, "twoshot_min16": 0, "chunk_min": 0}, False),
+    "16-bit two-shot": ({"twoshot_min": -1, "twoshot_min16": 0, "chunk_min": -1}, False),
+    "zero copy": ({"zc_min": 0, "zc_max": -1}, True),
+    "zero copy past its window": (
+        {"zc_min": 0, "zc_max": 4096, "twoshot_min": 0, "twoshot_min16": 0, "chunk_min": -1},
+        True,
+    ),
+    "single copy": ({"cma_ar_min": 0}, False),
+}
+
+
+def plans_and_rounds(comm, nbytes):
+    """Per configuration and dtype: the algorithm and chunk all_reduce_plan
+    names, the rounds a real all_reduce of nbytes took, and whether its result
+    equals the float64 sum of every rank's data."""
+    eng = _testing.engine(comm)
+    cma = _testing.cma_init(comm, True, -1)[1]
+    out = {}
+    try:
+        for name, (changes, symmetric) in PLANS.items():
+            if name == "single copy" and not cma:
+                continue
+            eng.retune(**{**eng.settings._asdict(), "chunk_bytes": 65536, "zc_min": -1, **changes})
+            for dt in (torch.float32, torch.bfloat16):
+                n = nbytes // dt.itemsize
+                x = make(comm.rank, n, dt, 11)
+                if symmetric:
+                    x = comm.empty((n,), dt).copy_(x)
+                before = _testing.rounds(comm)
+                comm.all_reduce(x)
+                took = _testing.rounds(comm) - before
+                algo, chunk, stores = eng.all_reduce_plan(nbytes, dt, symmetric)
+                ref = torch.stack([make(q, n, dt, 11).double() for q in range(comm.world_size)])
+                tol = (1e-5, 1e-4) if dt is torch.float32 else (2e-2, 0.5)
+                ok = torch.allclose(x.double(), ref.sum(0), *tol)
+                out[name, str(dt)] = (algo, chunk, stores, took, ok)
+                del x
+    finally:
+        _testing.restore(comm)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_plan_names_what_runs(pools, world):
+    """all_reduce_plan (what tpcomm perf names) is the C core's own choice:
+    for every algorithm, chunking and dtype the rounds a real all_reduce
+    takes are the plan's (one-shot one a chunk, two-shot two a chunk, zero
+    copy and single copy three), and the result is the float64 sum."""
+    nbytes = 3 * 65536 + 64  # three chunks of 64 KiB and a bit, under a slot
+    res = pools.run(world, plans_and_rounds, nbytes)
+    assert all(r == res[0] for r in res), "ranks disagree"
+    expect = {
+        "one-shot": ("one-shot", SLOT, 1),
+        "two-shot": ("two-shot", SLOT, 2),
+        "chunked one-shot": ("one-shot", 65536, 4),
+        "chunked two-shot": ("two-shot", 65536, 8),
+        "zero copy": ("zero-copy", 0, 3),
+        "zero copy past its window": ("two-shot", SLOT, 2),
+        "single copy": ("single-copy", 0, 3),
+    }
+    for (name, dt), (algo, chunk, stores, took, ok) in res[0].items():
+        want = expect.get(name)
+        if name == "16-bit two-shot":  # float32 one-shot, the 16-bit floats two-shot
+            want = ("one-shot", SLOT, 1) if dt == "torch.float32" else ("two-shot", SLOT, 2)
+        assert (algo, chunk, took) == want, (name, dt, algo, chunk, took)
+        assert ok, (name, dt, "result")
+        assert stores in (("plain", "nt") if algo in ("one-shot", "two-shot") else ("",))
+    assert {n for n, _ in res[0]} >= set(PLANS) - {"single copy"}
+
+
 def disagree_on_chunks(comm):
     eng = _testing.engine(comm)
     eng.retune(chunk_min=0 if comm.rank == 0 else -1)

@@ -56,13 +56,21 @@ static int store_choice(Engine *e, int b)
 
 /* A chunk of `bytes` by `algo` (0 one-shot, 1 two-shot: `rounds` rounds a
  * chunk) begins: its bucket, stores and whether it is timed. */
+/* The bucket of a chunk of `bytes` by `algo` (0 one-shot, 1 two-shot) whose
+ * stores are chosen as it runs, -1 where nt_min decides them */
+static int store_bucket(const Engine *e, size_t bytes, int algo)
+{
+    if (!e->stores.on || bytes < (1u << STORE_MIN_LOG2) || pool_splits(e->pool, bytes))
+        return -1;
+    int b = 63 - __builtin_clzll((unsigned long long)bytes) - STORE_MIN_LOG2;
+    return (b < STORE_SIZES ? b : STORE_SIZES - 1) + algo * STORE_SIZES;
+}
+
 static stores_t store_begin(Engine *e, size_t bytes, int algo, unsigned rounds)
 {
-    stores_t sc = {-1, 0, 0, 0, 0};
-    if (!e->stores.on || bytes < (1u << STORE_MIN_LOG2) || pool_splits(e->pool, bytes))
+    stores_t sc = {store_bucket(e, bytes, algo), 0, 0, 0, 0};
+    if (sc.b < 0)
         return sc;
-    int b = 63 - __builtin_clzll((unsigned long long)bytes) - STORE_MIN_LOG2;
-    sc.b = (b < STORE_SIZES ? b : STORE_SIZES - 1) + algo * STORE_SIZES;
     const unsigned phase = (unsigned)(e->round & (STORE_EXPLORE - 1));
     sc.nt = store_choice(e, sc.b) ^ (phase < 2 * rounds);
     sc.timed = e->rank == 0 && ((phase >= rounds && phase < 2 * rounds) || (phase / rounds) % 16 == 5);
@@ -291,57 +299,104 @@ static struct sym *find_sym(Engine *e, const char *t, size_t bytes)
 }
 
 /*
- * The all-reduce of `count` elements at t, in place: zero-copy when t lies in
- * a symmetric buffer (zc_min to zc_max bytes), single copy (cma.c) from cma_ar_min
- * bytes, else chunked:
- * one-shot (every rank reduces the whole chunk: one round) below twoshot_min
- * bytes (twoshot_min16 for bfloat16 and float16), two-shot (two rounds) from
- * there; a chunk is a slot, or chunk_bytes from chunk_min bytes.  The choice
- * travels in the metadata (arg 1 or 2 plus the chunk's pages << 8 where it
- * is not a slot, ARG_ZERO_COPY + where, ARG_SINGLE_COPY), so ranks
- * configured differently get a mismatch error, not garbage.  Runs
+ * How an all-reduce of `bytes` of dtype goes (symmetric: its tensor lies in a
+ * symmetric buffer): zero-copy from zc_min to zc_max bytes of a symmetric
+ * buffer's tensor, single copy (cma.c) from cma_ar_min bytes, else through
+ * the slots: one-shot (every rank reduces the whole chunk: one round) below
+ * twoshot_min bytes (twoshot_min16 for bfloat16 and float16), two-shot (two
+ * rounds) from there; a chunk is a slot, or chunk_bytes from chunk_min bytes.
+ * The choice travels in the metadata (arg: 1 or 2 plus the chunk's pages << 8
+ * where it is not a slot; ARG_SINGLE_COPY; zero copy adds where its tensor
+ * is), so ranks configured differently get a mismatch error, not garbage.
+ * all_reduce_rounds runs what this says, and all_reduce_plan shows it:
+ * one function, so what tpcomm perf names is what runs.
+ */
+ar_plan_t ar_plan(const Engine *e, size_t bytes, int dtype, int symmetric)
+{
+    ar_plan_t pl = {AR_ONESHOT, e->slot_bytes, 1};
+    if (symmetric && bytes >= e->zc_min && bytes <= e->zc_max) {
+        pl.algo = AR_ZERO_COPY;
+        pl.arg = ARG_ZERO_COPY;
+    } else if (e->cma && e->world > 1 && bytes >= e->cma_ar_min) {
+        pl.algo = AR_SINGLE_COPY;
+        pl.arg = ARG_SINGLE_COPY;
+    } else {
+        const uint64_t two_min =
+            dtype == DT_BF16 || dtype == DT_F16 ? e->twoshot_min16 : e->twoshot_min;
+        const int small = bytes >= e->chunk_min && e->chunk_bytes && e->chunk_bytes < e->slot_bytes;
+        pl.algo = bytes >= two_min ? AR_TWOSHOT : AR_ONESHOT;
+        pl.chunk = small ? e->chunk_bytes : e->slot_bytes;
+        pl.arg = (pl.algo == AR_TWOSHOT ? 2u : 1u) | (small ? (e->chunk_bytes >> 12) << 8 : 0);
+    }
+    return pl;
+}
+
+/*
+ * The all-reduce of `count` elements at t, in place, as ar_plan says.  Runs
  * inside a begun call (call_begin: *tsp the GIL's saved state, if released).
  */
 int all_reduce_rounds(Engine *e, char *t, size_t count, int dtype, int op, uint32_t kind,
                    PyThreadState **tsp)
 {
-    const size_t es = dt_size[dtype];
-    const uint64_t two_min = dtype == DT_BF16 || dtype == DT_F16 ? e->twoshot_min16 : e->twoshot_min;
-    const int two = count * es >= two_min;
-    /* a slot at a time, or chunk_bytes at a time from chunk_min bytes (the
-     * chunk's pages travel in the metadata: ranks that chunk differently
-     * get a mismatch error) */
-    const int small = count * es >= e->chunk_min && e->chunk_bytes && e->chunk_bytes < e->slot_bytes;
-    const size_t chunk = (small ? e->chunk_bytes : e->slot_bytes) / es;
-    const uint64_t arg = (two ? 2u : 1u) | (small ? (e->chunk_bytes >> 12) << 8 : 0);
+    const size_t es = dt_size[dtype], bytes = count * es;
+    /* a symmetric buffer's tensor, looked for only where zero copy could take it */
+    struct sym *sb = e->nsym && bytes >= e->zc_min && bytes <= e->zc_max ? find_sym(e, t, bytes)
+                                                                          : NULL;
+    const ar_plan_t pl = ar_plan(e, bytes, dtype, sb != NULL);
     PyThreadState *ts = *tsp;
     int st = ST_OK;
-    size_t done = 0;
-    const int zc = count * es >= e->zc_min && count * es <= e->zc_max;
-    struct sym *sb = e->nsym && zc ? find_sym(e, t, count * es) : NULL;
-    int whole = 1; /* one algorithm takes the whole tensor in its rounds */
-    if (sb) {
+    if (pl.algo == AR_ZERO_COPY) {
         size_t off = (size_t)(t - sb->base);
-        uint64_t arg = ARG_ZERO_COPY | ((sb->id & 0xFFFF) << 8) | ((uint64_t)off << 24);
+        uint64_t arg = pl.arg | ((sb->id & 0xFFFF) << 8) | ((uint64_t)off << 24);
         st = zero_copy_all_reduce(e, sb, off, count, dtype, op, kind, arg, &ts);
-    } else if (e->cma && e->world > 1 && count * es >= e->cma_ar_min) {
+    } else if (pl.algo == AR_SINGLE_COPY) {
         st = cma_all_reduce(e, t, count, dtype, op, kind, &ts);
     } else {
-        whole = 0; /* the chunks, a slot at a time */
-    }
-    for (int first = 1; !whole && (first || done < count); first = 0) {
-        size_t m = count - done < chunk ? count - done : chunk;
-        char *src = t + done * es;
-        if (two)
-            st = twoshot_chunk(e, src, m, dtype, op, kind, (uint64_t)count, arg, &ts);
-        else
-            st = oneshot_chunk(e, src, m, dtype, op, kind, (uint64_t)count, arg, &ts);
-        if (st != ST_OK)
-            break;
-        done += m;
+        const size_t chunk = pl.chunk / es;
+        for (size_t done = 0, first = 1; first || done < count; first = 0) {
+            size_t m = count - done < chunk ? count - done : chunk;
+            char *src = t + done * es;
+            if (pl.algo == AR_TWOSHOT)
+                st = twoshot_chunk(e, src, m, dtype, op, kind, (uint64_t)count, pl.arg, &ts);
+            else
+                st = oneshot_chunk(e, src, m, dtype, op, kind, (uint64_t)count, pl.arg, &ts);
+            if (st != ST_OK)
+                break;
+            done += m;
+        }
     }
     *tsp = ts;
     return st;
+}
+
+/* all_reduce_plan(nbytes, dtype, symmetric) -> (algorithm, chunk bytes,
+ * stores): how a plain all_reduce of nbytes goes now (ar_plan): "one-shot",
+ * "two-shot", "single-copy" or "zero-copy"; the bytes it moves through the
+ * slots at a time (0: none); the stores of its copies into the slots, "nt"
+ * (non-temporal) or "plain", as its chunks chose them so far or nt_min
+ * fixes them ("": no copies into the slots).  What tpcomm perf names. */
+PyObject *eng_all_reduce_plan(Engine *e, PyObject *args)
+{
+    static const char *const names[] = {"one-shot", "two-shot", "single-copy", "zero-copy"};
+    unsigned long long nbytes;
+    int dtype, symmetric;
+    if (!PyArg_ParseTuple(args, "Kip", &nbytes, &dtype, &symmetric))
+        return NULL;
+    if (dtype < 0 || dtype >= DT_COUNT) {
+        PyErr_SetString(PyExc_ValueError, "all_reduce_plan: bad dtype code");
+        return NULL;
+    }
+    const ar_plan_t pl = ar_plan(e, nbytes, dtype, symmetric);
+    if (pl.algo != AR_ONESHOT && pl.algo != AR_TWOSHOT)
+        return Py_BuildValue("(sKs)", names[pl.algo], 0ULL, "");
+    /* the first chunk's copies: a whole chunk (one-shot) or the shards of the
+     * peers (two-shot: their first, which is the smallest of them) */
+    const size_t chunk = nbytes < pl.chunk ? nbytes : pl.chunk, es = dt_size[dtype];
+    const int two = pl.algo == AR_TWOSHOT, b = store_bucket(e, chunk, two);
+    const size_t copy = two ? shard_start(chunk / es, e->world, 1) * es : chunk;
+    const int nt = b >= 0 ? (int)((atomic_load_explicit(&HDR(e)->stores, memory_order_relaxed) >> b) & 1)
+                          : copy_nt_available() && copy >= e->nt_min;
+    return Py_BuildValue("(sKs)", names[pl.algo], (unsigned long long)pl.chunk, nt ? "nt" : "plain");
 }
 
 /* all_reduce(ptr, count, dtype, op, kind) -> status */

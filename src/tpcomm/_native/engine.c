@@ -763,6 +763,8 @@ static PyMethodDef eng_methods[] = {
     {"set_stores_auto", (PyCFunction)eng_set_stores_auto, METH_O,
      "set_stores_auto(on) -> on: all_reduce chunks choose their stores as they run"},
     {"stores", (PyCFunction)eng_stores, METH_NOARGS, "stores() -> what the copy-ins learnt"},
+    {"all_reduce_plan", (PyCFunction)eng_all_reduce_plan, METH_VARARGS,
+     "all_reduce_plan(nbytes, dtype, symmetric) -> (algorithm, chunk, stores)"},
     {"fault_stores", (PyCFunction)eng_fault_stores, METH_VARARGS,
      "fault_stores(plain_us, nt_us): copy-ins take this much longer (tests)"},
     {"set_twoshot_min", (PyCFunction)eng_set_twoshot_min, METH_O,

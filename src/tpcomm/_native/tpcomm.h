@@ -542,7 +542,16 @@ void after_fork_child(void);
 int engine_add_types(PyObject *m);
 
 /* allreduce.c */
+/* how an all-reduce goes (allreduce.c ar_plan) */
+enum { AR_ONESHOT, AR_TWOSHOT, AR_SINGLE_COPY, AR_ZERO_COPY };
+typedef struct {
+    int algo;     /* AR_* */
+    size_t chunk; /* bytes through the slots at a time (one-shot, two-shot) */
+    uint64_t arg; /* the metadata arg (zero copy: where its tensor is goes on top) */
+} ar_plan_t;
+ar_plan_t ar_plan(const Engine *e, size_t bytes, int dtype, int symmetric);
 int all_reduce_rounds(Engine *e, char *t, size_t count, int dtype, int op, uint32_t kind, PyThreadState **tsp);
+PyObject *eng_all_reduce_plan(Engine *e, PyObject *args);
 PyObject *eng_all_reduce(Engine *e, PyObject *const *args, Py_ssize_t nargs);
 PyObject *eng_set_stores_auto(Engine *e, PyObject *arg);
 PyObject *eng_stores(Engine *e, PyObject *unused);

@@ -19,7 +19,6 @@ from ..ops import (
     ANY_CODE_DTYPES,
     CODE_DTYPES,
     DTYPE_CODES,
-    HALF_DTYPES,
     ReduceOp,
     dense,
 )  # fmt: skip
@@ -500,43 +499,36 @@ class ShmEngine:
     ) -> str:
         """How this engine does a plain call of ``collective`` moving ``nbytes``
         of ``dtype`` (all_reduce: its tensor, ``symmetric`` where it is from
-        Communicator.empty; all_gather: the result): what tpcomm perf names."""
+        Communicator.empty; all_gather: the result): what tpcomm perf names.
+        all_reduce: the C core's own choice (_native/allreduce.c ar_plan)."""
         if collective == "all_reduce":
-            s = self.current
-            if symmetric and 0 <= s.zc_min <= nbytes and (s.zc_max < 0 or nbytes <= s.zc_max):
-                return "zero-copy"
-            if self.cma and 0 <= self.cma_ar_min <= nbytes:
-                return "single-copy"
-            two = self.twoshot_min16 if dtype in HALF_DTYPES else self.twoshot_min
-            return "two-shot" if 0 <= two <= nbytes else "one-shot"
+            return self.all_reduce_plan(nbytes, dtype, symmetric)[0]
         if collective == "all_gather":
             return "single-copy" if self.cma and nbytes >= self.cma_min else "copy"
         return ""
 
+    def all_reduce_plan(self, nbytes: int, dtype: Any = None, symmetric: bool = False) -> tuple:
+        """(algorithm, chunk bytes, stores) of a plain all_reduce of ``nbytes``
+        of ``dtype`` (default float32) now, as the C core runs it: the bytes it
+        moves through the slots at a time (0: none), and the stores of its
+        copies into them, "nt" (non-temporal) or "plain", as its chunks chose
+        them so far (_native/allreduce.c) or nt_min fixes them ("": it copies
+        nothing into the slots)."""
+        import torch
+
+        code = DTYPE_CODES[dtype if dtype is not None else torch.float32]
+        return self._native.all_reduce_plan(nbytes, code, symmetric)
+
     def chunk(self, nbytes: int) -> int:
         """The bytes an all_reduce of ``nbytes`` moves through the slots at a
         time: a slot, or chunk_bytes from chunk_min bytes."""
-        s = self.current
-        return s.chunk_bytes if 0 <= s.chunk_min <= nbytes else self.slot_bytes
+        return self.all_reduce_plan(nbytes)[1] or self.slot_bytes
 
     def stores_in_use(self, nbytes: int, dtype: Any = None) -> str:
         """The stores a plain all_reduce of ``nbytes`` of ``dtype`` copies
-        into the slots with now: "nt" (non-temporal) or "plain", as its
-        chunks chose them so far (_native/allreduce.c) or nt_min fixes them;
-        "" where it copies nothing into the slots (single copy).  What
-        tpcomm perf names beside the algorithm."""
-        algo = self.algorithm("all_reduce", nbytes, dtype)
-        if algo not in ("one-shot", "two-shot"):
-            return ""
-        s, st = self.current, self._native.stores()
-        chunk = min(nbytes, self.chunk(nbytes))
-        split = s.threads > 1 and 0 <= s.threads_min <= chunk  # the pool's chunks: nt_min
-        if st["on"] and chunk >= st["min_bytes"] and not split:
-            size = min(chunk.bit_length() - st["min_bytes"].bit_length(), st["sizes"] - 1)
-            bucket = size + (st["sizes"] if algo == "two-shot" else 0)
-            return "nt" if st["nt"][bucket] else "plain"
-        copy = chunk if algo == "one-shot" else chunk // self.world  # a shard
-        return "nt" if st["nt_copies"] and 0 <= s.nt_min <= copy else "plain"
+        into the slots with now ("nt", "plain", or "": none): what tpcomm perf
+        names beside the algorithm."""
+        return self.all_reduce_plan(nbytes, dtype)[2]
 
     # -- knobs and views for tests (tpcomm._testing) -------------------------
 
