@@ -319,7 +319,8 @@ PLANS = {
     "chunked one-shot": ({"twoshot_min": -1, "twoshot_min16": -1, "chunk_min": 0}, False),
     "chunked two-shot": ({"twoshot_min": 0, "twoshot_min16": 0, "chunk_min": 0}, False),
     "16-bit two-shot": ({"twoshot_min": -1, "twoshot_min16": 0, "chunk_min": -1}, False),
-    "zero copy": ({"zc_min": 0, "zc_max": -1}, True),
+    "zero copy": ({"zc_min": 0, "zc_max": -1, "chunk_min": -1}, True),
+    "zero copy in pieces": ({"zc_min": 0, "zc_max": -1, "chunk_min": 0}, True),
     "zero copy past its window": (
         {"zc_min": 0, "zc_max": 4096, "twoshot_min": 0, "twoshot_min16": 0, "chunk_min": -1},
         True,
@@ -364,7 +365,8 @@ def test_the_plan_names_what_runs(pools, world):
     """all_reduce_plan (what tpcomm perf names) is the C core's own choice:
     for every algorithm, chunking and dtype the rounds a real all_reduce
     takes are the plan's (one-shot one a chunk, two-shot two a chunk, zero
-    copy and single copy three), and the result is the float64 sum."""
+    copy one a piece and two, single copy three), and the result is the
+    float64 sum."""
     nbytes = 3 * 65536 + 64  # three chunks of 64 KiB and a bit, under a slot
     res = pools.run(world, plans_and_rounds, nbytes)
     assert all(r == res[0] for r in res), "ranks disagree"
@@ -374,6 +376,7 @@ def test_the_plan_names_what_runs(pools, world):
         "chunked one-shot": ("one-shot", 65536, 4),
         "chunked two-shot": ("two-shot", 65536, 8),
         "zero copy": ("zero-copy", 0, 3),
+        "zero copy in pieces": ("zero-copy", 65536, 4),  # the largest shard: 2 pieces
         "zero copy past its window": ("two-shot", SLOT, 2),
         "single copy": ("single-copy", 0, 3),
     }

@@ -1,13 +1,15 @@
 """Communicator.empty: tensors in shared memory, and the zero-copy all_reduce.
 
 Guards: results equal the torch reference and are bitwise equal across ranks; a
-zero-copy all_reduce is three rounds and copies nothing in; small ones take the
+zero-copy all_reduce is three rounds (a round more a piece past the first, in
+pieces from TPCOMM_CHUNK_MIN_BYTES) and copies nothing in; small ones take the
 ordinary path; a tensor at an offset inside the buffer works; ranks disagreeing
 on zero-copy get a mismatch error; the tensor outlives close(); nothing leaks.
 """
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -22,9 +24,30 @@ from ._ref import DTYPES, FLOATS, digest, make, reference
 BIG = 300_000  # elements: above the zero-copy threshold (256 KiB) for every dtype
 
 
-def zero_copy_matrix(comm):
-    r, w = comm.rank, comm.world_size
+def zero_copy_rounds(n: int, w: int, itemsize: int, chunk: int) -> int:
+    """The rounds of a zero-copy all_reduce of n elements: one for the data,
+    one a piece (chunk bytes of the largest shard, whole shards without a
+    chunk: its shard is n / w rounded up to 32 elements), one at the end."""
+    shard = min(n, math.ceil(math.ceil(n / w) / 32) * 32)
+    piece = chunk // itemsize // 32 * 32 if chunk else shard
+    return 2 + max(1, math.ceil(shard / piece))
+
+
+def zero_copy_matrix(comm, chunk=0):
+    """Every dtype and op, at offsets; ``chunk``: in pieces of chunk bytes."""
     problems, digests = [], []
+    if chunk:
+        _testing.engine(comm).retune(chunk_min=0, chunk_bytes=chunk)
+    try:
+        _matrix(comm, chunk, problems, digests)
+    finally:
+        if chunk:
+            _testing.restore(comm)
+    return problems, digests
+
+
+def _matrix(comm, chunk, problems, digests):
+    r, w = comm.rank, comm.world_size
     seed = 0
     for dtype in DTYPES:
         buf = comm.empty((BIG + 100,), dtype)
@@ -38,13 +61,13 @@ def zero_copy_matrix(comm):
                 r0 = _testing.rounds(comm)
                 comm.all_reduce(x, op)
                 rounds = _testing.rounds(comm) - r0
-                if n >= BIG - 7 and rounds != 3:
-                    problems.append(f"{dtype} {op.name} n={n}: {rounds} rounds, not zero-copy")
+                want = zero_copy_rounds(n, w, dtype.itemsize, chunk)
+                if n >= BIG - 7 and rounds != want:
+                    problems.append(f"{dtype} {op.name} n={n}: {rounds} rounds, not {want}")
                 ref = reference([make(q, n, dtype, seed) for q in range(w)], op)
                 if not torch.equal(x, ref):
                     problems.append(f"{dtype} {op.name} n={n} off={off}: differs from reference")
                 digests.append(digest(x))
-    return problems, digests
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -53,6 +76,38 @@ def test_zero_copy_all_reduce(pools, world):
     problems = [p for ps, _ in res for p in ps]
     assert not problems, problems[:10]
     assert all(d == res[0][1] for _, d in res)
+
+
+@pytest.mark.parametrize("world,chunk", [(2, 65536), (3, 12288)])
+def test_zero_copy_in_pieces(pools, world, chunk):
+    """From TPCOMM_CHUNK_MIN_BYTES zero copy goes chunk bytes of every shard
+    at a time: a round a piece (counted independently), the same results as
+    the references, bitwise equal across ranks, for sizes that are and are
+    not a multiple of the piece, at offsets inside the buffer."""
+    res = pools.run(world, zero_copy_matrix, chunk)
+    problems = [p for ps, _ in res for p in ps]
+    assert not problems, problems[:10]
+    assert all(d == res[0][1] for _, d in res)
+    whole = pools.run(world, zero_copy_matrix)
+    assert whole[0][1] == res[0][1]  # the same bits as the whole shards at once
+
+
+def disagree_on_pieces(comm):
+    buf = comm.empty((BIG,), torch.float32).fill_(1.0)
+    eng = _testing.engine(comm)
+    eng.retune(chunk_min=0 if comm.rank == 0 else -1, chunk_bytes=65536)
+    try:
+        comm.all_reduce(buf)
+        return "no error"
+    except ValueError as e:
+        return str(e)
+    finally:
+        _testing.restore(comm)
+
+
+def test_ranks_cutting_zero_copy_differently_are_told(pools):
+    for msg in pools.run(2, disagree_on_pieces):
+        assert "mismatched collective" in msg and "in pieces of 64 KiB" in msg, msg
 
 
 def disagree(comm):

@@ -373,8 +373,8 @@ def _check_paths(rep: Report, world: int) -> None:
     else:
         rep.info(
             f"  through the slots: a slot ({slot}) at a time below {_human(s.chunk_min)}, "
-            f"{_human(s.chunk_bytes)} at a time from there ({source('chunk_min_bytes')}; "
-            f"chunk: {source('chunk_bytes')})"
+            f"{_human(s.chunk_bytes)} at a time from there, zero copy that much of every "
+            f"shard ({source('chunk_min_bytes')}; chunk: {source('chunk_bytes')})"
         )
     _print_routes(rep, paths)
     _check_cma(rep, world, s.cma_min)

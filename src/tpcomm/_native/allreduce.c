@@ -257,36 +257,53 @@ static int oneshot_chunk(Engine *e, char *src, size_t m, int dtype, int op, uint
  * Zero-copy all-reduce of a tensor that lives in a symmetric buffer: every
  * rank reads its peers' tensors where they are, so nothing is copied in.
  *   round 1: everyone's data is ready;
- *   rank r reduces shard r of every rank's tensor, in rank order, into shard r
- *   of its own (only rank r ever reads shard r of anyone, so writing it in
- *   place is safe);
- *   round 2: every shard is reduced; each rank copies the other shards from
- *   their owners' tensors into its own;
- *   round 3: nobody reads this rank's tensor any more: the caller may change it.
- * The metadata arg carries the buffer and offset, so ranks whose tensors are
- * not at the same place in the same buffer get a mismatch error.
+ *   then piece by piece (`piece` elements of every shard at a time; the
+ *   whole shard where piece is 0): rank r reduces its piece of shard r of
+ *   every rank's tensor, in rank order, into shard r of its own (only rank r
+ *   ever reads shard r of anyone before this piece's round, so writing it in
+ *   place is safe); a round: this piece of every shard is reduced; each rank
+ *   copies the others' pieces from their owners' tensors into its own (the
+ *   owners read those places of it before the round, never after);
+ *   last round: nobody reads this rank's tensor any more: the caller may
+ *   change it.
+ * In pieces of a cache's size a rank copies each reduced piece out while it
+ * is still in its owner's caches, not back from memory: at 16-64 MiB, far
+ * past the L2, 0.74-0.76 of the time of the whole shards at once on AMD Zen
+ * 3 (docs/DECISIONS.md); within the caches more rounds only cost.  Every
+ * rank takes as many rounds (the pieces of the largest shard).  The metadata
+ * arg carries the buffer, the offset and the piece, so ranks whose tensors
+ * are not at the same place in the same buffer, or that cut it differently,
+ * get a mismatch error.
  */
-static int zero_copy_all_reduce(Engine *e, struct sym *sb, size_t off, size_t count, int dtype,
-                                int op, uint32_t kind, uint64_t arg, PyThreadState **ts)
+static int zero_copy_all_reduce(Engine *e, struct sym *sb, size_t off, size_t count, size_t piece,
+                                int dtype, int op, uint32_t kind, uint64_t arg, PyThreadState **ts)
 {
     const size_t es = dt_size[dtype];
     const int w = e->world, me = e->rank;
+    char *mine = sb->base + off;
     int st = round_sync(e, kind, (uint32_t)dtype, (uint32_t)op, count, arg, ts);
-    if (st != ST_OK)
-        return st;
-    const size_t lo = shard_start(count, w, me), hi = shard_start(count, w, me + 1);
-    for (int r = 0; r < w; r++)
-        e->srcs[r] = sb->peers[r] + off + lo * es;
-    par_reduce(e->pool, dtype, op, sb->base + off + lo * es, e->srcs, w, hi - lo);
-    st = round_sync(e, kind, (uint32_t)dtype, (uint32_t)op, count, arg, ts);
-    if (st != ST_OK)
-        return st;
-    for (int i = 1; i < w; i++) {
-        int j = (me + i) % w;
-        size_t jlo = shard_start(count, w, j), jhi = shard_start(count, w, j + 1);
-        par_copy_out(e->pool, sb->base + off + jlo * es, sb->peers[j] + off + jlo * es,
-                 (jhi - jlo) * es);
+    const size_t shard = shard_start(count, w, 1); /* the largest shard: rank 0's */
+    if (piece == 0 || piece > shard)
+        piece = shard;
+    for (size_t a = 0, first = 1; st == ST_OK && (first || a < shard); a += piece, first = 0) {
+        size_t lo = shard_start(count, w, me) + a, hi = shard_start(count, w, me + 1);
+        if (lo < hi) {
+            size_t n = hi - lo < piece ? hi - lo : piece;
+            for (int r = 0; r < w; r++)
+                e->srcs[r] = sb->peers[r] + off + lo * es;
+            par_reduce(e->pool, dtype, op, mine + lo * es, e->srcs, w, n);
+        }
+        st = round_sync(e, kind, (uint32_t)dtype, (uint32_t)op, count, arg, ts);
+        for (int i = 1; st == ST_OK && i < w; i++) {
+            int j = (me + i) % w;
+            size_t jlo = shard_start(count, w, j) + a, jhi = shard_start(count, w, j + 1);
+            if (jlo < jhi)
+                par_copy_out(e->pool, mine + jlo * es, sb->peers[j] + off + jlo * es,
+                             (jhi - jlo < piece ? jhi - jlo : piece) * es);
+        }
     }
+    if (st != ST_OK)
+        return st;
     return round_sync(e, kind, (uint32_t)dtype, (uint32_t)op, count, arg, ts);
 }
 
@@ -305,25 +322,30 @@ static struct sym *find_sym(Engine *e, const char *t, size_t bytes)
  * the slots: one-shot (every rank reduces the whole chunk: one round) below
  * twoshot_min bytes (twoshot_min16 for bfloat16 and float16), two-shot (two
  * rounds) from there; a chunk is a slot, or chunk_bytes from chunk_min bytes.
- * The choice travels in the metadata (arg: 1 or 2 plus the chunk's pages << 8
- * where it is not a slot; ARG_SINGLE_COPY; zero copy adds where its tensor
- * is), so ranks configured differently get a mismatch error, not garbage.
+ * Zero copy goes in pieces of chunk_bytes of every shard from chunk_min bytes
+ * too.  The choice travels in the metadata (arg: 1 or 2 plus the chunk's
+ * pages << 8 where it is not a slot; ARG_SINGLE_COPY; ARG_ZERO_COPY plus the
+ * piece's pages << 16, and where its tensor is: the buffer's id & 0xFF << 8,
+ * the offset's low 32 bits << 32), so ranks configured differently get a
+ * mismatch error, not garbage.
  * all_reduce_rounds runs what this says, and all_reduce_plan shows it:
  * one function, so what tpcomm perf names is what runs.
  */
 ar_plan_t ar_plan(const Engine *e, size_t bytes, int dtype, int symmetric)
 {
     ar_plan_t pl = {AR_ONESHOT, e->slot_bytes, 1};
+    const int small = bytes >= e->chunk_min && e->chunk_bytes && e->chunk_bytes < e->slot_bytes;
     if (symmetric && bytes >= e->zc_min && bytes <= e->zc_max) {
-        pl.algo = AR_ZERO_COPY;
-        pl.arg = ARG_ZERO_COPY;
+        pl.algo = AR_ZERO_COPY; /* each shard chunk_bytes at a time, or whole */
+        pl.chunk = small ? e->chunk_bytes : 0;
+        pl.arg = ARG_ZERO_COPY | ((pl.chunk >> 12) & 0xFFFF) << 16;
     } else if (e->cma && e->world > 1 && bytes >= e->cma_ar_min) {
         pl.algo = AR_SINGLE_COPY;
+        pl.chunk = 0;
         pl.arg = ARG_SINGLE_COPY;
     } else {
         const uint64_t two_min =
             dtype == DT_BF16 || dtype == DT_F16 ? e->twoshot_min16 : e->twoshot_min;
-        const int small = bytes >= e->chunk_min && e->chunk_bytes && e->chunk_bytes < e->slot_bytes;
         pl.algo = bytes >= two_min ? AR_TWOSHOT : AR_ONESHOT;
         pl.chunk = small ? e->chunk_bytes : e->slot_bytes;
         pl.arg = (pl.algo == AR_TWOSHOT ? 2u : 1u) | (small ? (e->chunk_bytes >> 12) << 8 : 0);
@@ -345,10 +367,10 @@ int all_reduce_rounds(Engine *e, char *t, size_t count, int dtype, int op, uint3
     const ar_plan_t pl = ar_plan(e, bytes, dtype, sb != NULL);
     PyThreadState *ts = *tsp;
     int st = ST_OK;
-    if (pl.algo == AR_ZERO_COPY) {
-        size_t off = (size_t)(t - sb->base);
-        uint64_t arg = pl.arg | ((sb->id & 0xFFFF) << 8) | ((uint64_t)off << 24);
-        st = zero_copy_all_reduce(e, sb, off, count, dtype, op, kind, arg, &ts);
+    if (pl.algo == AR_ZERO_COPY) { /* the piece's pages in bits 16-31 of arg */
+        size_t off = (size_t)(t - sb->base), piece = pl.chunk / es & ~(size_t)31;
+        uint64_t arg = pl.arg | ((sb->id & 0xFF) << 8) | ((uint64_t)(off & 0xFFFFFFFFu) << 32);
+        st = zero_copy_all_reduce(e, sb, off, count, piece, dtype, op, kind, arg, &ts);
     } else if (pl.algo == AR_SINGLE_COPY) {
         st = cma_all_reduce(e, t, count, dtype, op, kind, &ts);
     } else {
@@ -372,7 +394,7 @@ int all_reduce_rounds(Engine *e, char *t, size_t count, int dtype, int op, uint3
 /* all_reduce_plan(nbytes, dtype, symmetric) -> (algorithm, chunk bytes,
  * stores): how a plain all_reduce of nbytes goes now (ar_plan): "one-shot",
  * "two-shot", "single-copy" or "zero-copy"; the bytes it moves through the
- * slots at a time (0: none); the stores of its copies into the slots, "nt"
+ * slots at a time (zero copy: of every shard; 0: all at once); the stores of its copies into the slots, "nt"
  * (non-temporal) or "plain", as its chunks chose them so far or nt_min
  * fixes them ("": no copies into the slots).  What tpcomm perf names. */
 PyObject *eng_all_reduce_plan(Engine *e, PyObject *args)
@@ -388,7 +410,7 @@ PyObject *eng_all_reduce_plan(Engine *e, PyObject *args)
     }
     const ar_plan_t pl = ar_plan(e, nbytes, dtype, symmetric);
     if (pl.algo != AR_ONESHOT && pl.algo != AR_TWOSHOT)
-        return Py_BuildValue("(sKs)", names[pl.algo], 0ULL, "");
+        return Py_BuildValue("(sKs)", names[pl.algo], (unsigned long long)pl.chunk, "");
     /* the first chunk's copies: a whole chunk (one-shot) or the shards of the
      * peers (two-shot: their first, which is the smallest of them) */
     const size_t chunk = nbytes < pl.chunk ? nbytes : pl.chunk, es = dt_size[dtype];

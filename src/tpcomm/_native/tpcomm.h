@@ -113,7 +113,7 @@
 #define P2P_MAX_TENSORS 255
 #define P2P_MAX_DIMS 8
 #define P2P_RING 64    /* chunks in flight per point-to-point channel (pipelining) */
-#define ARG_ZERO_COPY 3  /* all-reduce metadata arg: 1 one-shot, 2 two-shot, 3 + ... zero-copy */
+#define ARG_ZERO_COPY 3  /* all-reduce metadata arg: 1 one-shot, 2 two-shot, 3 + ... zero-copy (ar_plan) */
 #define ARG_SINGLE_COPY 4 /* all-reduce metadata arg: single copy (cma.c cma_all_reduce) */
 #define RS_FLAT 0x5253   /* flat_key's kind for reduce_scatter layouts (rounds.c) */
 #define CMA_MIN_BLOCK 4096u /* smaller blocks of a row layout: the copy path (cma.c) */
@@ -546,7 +546,7 @@ int engine_add_types(PyObject *m);
 enum { AR_ONESHOT, AR_TWOSHOT, AR_SINGLE_COPY, AR_ZERO_COPY };
 typedef struct {
     int algo;     /* AR_* */
-    size_t chunk; /* bytes through the slots at a time (one-shot, two-shot) */
+    size_t chunk; /* bytes through the slots at a time (zero copy: of each shard; 0 all) */
     uint64_t arg; /* the metadata arg (zero copy: where its tensor is goes on top) */
 } ar_plan_t;
 ar_plan_t ar_plan(const Engine *e, size_t bytes, int dtype, int symmetric);

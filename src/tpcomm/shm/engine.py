@@ -155,7 +155,9 @@ def _describe_call(kind: int, dtype: int, op: int, count: int, arg: int | None =
         return text + ")"
     if kind == KIND_ALL_REDUCE:
         if arg & 0xFF == _native.ARG_ZERO_COPY:
-            return f"{text}, algorithm=zero-copy in buffer {(arg >> 8) & 0xFFFF} at {arg >> 24})"
+            pages, where = (arg >> 16) & 0xFFFF, f"in buffer {(arg >> 8) & 0xFF} at {arg >> 32}"
+            pieces = f", in pieces of {pages * 4} KiB" if pages else ""
+            return f"{text}, algorithm=zero-copy {where}{pieces})"
         algo, pages = arg & 0xFF, arg >> 8
         if algo in (1, 2) and pages:  # chunk_bytes at a time
             return f"{text}, algorithm={_ALGOS[algo]} in chunks of {pages * 4} KiB)"
@@ -510,7 +512,8 @@ class ShmEngine:
     def all_reduce_plan(self, nbytes: int, dtype: Any = None, symmetric: bool = False) -> tuple:
         """(algorithm, chunk bytes, stores) of a plain all_reduce of ``nbytes``
         of ``dtype`` (default float32) now, as the C core runs it: the bytes it
-        moves through the slots at a time (0: none), and the stores of its
+        moves through the slots at a time (zero copy: of every rank's shard;
+        0: everything at once), and the stores of its
         copies into them, "nt" (non-temporal) or "plain", as its chunks chose
         them so far (_native/allreduce.c) or nt_min fixes them ("": it copies
         nothing into the slots)."""
@@ -522,7 +525,7 @@ class ShmEngine:
     def chunk(self, nbytes: int) -> int:
         """The bytes an all_reduce of ``nbytes`` moves through the slots at a
         time: a slot, or chunk_bytes from chunk_min bytes."""
-        return self.all_reduce_plan(nbytes)[1] or self.slot_bytes
+        return self.all_reduce_plan(nbytes)[1]
 
     def stores_in_use(self, nbytes: int, dtype: Any = None) -> str:
         """The stores a plain all_reduce of ``nbytes`` of ``dtype`` copies
