@@ -155,9 +155,13 @@ def test_tune_writes_the_switch_points_of_what_it_measured(tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "profile written to" in r.stdout and "fastest" in r.stdout
+    assert "a plain 1 MiB all_reduce:" in r.stdout and "us after" in r.stdout
     prof, why = profile.read(str(out))
     assert prof is not None, why
     got, res = prof["worlds"]["2"], prof["measured"]["2"]
+    before, after = res["reference_s"]  # the machine's speed around the measurements
+    assert before > 0 and after > 0
+    assert ("changed speed" in r.stdout) == bool(profile.steadiness(before, after))
     sizes = [16 << 10, 128 << 10, 1 << 20]
 
     def ratio(coll, s, algo, *base):  # the median of each repetition's own ratio
@@ -198,6 +202,34 @@ def test_tune_writes_the_switch_points_of_what_it_measured(tmp_path):
     chunks = [ratio("chunks", s, "chunks", "slots") for s in sizes]
     assert got["chunk_min_bytes"] == point(chunks)
     assert got.get("chunk_bytes") == (65536 if point(chunks) >= 0 else None)
+
+
+def test_steadiness_warns_when_the_machine_changed_speed():
+    """tpcomm tune times a plain all_reduce before and after its measurements:
+    within 1.5x either way is steady; beyond, or a time of 0, a warning that
+    gives both times."""
+    assert profile.steadiness(60e-6, 60e-6) == ""
+    assert profile.steadiness(60e-6, 89e-6) == "" and profile.steadiness(89e-6, 60e-6) == ""
+    for before, after in ((60e-6, 91e-6), (250e-6, 61e-6)):
+        warning = profile.steadiness(before, after)
+        assert warning.startswith("warning:") and "changed speed" in warning
+        assert f"{before * 1e6:.1f} us before" in warning
+        assert f"{after * 1e6:.1f} us after" in warning
+    assert profile.steadiness(0.0, 60e-6).startswith("warning:")
+
+
+def test_doctor_repeats_the_warning_of_an_unsteady_profile(tmp_path, monkeypatch):
+    from tpcomm import doctor
+
+    path = tmp_path / "profile.json"
+    measured = {"2": {"reference_s": [60e-6, 250e-6]}, "4": {"reference_s": [60e-6, 61e-6]}}
+    profile.write({2: {"twoshot_min_bytes": 1 << 20}, 4: {}}, measured, "tpcomm tune", str(path))
+    monkeypatch.setenv("TPCOMM_PROFILE", str(path))
+    lines = []
+    rep = doctor.Report(lines.append)
+    assert doctor._check_profile(rep, 2) == {"twoshot_min_bytes": 1 << 20}
+    warned = [line for line in lines if "changed speed" in line]
+    assert len(warned) == 1 and "world 2:" in warned[0] and "250.0 us after" in warned[0]
 
 
 def test_tune_says_threads_were_not_measured_with_one_per_rank(tmp_path):

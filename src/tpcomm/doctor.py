@@ -415,6 +415,11 @@ def _check_profile(rep: Report, world: int) -> dict:
         f"tuned profile {_env.profile_path()} ({prof.get('command', 'tpcomm tune')}; "
         f"worlds {', '.join(sorted(prof['worlds']))}): at {world} ranks {shown or 'nothing'}"
     )
+    for w, res in sorted(prof.get("measured", {}).items()):
+        ref = res.get("reference_s") if isinstance(res, dict) else None
+        warning = profile.steadiness(*ref) if isinstance(ref, list) and len(ref) == 2 else ""
+        if warning:
+            rep.warn(f"tuned profile, world {w}: {warning}")
     return tuned
 
 

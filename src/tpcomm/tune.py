@@ -12,7 +12,10 @@ each repetition); the table's fastest is the lowest median time, and a
 switch point is the smallest measured size at which the other variant is
 faster by 3 % or more (the median of each repetition's own ratio) and at every
 larger size not slower by more than 3 % (-1: never).  Settings given in the
-environment still win over the profile.
+environment still win over the profile.  A plain all_reduce timed before and
+after the measurements says whether the machine kept its speed meanwhile; a
+warning where it did not (the profile is written all the same: the ratios are
+taken within repetitions, which a short change of speed does not spoil).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from . import _env
 from .ops import ReduceOp
 from .perf.table import parse_size
 from .perf.timing import measured
+from .shm import profile
 from .shm.engine import engine_of
 
 __all__ = ["add_arguments", "main", "run", "switch_point", "switch_window"]
@@ -134,6 +138,21 @@ def switch_window(sizes: list, ratios: list, margin: float = MARGIN) -> tuple:
             best = (sizes[wins[0]], -1 if j == len(sizes) else sizes[j - 1])
         i = j + 1
     return best
+
+
+def _reference(comm: Any, cfg: dict) -> float:
+    """Seconds per call of a plain float32 all_reduce of
+    profile.REFERENCE_BYTES with the settings agreed at creation: the median
+    of three timings, the slowest rank's."""
+    torch.set_num_threads(1)
+    x = torch.rand(profile.REFERENCE_BYTES // 4)
+
+    def call() -> None:
+        comm.all_reduce(x)
+
+    t = torch.tensor([statistics.median(measured(comm, call, cfg["target"]) for _ in range(3))])
+    comm.all_reduce(t, ReduceOp.MAX)
+    return float(t.item())
 
 
 def _use(eng: Any, collective: str, variant: str) -> None:
@@ -306,7 +325,6 @@ def _table(sizes: list, res: dict, plan: tuple) -> list:
 
 def run(args: argparse.Namespace, out=sys.stdout) -> int:
     from .launch import LocalGroup
-    from .shm import profile
 
     try:
         worlds = sorted({int(v) for v in str(args.nranks).split(",") if v.strip()})
@@ -330,13 +348,23 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
     t0 = time.monotonic()
     for w in worlds:
         with LocalGroup(w, pin=not args.no_pin) as group:
+            before = group.run(_reference, cfg)[0]
             res = group.run(_measure, cfg)[0]
             settings = _settings(sizes, res)
             copies = group.run(_measure_copies, cfg, settings)[0]
+            after = group.run(_reference, cfg)[0]
         settings.update(_copy_settings(sizes, copies))
-        res.update(copies)
+        res.update(copies, reference_s=[before, after])
         chosen[w], results[str(w)] = settings, res
         out.write(f"# world {w}: {profile.encode(settings).replace(',', ', ')}\n")
+        warning = profile.steadiness(before, after)
+        out.write(
+            f"#   a plain {profile.REFERENCE_BYTES >> 20} MiB all_reduce: {before * 1e6:.1f} us "
+            f"before the measurements, {after * 1e6:.1f} us after\n"
+        )
+        if warning:
+            out.write(f"# {warning}\n")
+            print(f"tpcomm tune: world {w}: {warning}", file=sys.stderr)
         lines = _table(sizes, res, ALGORITHMS + COPIES)
         if "threads" not in res:
             lines.append(f"#   threads: not measured ({copies['threads_per_rank']} per rank; "

@@ -144,3 +144,26 @@ def write(worlds: dict, measured: dict, command: str, path: Optional[str] = None
         json.dump(prof, f, indent=1)
     os.replace(tmp, path)
     return path
+
+
+# The machine's speed, checked before and after tpcomm tune's measurements: a
+# plain all_reduce of REFERENCE_BYTES (float32, the settings agreed at
+# creation) that took more than STEADY times as long at one end as at the
+# other says the machine changed speed while tuning (a shared VM does, for
+# minutes; so does a machine that other work starts on), and switch points
+# measured across such a change may compare variants timed at different speeds.
+REFERENCE_BYTES = 1 << 20
+STEADY = 1.5
+
+
+def steadiness(before: float, after: float, limit: float = STEADY) -> str:
+    """ "" where the reference all_reduce took about as long (seconds) before
+    the measurements as after them (within ``limit`` times), else a warning."""
+    if min(before, after) > 0 and max(before, after) / min(before, after) <= limit:
+        return ""
+    return (
+        f"warning: a plain {REFERENCE_BYTES >> 20} MiB all_reduce took {before * 1e6:.1f} us "
+        f"before the measurements and {after * 1e6:.1f} us after: this machine changed speed "
+        "while tuning, so the switch points may compare variants timed at different speeds; "
+        "run tpcomm tune again when the machine is quiet"
+    )
