@@ -297,6 +297,9 @@ def main(bench_dir: str) -> None:
         "the fastest library's, the median of each repetition's own ratio.",
         "- memcpy is one thread copying the same bytes on this machine: the physical bound for "
         "a collective that must move them once.",
+        "- algorithm: what tpcomm's engine ran (the C core's own choice); `/256K`: through the "
+        "slots (zero copy: through every shard) 256 KiB at a time instead of a slot at a time; "
+        "`/nt`: its copies into the slots ended the size on non-temporal stores.",
         "- The data-moving collectives run with `--fresh`: every library's input is rewritten "
         "before every call (as new activations are in inference) and that rewrite's time is "
         "subtracted.",

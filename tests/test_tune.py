@@ -246,12 +246,14 @@ def test_perf_names_the_algorithm_of_each_size(tmp_path):
     cmd = [sys.executable, "-m", "tpcomm", "perf", "all_reduce", "-b", "1K", "-e", "1M"]
     cmd += ["-f", "32", "-n", "10", "-J", str(out)]
     env = {**os.environ, "TPCOMM_PROFILE": "0", "TPCOMM_CMA_ALLREDUCE_MIN_BYTES": str(1 << 20)}
+    env.update(TPCOMM_CHUNK_MIN_BYTES=str(1 << 20), TPCOMM_CHUNK_BYTES="65536")
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     rows = json.loads(out.read_text())["results"]
     algos = [row["algorithm"].removesuffix("/nt") for row in rows]  # whatever the stores
     assert algos[:2] == ["one-shot", "one-shot"]  # 1 KiB, 32 KiB: below the 256 KiB default
-    assert algos[2] in ("single-copy", "two-shot")  # two-shot where single copy is refused
+    # 1 MiB: two-shot in chunks of 64 KiB where single copy is refused
+    assert algos[2] in ("single-copy", "two-shot/64K")
     assert all(line.split()[-1].removesuffix("/nt") == a for line, a in zip(_rows(r.stdout), algos))
 
 

@@ -127,18 +127,20 @@ def _libraries(comm: Any, cfg: dict, gloo_group: Any) -> dict:
 def _algorithm(comm: Any, collective: str, nbytes: int, dtype: Any, symmetric: bool) -> str:
     """What the shared-memory engine does for this call (shm/engine.py algorithm):
     one-shot, two-shot, single-copy or (a comm.empty tensor) zero-copy
-    all_reduce, copy or single-copy all_gather; "/nt" where an all_reduce's
-    copies into the slots used non-temporal stores at the end of the timed
-    calls (rank 0's choice: every rank stores alike)."""
+    all_reduce, copy or single-copy all_gather; all_reduce: "/256K" where it
+    goes through the slots (zero copy: every shard) 256 KiB at a time instead
+    of a slot at a time, "/nt" where its copies into the slots used
+    non-temporal stores at the end of the timed calls (rank 0's choice: every
+    rank stores alike)."""
     eng = engine_of(comm)
     if eng is None:
         return ""
-    algo = eng.algorithm(collective, nbytes, dtype, symmetric)
-    if algo == "zero-copy":
-        return algo
-    if collective == "all_reduce" and eng.stores_in_use(nbytes, dtype) == "nt":
-        algo += "/nt"
-    return algo
+    if collective != "all_reduce":
+        return eng.algorithm(collective, nbytes, dtype, symmetric)
+    algo, chunk, stores = eng.all_reduce_plan(nbytes, dtype, symmetric)
+    if chunk and chunk != eng.slot_bytes and nbytes > chunk:  # chunks of their own
+        algo += f"/{chunk >> 10}K"
+    return algo + ("/nt" if stores == "nt" else "")
 
 
 def _state(cfg: dict, rank: int, world: int, count: int) -> dict:
