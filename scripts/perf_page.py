@@ -335,10 +335,10 @@ def main(bench_dir: str) -> None:
         "in it is a store into a line the other core holds (`benchmarks/oneshot.c`: the copy "
         "phase); non-temporal stores avoid that, and the all_reduce chunks choose them while "
         "it lasts (the stores table). A table that shows it is rerun, not kept (the header "
-        "says which). Zero copy has no such way out: it reads the lines where their owner "
-        "wrote them, and in the slow mode a 1 MiB zero-copy all_reduce took about 1.8x the "
-        "time of the copies (its tuned window comes from a run in the fast mode; "
-        "docs/DECISIONS.md).",
+        "says which). Zero copy reads the lines where their owner wrote them, and in the slow "
+        "mode a 1 MiB zero-copy all_reduce took about 1.8x the time of the copies, so rank 0 "
+        "chooses between them as calls run (docs/COLLECTIVES.md); a table run in the fast "
+        "mode shows zero copy.",
         "- Worlds larger than the core count run oversubscribed: the engine stops spinning and "
         'yields at once (docs/ENGINE.md, "Waiting"); they are tested, not benchmarked here.',
         "- What was tried and not kept, and why the switch points are where they are: "

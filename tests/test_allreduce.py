@@ -335,12 +335,21 @@ def plans_and_rounds(comm, nbytes):
     equals the float64 sum of every rank's data."""
     eng = _testing.engine(comm)
     cma = _testing.cma_init(comm, True, -1)[1]
+    _testing.set_zero_copy_auto(comm, False)  # zero copy where the window says
     out = {}
     try:
         for name, (changes, symmetric) in PLANS.items():
             if name == "single copy" and not cma:
                 continue
-            eng.retune(**{**eng.settings._asdict(), "chunk_bytes": 65536, "zc_min": -1, **changes})
+            eng.retune(
+                **{
+                    **eng.settings._asdict(),
+                    "chunk_bytes": 65536,
+                    "zc_min": -1,
+                    "zc_auto": False,
+                    **changes,
+                }
+            )
             for dt in (torch.float32, torch.bfloat16):
                 n = nbytes // dt.itemsize
                 x = make(comm.rank, n, dt, 11)

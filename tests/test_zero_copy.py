@@ -36,13 +36,13 @@ def zero_copy_rounds(n: int, w: int, itemsize: int, chunk: int) -> int:
 def zero_copy_matrix(comm, chunk=0):
     """Every dtype and op, at offsets; ``chunk``: in pieces of chunk bytes."""
     problems, digests = [], []
+    _testing.set_zero_copy_auto(comm, False)  # zero copy, never the copies: rounds counted
     if chunk:
         _testing.engine(comm).retune(chunk_min=0, chunk_bytes=chunk)
     try:
         _matrix(comm, chunk, problems, digests)
     finally:
-        if chunk:
-            _testing.restore(comm)
+        _testing.restore(comm)
     return problems, digests
 
 
@@ -110,6 +110,57 @@ def test_ranks_cutting_zero_copy_differently_are_told(pools):
         assert "mismatched collective" in msg and "in pieces of 64 KiB" in msg, msg
 
 
+def chosen_as_it_runs(comm, slow_us, calls):
+    """Zero copy made slow on rank 0 (fault_zero_copy), then the copies
+    (fault_stores): per phase, each call's rounds (3: zero copy; 2: the
+    copies, two-shot), whether every result was right, and the choice in
+    force at the end for this size (1: the copies)."""
+    eng = _testing.engine(comm)
+    _testing.set_zero_copy_auto(comm, False)
+    _testing.set_zero_copy_auto(comm, True)  # from nothing learnt
+    _testing.engine(comm).retune(twoshot_min=0, chunk_min=-1, zc_min=0, zc_max=-1)
+    w, n = comm.world_size, 1 << 17  # 512 KiB of float32
+    x = comm.empty((n,), torch.float32)
+    total = float(sum(range(1, w + 1)))
+    out = []
+    try:
+        for zc_us, copies_us in ((slow_us, 0.0), (0.0, slow_us)):
+            if comm.rank == 0:
+                eng.fault_zero_copy(zc_us)
+                eng.fault_stores(copies_us, copies_us)
+            rounds, right = [], True
+            for _ in range(calls):
+                x.fill_(comm.rank + 1.0)
+                r0 = _testing.rounds(comm)
+                comm.all_reduce(x)
+                rounds.append(_testing.rounds(comm) - r0)
+                right &= bool(torch.all(x == total))
+            out.append((rounds, right, eng.zero_copy_state()["copies"][1]))
+    finally:
+        eng.fault_zero_copy(0.0)
+        eng.fault_stores(0.0, 0.0)
+        _testing.restore(comm)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_zero_copy_or_the_copies_chosen_as_it_runs(pools, world):
+    """Rank 0 times zero copy and the copies of a comm.empty tensor as calls
+    run and keeps the cheaper for that size, every rank following it from the
+    same call (no mismatch, the same rounds on every rank, every result
+    right): zero copy made 300 us slower turns the size to the copies, and
+    then the copies made slower turn it back.  Some calls try the other one."""
+    res = pools.run(world, chosen_as_it_runs, 300.0, 400, timeout=300)
+    assert all(r == res[0] for r in res), "ranks ran different rounds"
+    (slow_zc, right1, end1), (slow_copies, right2, end2) = res[0]
+    assert right1 and right2
+    assert set(slow_zc) | set(slow_copies) <= {2, 3}
+    assert end1 == 1 and end2 == 0  # the copies, then zero copy again
+    # after the change of mind, mostly the choice, a few calls trying the other
+    # (turning back needs them: zero copy is timed again only when tried)
+    assert slow_zc[-100:].count(2) >= 80 and slow_copies[-100:].count(3) >= 80
+
+
 def disagree(comm):
     buf = comm.empty((BIG,), torch.float32)
     x = buf if comm.rank == 0 else torch.empty(BIG)
@@ -122,8 +173,9 @@ def disagree(comm):
 
 
 def test_ranks_disagreeing_on_zero_copy(pools):
-    for msg in pools.run(2, disagree):
-        assert "mismatched collective" in msg and "zero-copy" in msg, msg
+    for msg in pools.run(2, disagree):  # rank 0 reads in place, or copies as chosen
+        assert "mismatched collective" in msg, msg
+        assert "zero-copy" in msg or "copying a comm.empty tensor" in msg, msg
 
 
 def by_its_switch_point(comm):
@@ -135,6 +187,7 @@ def by_its_switch_point(comm):
     x = comm.empty((n,), torch.float32)
     ref = reference([make(q, n, torch.float32, 5) for q in range(w)], tpcomm.ReduceOp.SUM)
     out = []
+    _testing.set_zero_copy_auto(comm, False)  # rounds counted
     cases = ((-1, -1, -1), (0, -1, -1), (0, -1, 0), (n * 4 + 1, -1, 0), (0, n * 4 - 1, 0))
     for zc, top, two in cases:
         eng.retune(zc_min=zc, zc_max=top, twoshot_min=two)
@@ -261,7 +314,7 @@ def buffers_come_back(comm):
     directory's space come back."""
     directory = os.environ["TPCOMM_SHM_DIR"]
     w, n = comm.world_size, (1 << 20) // 4
-    comm.barrier()
+    _testing.set_zero_copy_auto(comm, False)  # zero copy, counted by its rounds
     used0, maps0 = _shm_used(directory), _sym_mappings()
     wrong = []
     for i in range(3 * MAX_LIVE):
@@ -276,6 +329,7 @@ def buffers_come_back(comm):
     maps = _sym_mappings() - maps0
     comm.barrier()  # every rank dropped every tensor
     grown = _shm_used(directory) - used0
+    _testing.restore(comm)
     return wrong, held, maps, grown
 
 
@@ -337,6 +391,7 @@ def dropped_apart(comm):
     import threading
     import time
 
+    _testing.set_zero_copy_auto(comm, False)  # zero copy, counted by its rounds
     a = comm.empty((BIG,), torch.float32)
     b = comm.empty((BIG,), torch.float32)
     deferred = None
@@ -357,7 +412,9 @@ def dropped_apart(comm):
     c.fill_(comm.rank + 2.0)
     r0 = _testing.rounds(comm)
     comm.all_reduce(c)
-    return deferred, _testing.rounds(comm) - r0, c[7].item(), _testing.symmetric_buffers(comm)
+    rounds = _testing.rounds(comm) - r0
+    _testing.restore(comm)
+    return deferred, rounds, c[7].item(), _testing.symmetric_buffers(comm)
 
 
 def test_ranks_may_drop_buffers_at_different_times(pools):

@@ -102,6 +102,14 @@ def cma_init(comm: Any, want: bool, min_bytes: int) -> tuple[int, bool]:
     return _eng(comm).cma_init(want, min_bytes)
 
 
+def set_zero_copy_auto(comm: Any, on: bool) -> None:
+    """Rank 0 chooses zero copy or the copies as calls run, or not (off: zero
+    copy where its window says), from the next call on (collective: a barrier
+    makes the call after it the first under the new setting)."""
+    _eng(comm).retune(zc_auto=on)
+    comm.barrier()
+
+
 def stores(comm: Any) -> dict:
     """What this rank's all_reduce chunks learnt about their stores."""
     return _eng(comm).stores()

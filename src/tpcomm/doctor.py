@@ -381,6 +381,11 @@ def _check_paths(rep: Report, world: int) -> None:
     zc = "never" if s.zc_min < 0 else f"from {_human(s.zc_min)}"
     if s.zc_min >= 0 and s.zc_max >= 0:
         zc += f" up to {_human(s.zc_max)}"
+    if s.zc_min >= 0:  # rank 0 times both as calls run (not oversubscribed)
+        zc += (
+            ", or the copies where rank 0 measures them cheaper as calls run (unless the "
+            "ranks outnumber the cores)"
+        )
     rep.ok(f"all_reduce of a comm.empty() tensor: zero-copy {zc} ({source('zero_copy_min_bytes')})")
     rep.info("dist backend 'tpcomm': the same, plus scatter; isend/irecv and batch_isend_irecv")
     rep.info("run together when waited on (never deadlocked); recv without a source")

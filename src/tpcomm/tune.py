@@ -73,7 +73,7 @@ VARIANTS = {
     "slots": {"chunk_min": -1},
     "chunks": {"chunk_min": 0},
     "copies": {"zc_min": -1},
-    "zero-copy": {"zc_min": 0},
+    "zero-copy": {"zc_min": 0, "zc_auto": False},  # zero copy itself, never the copies
 }
 # a first-pass setting -> the engine setting it becomes in the second pass
 _APPLIED = {

@@ -304,6 +304,9 @@ static int zero_copy_all_reduce(Engine *e, struct sym *sb, size_t off, size_t co
     }
     if (st != ST_OK)
         return st;
+    if (e->fault.zc_ns) /* tests: zero copy made slow */
+        for (uint64_t until = now_ns() + e->fault.zc_ns; now_ns() < until;)
+            cpu_relax();
     return round_sync(e, kind, (uint32_t)dtype, (uint32_t)op, count, arg, ts);
 }
 
@@ -313,6 +316,88 @@ static struct sym *find_sym(Engine *e, const char *t, size_t bytes)
         if (t >= e->sym[i].base && t + bytes <= e->sym[i].base + e->sym[i].size)
             return &e->sym[i];
     return NULL;
+}
+
+/*
+ * Zero copy or the copies for a comm.empty tensor, chosen as it runs.  Zero
+ * copy reads every peer's tensor where its owner wrote it: each byte crosses
+ * between the cores as a modified line, which costs more than going through
+ * memory where the machine makes cache-to-cache transfers slow (this VM's
+ * slow mode, a rank on another chiplet), while the copies can go through
+ * memory (non-temporal stores, chosen as they run).  So rank 0 times whole
+ * calls of both, per size (a bucket per power of two from 256 KiB), and
+ * keeps the cheaper, as the stores are kept (a moving average of ticks per
+ * KiB, a call that took more than twice the average counting twice, the
+ * other taking over under 0.8 of it).  Unlike the stores, ranks that choose
+ * differently run different rounds, so the choice is agreed by round: rank 0
+ * writes (bits before, bits from, round R + 1) into zc_word after a call
+ * that ended on round R, and a call that starts after round S uses "bits
+ * from" where S >= R + 1, else "bits before".  Every rank that starts a call
+ * after R + 1 passed a round rank 0 published after writing, so it reads the
+ * new word; a call that starts after R (the next, maybe begun already on
+ * another rank) uses the old bits on every rank, whichever word it read.
+ * Once the change is in force rank 0 settles the word (before = from), as
+ * the round is kept in 32 bits.  The calls that try the other one are those
+ * that start after a round S whose hash (7 bits) is under 3, about 1 in 43
+ * (the same calls on every rank, whatever ran between; a hash, since calls
+ * step by 1, 2 or 3 rounds and a plain S % n would miss values), rank 0 times
+ * them and one in 16 of the rest.  Bit b of a set: bucket b copies; ZC_ON: rank 0 chooses at all
+ * (set_zero_copy_auto, from the next call but one; off: zero copy).  A rank
+ * that copies a comm.empty tensor marks its metadata (ARG_COPIED), so a peer
+ * that passes an ordinary tensor gets the mismatch error as before.  The
+ * bits, so the results, are the same either way.
+ */
+#define ZC_ON (1u << 15)
+#define ARG_COPIED 0x80u
+
+static int zc_bucket(size_t bytes)
+{
+    int b = 63 - __builtin_clzll((unsigned long long)bytes | 1) - ZC_MIN_LOG2;
+    return b < 0 ? 0 : b < ZC_BUCKETS ? b : ZC_BUCKETS - 1;
+}
+
+/* the bit set in force for a call that starts after round s */
+static unsigned zc_bits(uint64_t word, uint64_t s)
+{
+    int from_now = (int32_t)((uint32_t)s - (uint32_t)word) >= 0;
+    return (unsigned)((from_now ? word >> 48 : word >> 32) & 0xFFFF);
+}
+
+static unsigned zc_agreed(const Engine *e)
+{
+    return zc_bits(atomic_load_explicit(&HDR((Engine *)e)->zc_word, memory_order_acquire), e->round);
+}
+
+/* rank 0, between calls: `bits` from the call after the next one on; with
+ * the bits in force, settle a change that is in force for every rank now */
+static void zc_publish(Engine *e, unsigned bits)
+{
+    uint64_t w = atomic_load_explicit(&HDR(e)->zc_word, memory_order_relaxed), nw;
+    const unsigned now = zc_bits(w, e->round), from = (unsigned)(w >> 48);
+    if (bits != now)
+        nw = (uint64_t)bits << 48 | (uint64_t)now << 32 | (uint32_t)(e->round + 1);
+    else if (((w >> 32) & 0xFFFF) != from && now == from)
+        nw = (uint64_t)now << 48 | (uint64_t)now << 32 | (uint32_t)w;
+    else
+        return;
+    atomic_store_explicit(&HDR(e)->zc_word, nw, memory_order_release);
+}
+
+/* rank 0, after a call of bucket b that copied (or not) and took dt ticks */
+static void zc_learn(Engine *e, int b, int copied, uint64_t dt, size_t bytes)
+{
+    float x = (float)dt * 1024.0f / (float)bytes, *c = e->zc.cost[b];
+    const unsigned bits = zc_agreed(e);
+    const int cur = (int)(bits >> b) & 1;
+    if (c[copied] > 0.0f && x > 2.0f * c[copied])
+        x = 2.0f * c[copied];
+    c[copied] = c[copied] == 0.0f ? x : c[copied] + (x - c[copied]) * (copied == cur ? 0.25f : 0.5f);
+    if (c[!cur] > 0.0f && c[!cur] < 0.8f * c[cur]) {
+        zc_publish(e, bits ^ (1u << b));
+        e->zc.switches++;
+    } else {
+        zc_publish(e, bits);
+    }
 }
 
 /*
@@ -364,7 +449,26 @@ int all_reduce_rounds(Engine *e, char *t, size_t count, int dtype, int op, uint3
     /* a symmetric buffer's tensor, looked for only where zero copy could take it */
     struct sym *sb = e->nsym && bytes >= e->zc_min && bytes <= e->zc_max ? find_sym(e, t, bytes)
                                                                           : NULL;
-    const ar_plan_t pl = ar_plan(e, bytes, dtype, sb != NULL);
+    /* zero copy or the copies (agreed by round: see zc_bits) */
+    const uint64_t s = e->round;
+    int copied = 0, timed = 0, b = 0;
+    uint64_t t0 = 0;
+    if (sb) {
+        const unsigned bits = zc_agreed(e);
+        b = zc_bucket(bytes);
+        copied = (int)(bits >> b) & 1;
+        if (bits & ZC_ON) { /* a hash of the round: any stride of rounds meets every value */
+            const uint32_t h = (uint32_t)s * 2654435761u >> 25; /* 0 .. 127 */
+            const int explore = h < 3;
+            copied ^= explore;
+            timed = e->rank == 0 && (explore || (h & 15) == 5);
+        }
+        if (timed)
+            t0 = ticks();
+    }
+    ar_plan_t pl = ar_plan(e, bytes, dtype, sb && !copied);
+    if (copied && pl.algo != AR_SINGLE_COPY)
+        pl.arg |= ARG_COPIED;
     PyThreadState *ts = *tsp;
     int st = ST_OK;
     if (pl.algo == AR_ZERO_COPY) { /* the piece's pages in bits 16-31 of arg */
@@ -387,6 +491,13 @@ int all_reduce_rounds(Engine *e, char *t, size_t count, int dtype, int op, uint3
             done += m;
         }
     }
+    if (sb && e->rank == 0 && st == ST_OK) {
+        if (timed)
+            zc_learn(e, b, copied, ticks() - t0, bytes);
+        else
+            zc_publish(e, zc_agreed(e)); /* settle a change in force */
+    }
+    e->zc.copied += (uint64_t)copied;
     *tsp = ts;
     return st;
 }
@@ -408,6 +519,9 @@ PyObject *eng_all_reduce_plan(Engine *e, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "all_reduce_plan: bad dtype code");
         return NULL;
     }
+    /* a comm.empty tensor: zero copy or the copies, as agreed now */
+    if (symmetric && nbytes >= e->zc_min && nbytes <= e->zc_max && e->base)
+        symmetric = !((zc_agreed(e) >> zc_bucket(nbytes)) & 1);
     const ar_plan_t pl = ar_plan(e, nbytes, dtype, symmetric);
     if (pl.algo != AR_ONESHOT && pl.algo != AR_TWOSHOT)
         return Py_BuildValue("(sKs)", names[pl.algo], (unsigned long long)pl.chunk, "");
@@ -449,4 +563,59 @@ PyObject *eng_all_reduce(Engine *e, PyObject *const *args, Py_ssize_t nargs)
         st = call_end(e, st, ts); /* ts is set by all_reduce_rounds: two statements */
     }
     return PyLong_FromLong(st);
+}
+
+/* set_zero_copy_auto(on): rank 0 chooses zero copy or the copies per size as
+ * calls run (from the call after the next one on; off: zero copy, and what
+ * was learnt is forgotten); other ranks follow rank 0 whatever they set */
+PyObject *eng_set_zero_copy_auto(Engine *e, PyObject *arg)
+{
+    int v = PyObject_IsTrue(arg);
+    if (v < 0)
+        return NULL;
+    if (e->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "set_zero_copy_auto: a collective is running");
+        return NULL;
+    }
+    if (e->rank == 0 && e->base) {
+        memset(e->zc.cost, 0, sizeof e->zc.cost);
+        zc_publish(e, v ? (zc_agreed(e) | ZC_ON) : 0);
+    }
+    Py_RETURN_NONE;
+}
+
+/* zero_copy_state() -> {"auto", "copies": [per bucket, as agreed now],
+ * "cost": [[zero copy, copies] ticks per KiB] (rank 0), "switches", "copied",
+ * "min_bytes", "word"}: tests, tpcomm doctor */
+PyObject *eng_zero_copy_state(Engine *e, PyObject *unused)
+{
+    (void)unused;
+    const unsigned bits = e->base ? zc_agreed(e) : 0;
+    PyObject *copies = PyList_New(ZC_BUCKETS), *cost = PyList_New(ZC_BUCKETS);
+    if (!copies || !cost) {
+        Py_XDECREF(copies);
+        Py_XDECREF(cost);
+        return NULL;
+    }
+    for (int b = 0; b < ZC_BUCKETS; b++) {
+        PyList_SET_ITEM(copies, b, PyLong_FromLong((long)(bits >> b) & 1));
+        PyList_SET_ITEM(cost, b, Py_BuildValue("(dd)", (double)e->zc.cost[b][0], (double)e->zc.cost[b][1]));
+    }
+    return Py_BuildValue("{s:O,s:N,s:N,s:K,s:K,s:K,s:K}", "auto", bits & ZC_ON ? Py_True : Py_False,
+                         "copies", copies, "cost", cost, "switches",
+                         (unsigned long long)e->zc.switches, "copied",
+                         (unsigned long long)e->zc.copied, "min_bytes",
+                         (unsigned long long)(1u << ZC_MIN_LOG2), "word",
+                         e->base ? (unsigned long long)atomic_load(&HDR(e)->zc_word) : 0ULL);
+}
+
+/* tests: every zero-copy all-reduce of this rank spins this many more
+ * microseconds (0: none) */
+PyObject *eng_fault_zero_copy(Engine *e, PyObject *arg)
+{
+    double us = PyFloat_AsDouble(arg);
+    if (us == -1.0 && PyErr_Occurred())
+        return NULL;
+    e->fault.zc_ns = us > 0 ? (uint64_t)(us * 1e3) : 0;
+    Py_RETURN_NONE;
 }

@@ -103,7 +103,7 @@
 #endif
 
 #define MAGIC 0x314d4d4f43505454ULL /* "TTPCOMM1" little endian */
-#define VERSION 5u
+#define VERSION 6u
 #define PAGE 4096u
 #define LINE 64u
 #define NCHAN 1          /* channels per rank: 0 = collectives */
@@ -151,6 +151,8 @@ typedef struct {
     _Alignas(64) _Atomic uint64_t abort_word; /* (reason << 32) | (rank + 1), 0 = fine */
     _Alignas(64) _Atomic uint32_t stores; /* rank 0's store choice: bit b, bucket b
                                            * non-temporal (allreduce.c) */
+    _Alignas(64) _Atomic uint64_t zc_word; /* rank 0's choice of zero copy or the
+                                            * copies, agreed by round (allreduce.c) */
     _Alignas(64) char _end;
 } hdr_t;
 
@@ -232,6 +234,9 @@ typedef struct pool pool_t;   /* pool.c */
 #define STORE_MIN_LOG2 12
 #define STORE_SIZES 9
 #define STORE_BUCKETS (2 * STORE_SIZES)
+/* zero copy or the copies (allreduce.c): sizes by powers of two from 256 KiB */
+#define ZC_MIN_LOG2 18
+#define ZC_BUCKETS 12
 typedef struct tview tview_t; /* torch.c: the torch objects the fast paths compare with */
 
 /* The engine: one communicator's mapping of the segment, by concern. */
@@ -279,6 +284,13 @@ typedef struct {
         float cost[STORE_BUCKETS][2];      /* ticks per KiB out of the waits (0: unknown) */
         uint64_t switches;                 /* changes of mind, for tests and doctor */
     } stores;
+    /* zero copy or the copies for a comm.empty tensor, chosen as it runs
+     * (allreduce.c): rank 0's costs, [bucket][0 zero copy, 1 copies] */
+    struct {
+        float cost[ZC_BUCKETS][2]; /* ticks per KiB of a whole call (0: unknown) */
+        uint64_t switches;         /* changes of mind (rank 0) */
+        uint64_t copied;           /* calls of a symmetric tensor that copied */
+    } zc;
     tview_t *tv;          /* torch.c's, for the one-call fast paths */
 
     /* how waits wait (wait.c) */
@@ -332,6 +344,7 @@ typedef struct {
         uint64_t check_delay_ns; /* sleep before a batch's verdicts */
         int cma_addr;            /* publish an unreadable input address */
         uint64_t store_ns[2];    /* spin this long after a plain / non-temporal copy-in */
+        uint64_t zc_ns;          /* spin this long in every zero-copy all-reduce */
     } fault;
 } Engine;
 
@@ -552,6 +565,9 @@ typedef struct {
 ar_plan_t ar_plan(const Engine *e, size_t bytes, int dtype, int symmetric);
 int all_reduce_rounds(Engine *e, char *t, size_t count, int dtype, int op, uint32_t kind, PyThreadState **tsp);
 PyObject *eng_all_reduce_plan(Engine *e, PyObject *args);
+PyObject *eng_set_zero_copy_auto(Engine *e, PyObject *arg);
+PyObject *eng_zero_copy_state(Engine *e, PyObject *unused);
+PyObject *eng_fault_zero_copy(Engine *e, PyObject *arg);
 PyObject *eng_all_reduce(Engine *e, PyObject *const *args, Py_ssize_t nargs);
 PyObject *eng_set_stores_auto(Engine *e, PyObject *arg);
 PyObject *eng_stores(Engine *e, PyObject *unused);

@@ -158,10 +158,12 @@ def _describe_call(kind: int, dtype: int, op: int, count: int, arg: int | None =
             pages, where = (arg >> 16) & 0xFFFF, f"in buffer {(arg >> 8) & 0xFF} at {arg >> 32}"
             pieces = f", in pieces of {pages * 4} KiB" if pages else ""
             return f"{text}, algorithm=zero-copy {where}{pieces})"
-        algo, pages = arg & 0xFF, arg >> 8
+        # 0x80: a comm.empty tensor copied (zero copy measured slower: allreduce.c)
+        algo, pages = arg & 0x7F, arg >> 8
+        how = ", copying a comm.empty tensor" if arg & 0x80 else ""
         if algo in (1, 2) and pages:  # chunk_bytes at a time
-            return f"{text}, algorithm={_ALGOS[algo]} in chunks of {pages * 4} KiB)"
-        return f"{text}, algorithm={_ALGOS.get(arg, arg)})"
+            return f"{text}, algorithm={_ALGOS[algo]} in chunks of {pages * 4} KiB{how})"
+        return f"{text}, algorithm={_ALGOS.get(algo, arg)}{how})"
     if kind == KIND_BROADCAST:
         return f"{text}, src={arg})"
     return f"{text}, layout #{arg:016x})"
@@ -236,6 +238,7 @@ class Settings(NamedTuple):
     zc_max: int  # up to (-1: no limit)
     chunk_min: int  # all_reduce through the slots chunk_bytes at a time from (-1: never)
     chunk_bytes: int  # that chunk (the others go a slot at a time)
+    zc_auto: bool = True  # rank 0 chooses zero copy or the copies as calls run
 
     @property
     def cma_plan(self) -> tuple:
@@ -576,6 +579,14 @@ class ShmEngine:
     def fault_stores(self, plain_us: float, nt_us: float) -> None:
         self._native.fault_stores(plain_us, nt_us)
 
+    def zero_copy_state(self) -> dict:
+        """What rank 0's choice of zero copy or the copies learnt, and the
+        choice in force per size (_native/allreduce.c)."""
+        return self._native.zero_copy_state()
+
+    def fault_zero_copy(self, us: float) -> None:
+        self._native.fault_zero_copy(us)
+
     def fault_check_delay(self, us: float) -> None:
         self._native.fault_check_delay(us)
 
@@ -604,8 +615,8 @@ class ShmEngine:
         size = segment.segment_size(world, slot_bytes)
         # as agreed (retune changes current)
         self.settings = tuning or settings_for(world, slot_bytes)
-        if fixed_stores:
-            self.settings = self.settings._replace(nt_auto=False)
+        if fixed_stores:  # nor the choice of zero copy: rank 0 times both as they run
+            self.settings = self.settings._replace(nt_auto=False, zc_auto=False)
         self._native = _native.Engine(
             fd, size, self.rank, world, slot_bytes, self.rank == 0, timeout, spin,
             self.settings.yield_us,
@@ -629,6 +640,8 @@ class ShmEngine:
             self._native.set_threads(s.threads, s.threads_min)
         if before is None or before.nt_auto != s.nt_auto:
             self._native.set_stores_auto(s.nt_auto)
+        if before is None or before.zc_auto != s.zc_auto:
+            self._native.set_zero_copy_auto(s.zc_auto)
         self._native.set_nt_min(s.nt_min)
 
     def _validate(self, slot_bytes: int, size: int) -> None:
