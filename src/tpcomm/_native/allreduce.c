@@ -62,8 +62,7 @@ static int store_bucket(const Engine *e, size_t bytes, int algo)
 {
     if (!e->stores.on || bytes < (1u << STORE_MIN_LOG2) || pool_splits(e->pool, bytes))
         return -1;
-    int b = 63 - __builtin_clzll((unsigned long long)bytes) - STORE_MIN_LOG2;
-    return (b < STORE_SIZES ? b : STORE_SIZES - 1) + algo * STORE_SIZES;
+    return size_bucket(bytes, STORE_MIN_LOG2, STORE_SIZES) + algo * STORE_SIZES;
 }
 
 static stores_t store_begin(Engine *e, size_t bytes, int algo, unsigned rounds)
@@ -125,9 +124,8 @@ static int sync_untimed(Engine *e, stores_t *sc, uint32_t kind, int dtype, int o
 /* tests: one kind of store made slow (fault_stores) */
 static void store_fault(const Engine *e, const stores_t *sc)
 {
-    if (sc->b >= 0 && e->fault.store_ns[sc->nt])
-        for (uint64_t until = now_ns() + e->fault.store_ns[sc->nt]; now_ns() < until;)
-            cpu_relax();
+    if (sc->b >= 0)
+        spin_for_ns(e->fault.store_ns[sc->nt]);
 }
 
 /* Fault injection for tests: the copies of an all_reduce chunk whose stores
@@ -151,10 +149,8 @@ PyObject *eng_set_stores_auto(Engine *e, PyObject *arg)
     int v = PyObject_IsTrue(arg);
     if (v < 0)
         return NULL;
-    if (e->busy) {
-        PyErr_SetString(PyExc_RuntimeError, "set_stores_auto: a collective is running");
+    if (refuse_if_busy(e, "set_stores_auto") < 0)
         return NULL;
-    }
     memset(&e->stores, 0, sizeof e->stores);
     e->stores.on = v && copy_nt_available();
     if (e->rank == 0 && e->base) /* plain stores until rank 0 learns otherwise */
@@ -304,9 +300,7 @@ static int zero_copy_all_reduce(Engine *e, struct sym *sb, size_t off, size_t co
     }
     if (st != ST_OK)
         return st;
-    if (e->fault.zc_ns) /* tests: zero copy made slow */
-        for (uint64_t until = now_ns() + e->fault.zc_ns; now_ns() < until;)
-            cpu_relax();
+    spin_for_ns(e->fault.zc_ns); /* tests: zero copy made slow */
     return round_sync(e, kind, (uint32_t)dtype, (uint32_t)op, count, arg, ts);
 }
 
@@ -341,8 +335,9 @@ static struct sym *find_sym(Engine *e, const char *t, size_t bytes)
  * that start after a round S whose hash (7 bits) is under 3, about 1 in 43
  * (the same calls on every rank, whatever ran between; a hash, since calls
  * step by 1, 2 or 3 rounds and a plain S % n would miss values), rank 0 times
- * them and one in 16 of the rest.  Bit b of a set: bucket b copies; ZC_ON: rank 0 chooses at all
- * (set_zero_copy_auto, from the next call but one; off: zero copy).  A rank
+ * them and one in 16 of the rest.  Bit b of a set: bucket b copies; ZC_ON:
+ * rank 0 chooses at all (set_zero_copy_auto, from the next call but one;
+ * off: zero copy).  A rank
  * that copies a comm.empty tensor marks its metadata (ARG_COPIED), so a peer
  * that passes an ordinary tensor gets the mismatch error as before.  The
  * bits, so the results, are the same either way.
@@ -350,11 +345,7 @@ static struct sym *find_sym(Engine *e, const char *t, size_t bytes)
 #define ZC_ON (1u << 15)
 #define ARG_COPIED 0x80u
 
-static int zc_bucket(size_t bytes)
-{
-    int b = 63 - __builtin_clzll((unsigned long long)bytes | 1) - ZC_MIN_LOG2;
-    return b < 0 ? 0 : b < ZC_BUCKETS ? b : ZC_BUCKETS - 1;
-}
+static int zc_bucket(size_t bytes) { return size_bucket(bytes, ZC_MIN_LOG2, ZC_BUCKETS); }
 
 /* the bit set in force for a call that starts after round s */
 static unsigned zc_bits(uint64_t word, uint64_t s)
@@ -505,9 +496,10 @@ int all_reduce_rounds(Engine *e, char *t, size_t count, int dtype, int op, uint3
 /* all_reduce_plan(nbytes, dtype, symmetric) -> (algorithm, chunk bytes,
  * stores): how a plain all_reduce of nbytes goes now (ar_plan): "one-shot",
  * "two-shot", "single-copy" or "zero-copy"; the bytes it moves through the
- * slots at a time (zero copy: of every shard; 0: all at once); the stores of its copies into the slots, "nt"
- * (non-temporal) or "plain", as its chunks chose them so far or nt_min
- * fixes them ("": no copies into the slots).  What tpcomm perf names. */
+ * slots at a time (zero copy: of every shard; 0: all at once); the stores of
+ * its copies into the slots, "nt" (non-temporal) or "plain", as its chunks
+ * chose them so far or nt_min fixes them ("": no copies into the slots).
+ * What tpcomm perf names. */
 PyObject *eng_all_reduce_plan(Engine *e, PyObject *args)
 {
     static const char *const names[] = {"one-shot", "two-shot", "single-copy", "zero-copy"};
@@ -573,10 +565,8 @@ PyObject *eng_set_zero_copy_auto(Engine *e, PyObject *arg)
     int v = PyObject_IsTrue(arg);
     if (v < 0)
         return NULL;
-    if (e->busy) {
-        PyErr_SetString(PyExc_RuntimeError, "set_zero_copy_auto: a collective is running");
+    if (refuse_if_busy(e, "set_zero_copy_auto") < 0)
         return NULL;
-    }
     if (e->rank == 0 && e->base) {
         memset(e->zc.cost, 0, sizeof e->zc.cost);
         zc_publish(e, v ? (zc_agreed(e) | ZC_ON) : 0);

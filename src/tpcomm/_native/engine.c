@@ -599,10 +599,8 @@ static PyObject *eng_set_threads(Engine *e, PyObject *args)
         PyErr_Format(PyExc_ValueError, "set_threads: %ld threads, expected 1..256", n);
         return NULL;
     }
-    if (e->busy) {
-        PyErr_SetString(PyExc_RuntimeError, "set_threads: a collective is running");
+    if (refuse_if_busy(e, "set_threads") < 0)
         return NULL;
-    }
     pool_free(e->pool);
     e->pool = NULL;
     if (n > 1 && min_bytes >= 0 && !(e->pool = pool_new((int)n, (size_t)min_bytes)))

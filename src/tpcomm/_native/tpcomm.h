@@ -208,6 +208,24 @@ static inline uint64_t now_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+/* Tests' fault injection: keep this core busy for ns nanoseconds (0: no
+ * clock read at all, as on every call outside the tests) */
+static inline void spin_for_ns(uint64_t ns)
+{
+    if (!ns)
+        return;
+    for (uint64_t until = now_ns() + ns; now_ns() < until;)
+        cpu_relax();
+}
+
+/* A size's bucket: one per power of two from 2^min_log2 (smaller ones in the
+ * first), the last holding everything from its size up */
+static inline int size_bucket(size_t bytes, int min_log2, int n)
+{
+    int b = 63 - __builtin_clzll((unsigned long long)bytes | 1) - min_log2;
+    return b < 0 ? 0 : b < n ? b : n - 1;
+}
+
 /* A cheap clock of this core for comparing two durations (allreduce.c's
  * stores): the time stamp counter, the virtual counter on ARM, else now_ns */
 static inline uint64_t ticks(void)
@@ -349,6 +367,16 @@ typedef struct {
 } Engine;
 
 static inline hdr_t *HDR(Engine *e) { return (hdr_t *)e->base; }
+
+/* Settings that a running collective reads (threads, the choices made as
+ * calls run) change only between calls: 0, or -1 with RuntimeError set */
+static inline int refuse_if_busy(const Engine *e, const char *fn)
+{
+    if (!e->busy)
+        return 0;
+    PyErr_Format(PyExc_RuntimeError, "%s: a collective is running", fn);
+    return -1;
+}
 
 static inline char *ctrl_of(Engine *e, int r) { return e->base + PAGE + (size_t)r * e->ctrl_bytes; }
 

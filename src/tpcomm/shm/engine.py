@@ -516,10 +516,10 @@ class ShmEngine:
         """(algorithm, chunk bytes, stores) of a plain all_reduce of ``nbytes``
         of ``dtype`` (default float32) now, as the C core runs it: the bytes it
         moves through the slots at a time (zero copy: of every rank's shard;
-        0: everything at once), and the stores of its
-        copies into them, "nt" (non-temporal) or "plain", as its chunks chose
-        them so far (_native/allreduce.c) or nt_min fixes them ("": it copies
-        nothing into the slots)."""
+        0: everything at once), and the stores of its copies into them, "nt"
+        (non-temporal) or "plain", as its chunks chose them so far
+        (_native/allreduce.c) or nt_min fixes them ("": it copies nothing
+        into the slots)."""
         import torch
 
         code = DTYPE_CODES[dtype if dtype is not None else torch.float32]
