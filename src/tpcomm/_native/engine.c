@@ -651,39 +651,6 @@ static PyObject *eng_set_twoshot_min16(Engine *e, PyObject *arg)
     return set_switch(&e->twoshot_min16, arg);
 }
 
-/* set_zero_copy(min_bytes, max_bytes): all-reduces of min_bytes to max_bytes
- * of a tensor in a symmetric buffer (Communicator.empty) read the peers'
- * tensors where they are (min -1: never, they copy through the slots like
- * any other; max -1: no limit) */
-static PyObject *eng_set_zero_copy(Engine *e, PyObject *args)
-{
-    long long lo, hi;
-    if (!PyArg_ParseTuple(args, "LL", &lo, &hi))
-        return NULL;
-    e->zc_min = lo < 0 ? UINT64_MAX : (uint64_t)lo;
-    e->zc_max = hi < 0 ? UINT64_MAX : (uint64_t)hi;
-    Py_RETURN_NONE;
-}
-
-/* set_chunks(min_bytes, chunk_bytes): all-reduces through the slots of at
- * least min_bytes (-1: none) go chunk_bytes at a time (a multiple of 4 KiB,
- * at most a slot) instead of a slot at a time (allreduce.c) */
-static PyObject *eng_set_chunks(Engine *e, PyObject *args)
-{
-    long long min_bytes, bytes;
-    if (!PyArg_ParseTuple(args, "LL", &min_bytes, &bytes))
-        return NULL;
-    if (bytes < 4096 || bytes % 4096 || (uint64_t)bytes > e->slot_bytes) {
-        PyErr_Format(PyExc_ValueError,
-                     "set_chunks: %lld bytes, expected a multiple of 4096 up to the slot (%llu)",
-                     bytes, (unsigned long long)e->slot_bytes);
-        return NULL;
-    }
-    e->chunk_min = min_bytes < 0 ? UINT64_MAX : (uint64_t)min_bytes;
-    e->chunk_bytes = (uint64_t)bytes;
-    Py_RETURN_NONE;
-}
-
 /* set_nt_min(bytes): copies into a slot of at least this many bytes use
  * non-temporal stores (-1 = never; the all_reduce chunks whose stores are
  * chosen as they run, allreduce.c, decide for themselves) */

@@ -593,6 +593,8 @@ typedef struct {
 ar_plan_t ar_plan(const Engine *e, size_t bytes, int dtype, int symmetric);
 int all_reduce_rounds(Engine *e, char *t, size_t count, int dtype, int op, uint32_t kind, PyThreadState **tsp);
 PyObject *eng_all_reduce_plan(Engine *e, PyObject *args);
+PyObject *eng_set_zero_copy(Engine *e, PyObject *args);
+PyObject *eng_set_chunks(Engine *e, PyObject *args);
 PyObject *eng_set_zero_copy_auto(Engine *e, PyObject *arg);
 PyObject *eng_zero_copy_state(Engine *e, PyObject *unused);
 PyObject *eng_fault_zero_copy(Engine *e, PyObject *arg);
