@@ -9,6 +9,7 @@ on zero-copy get a mismatch error; the tensor outlives close(); nothing leaks.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 
@@ -137,7 +138,8 @@ def chosen_as_it_runs(comm, slow_us, calls):
                 comm.all_reduce(x)
                 rounds.append(_testing.rounds(comm) - r0)
                 right &= bool(torch.all(x == total))
-            out.append((rounds, right, eng.zero_copy_state()["copies"][1]))
+            st = eng.zero_copy_state()
+            out.append((rounds, right, st["copies"][1], st["trials"] if comm.rank == 0 else None))
     finally:
         eng.fault_zero_copy(0.0)
         eng.fault_stores(0.0, 0.0)
@@ -152,15 +154,26 @@ def test_zero_copy_or_the_copies_chosen_as_it_runs(pools, world):
     same call (no mismatch, the same rounds on every rank, every result
     right): zero copy made 300 us slower turns the size to the copies, and
     then the copies made slower turn it back.  Some calls try the other one."""
-    res = pools.run(world, chosen_as_it_runs, 300.0, 400, timeout=300)
-    assert all(r == res[0] for r in res), "ranks ran different rounds"
-    (slow_zc, right1, end1), (slow_copies, right2, end2) = res[0]
+    res = pools.run(world, chosen_as_it_runs, 300.0, 800, timeout=300)
+    same = [[phase[:3] for phase in r] for r in res]
+    assert all(r == same[0] for r in same), "ranks ran different rounds"
+    (slow_zc, right1, end1, trials1), (slow_copies, right2, end2, trials2) = res[0]
     assert right1 and right2
     assert set(slow_zc) | set(slow_copies) <= {2, 3}
     assert end1 == 1 and end2 == 0  # the copies, then zero copy again
     # after the change of mind, mostly the choice, a few calls trying the other
     # (turning back needs them: zero copy is timed again only when tried)
     assert slow_zc[-100:].count(2) >= 80 and slow_copies[-100:].count(3) >= 80
+    assert trials1 >= 2 and trials2 - trials1 >= 2
+    if world == 2:
+        # a trial is four calls in a row (asked for after one call, the
+        # choice asked back after the third, which is the one timed: each
+        # holds from the call after the next), every 128 calls of the choice
+        for phase, choice in ((slow_zc, 2), (slow_copies, 3)):
+            runs = [(k, len(list(g))) for k, g in itertools.groupby(phase[-400:])]
+            trials = [n for k, n in runs[1:-1] if k != choice]
+            assert len(trials) >= 2 and set(trials) == {4}, runs
+            assert all(n >= 100 for k, n in runs[1:-1] if k == choice), runs
 
 
 def disagree(comm):

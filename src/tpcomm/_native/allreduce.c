@@ -322,32 +322,47 @@ static struct sym *find_sym(Engine *e, const char *t, size_t bytes)
  * calls of both, per size (a bucket per power of two from 256 KiB), and
  * keeps the cheaper, as the stores are kept (a moving average of ticks per
  * KiB, a call that took more than twice the average counting twice, the
- * other taking over under 0.8 of it).  Unlike the stores, ranks that choose
- * differently run different rounds, so the choice is agreed by round: rank 0
- * writes (bits before, bits from, round R + 1) into zc_word after a call
- * that ended on round R, and a call that starts after round S uses "bits
- * from" where S >= R + 1, else "bits before".  Every rank that starts a call
- * after R + 1 passed a round rank 0 published after writing, so it reads the
- * new word; a call that starts after R (the next, maybe begun already on
- * another rank) uses the old bits on every rank, whichever word it read.
- * Once the change is in force rank 0 settles the word (before = from), as
- * the round is kept in 32 bits.  The calls that try the other one are those
- * that start after a round S whose hash (7 bits) is under 3, about 1 in 43
- * (the same calls on every rank, whatever ran between; a hash, since calls
- * step by 1, 2 or 3 rounds and a plain S % n would miss values), rank 0 times
- * them and one in 16 of the rest.  Bit b of a set: bucket b copies; ZC_ON:
- * rank 0 chooses at all (set_zero_copy_auto, from the next call but one;
- * off: zero copy).  A rank
- * that copies a comm.empty tensor marks its metadata (ARG_COPIED), so a peer
- * that passes an ordinary tensor gets the mismatch error as before.  The
- * bits, so the results, are the same either way.
+ * other taking over under 0.8 of it).
+ *
+ * Unlike the stores, ranks that choose differently run different rounds, so
+ * what runs is agreed by round: a state of 16 bits (bit b: bucket b copies;
+ * ZC_TRIAL_SHIFT: the bucket + 1 that tries the other one now, 0: none;
+ * ZC_ON: rank 0 chooses at all) that rank 0 alone writes, into zc_word as
+ * (state before, state from, round R + 1) after a call that ended on round
+ * R.  A call that starts after round S uses "from" where S >= R + 1, else
+ * "before".  Every rank that starts a call after R + 1 passed a round rank 0
+ * published after writing, so it reads the new word; a call that starts
+ * after R (the next, maybe begun already on another rank) uses the old state
+ * on every rank, whichever word it read.  Once the change is in force rank 0
+ * settles the word (before = from), as the round is kept in 32 bits.  So a
+ * state rank 0 wants holds from the call after the next one.
+ *
+ * The other one is tried warm.  The first call that tries it finds caches
+ * that the choice left, and so does the second where the copies go one-shot
+ * (each call in the other slot): at 1 MiB on this VM the copies so tried
+ * took 1.6-2.4x, 1.0-1.35x and 1.0-1.15x their steady time in their first,
+ * second and third calls, and in the slow mode, timing the first alone,
+ * zero copy was kept at twice the copies' cost.  So every 128th call of a bucket rank
+ * 0 asks for a trial and times the third call of that bucket that tries the
+ * other one; only then it asks for the choice back, so a trial is four
+ * calls where the calls are all of one size, as one layer's are (the two
+ * cold ones, the timed one, and the one that starts before the choice is
+ * back), and three of each size where two sizes alternate.  The timed one
+ * switches at once where the other one wins (what runs next is what it
+ * timed).  Rank 0 times one in 16 of the other calls, none right after a
+ * trial.  A rank that copies a comm.empty tensor marks its metadata
+ * (ARG_COPIED), so a peer that passes an ordinary tensor gets the mismatch
+ * error as before.  The bits, so the results, are the same either way.
  */
 #define ZC_ON (1u << 15)
+#define ZC_TRIAL_SHIFT 11 /* 4 bits: the bucket on trial + 1, 0: none */
+#define ZC_TRIAL_EVERY 128 /* calls of a bucket between trials */
+#define ZC_TRIAL_WARM 3    /* the call of a trial that is timed */
 #define ARG_COPIED 0x80u
 
 static int zc_bucket(size_t bytes) { return size_bucket(bytes, ZC_MIN_LOG2, ZC_BUCKETS); }
 
-/* the bit set in force for a call that starts after round s */
+/* the state in force for a call that starts after round s */
 static unsigned zc_bits(uint64_t word, uint64_t s)
 {
     int from_now = (int32_t)((uint32_t)s - (uint32_t)word) >= 0;
@@ -358,6 +373,16 @@ static unsigned zc_agreed(const Engine *e)
 {
     return zc_bits(atomic_load_explicit(&HDR((Engine *)e)->zc_word, memory_order_acquire), e->round);
 }
+
+/* whether bucket b's calls copy in state `bits`: its choice, or the other
+ * one while it is on trial */
+static int zc_copies(unsigned bits, int b)
+{
+    return (int)((bits >> b) & 1) ^ (int)(((bits >> ZC_TRIAL_SHIFT) & 15) == (unsigned)b + 1);
+}
+
+/* the state `bits` with no trial */
+static unsigned zc_chosen(unsigned bits) { return bits & ~(15u << ZC_TRIAL_SHIFT); }
 
 /* rank 0, between calls: `bits` from the call after the next one on; with
  * the bits in force, settle a change that is in force for every rank now */
@@ -374,21 +399,46 @@ static void zc_publish(Engine *e, unsigned bits)
     atomic_store_explicit(&HDR(e)->zc_word, nw, memory_order_release);
 }
 
-/* rank 0, after a call of bucket b that copied (or not) and took dt ticks */
+/* rank 0: a call of bucket b that copied (or not) took dt ticks */
 static void zc_learn(Engine *e, int b, int copied, uint64_t dt, size_t bytes)
 {
     float x = (float)dt * 1024.0f / (float)bytes, *c = e->zc.cost[b];
-    const unsigned bits = zc_agreed(e);
-    const int cur = (int)(bits >> b) & 1;
+    const int cur = (int)(e->zc.want >> b) & 1;
     if (c[copied] > 0.0f && x > 2.0f * c[copied])
         x = 2.0f * c[copied];
     c[copied] = c[copied] == 0.0f ? x : c[copied] + (x - c[copied]) * (copied == cur ? 0.25f : 0.5f);
     if (c[!cur] > 0.0f && c[!cur] < 0.8f * c[cur]) {
-        zc_publish(e, bits ^ (1u << b));
+        e->zc.want ^= 1u << b;
         e->zc.switches++;
-    } else {
-        zc_publish(e, bits);
     }
+}
+
+/* rank 0, after a call of bucket b that ran in state `bits` and took dt
+ * ticks: learn from it where it was timed, ask for a trial or for the choice
+ * back, and publish what it wants */
+static void zc_after_call(Engine *e, unsigned bits, int b, int copied, uint64_t dt, size_t bytes)
+{
+    if (copied != ((int)(zc_chosen(bits) >> b) & 1)) { /* on trial */
+        if (++e->zc.seen[b] == ZC_TRIAL_WARM) { /* warm (see above) */
+            zc_learn(e, b, copied, dt, bytes);
+            e->zc.trials++;
+            e->zc.want = zc_chosen(e->zc.want); /* the choice back after the next call */
+            e->zc.asked = 0;
+        }
+    } else {
+        if (e->zc.seen[b] == 0 && e->zc.calls[b] % 16 == 5)
+            zc_learn(e, b, copied, dt, bytes);
+        e->zc.seen[b] = 0;
+        if (e->zc.asked && ++e->zc.asked > 2 * ZC_TRIAL_EVERY) { /* its size stopped coming */
+            e->zc.want = zc_chosen(e->zc.want);
+            e->zc.asked = 0;
+        }
+        if (++e->zc.calls[b] % ZC_TRIAL_EVERY == 0 && !e->zc.asked) {
+            e->zc.want |= (unsigned)(b + 1) << ZC_TRIAL_SHIFT;
+            e->zc.asked = 1;
+        }
+    }
+    zc_publish(e, e->zc.want);
 }
 
 /*
@@ -474,20 +524,14 @@ int all_reduce_rounds(Engine *e, char *t, size_t count, int dtype, int op, uint3
     struct sym *sb = e->nsym && bytes >= e->zc_min && bytes <= e->zc_max ? find_sym(e, t, bytes)
                                                                           : NULL;
     /* zero copy or the copies (agreed by round: see zc_bits) */
-    const uint64_t s = e->round;
-    int copied = 0, timed = 0, b = 0;
+    unsigned bits = 0;
+    int copied = 0, b = 0;
     uint64_t t0 = 0;
     if (sb) {
-        const unsigned bits = zc_agreed(e);
+        bits = zc_agreed(e);
         b = zc_bucket(bytes);
-        copied = (int)(bits >> b) & 1;
-        if (bits & ZC_ON) { /* a hash of the round: any stride of rounds meets every value */
-            const uint32_t h = (uint32_t)s * 2654435761u >> 25; /* 0 .. 127 */
-            const int explore = h < 3;
-            copied ^= explore;
-            timed = e->rank == 0 && (explore || (h & 15) == 5);
-        }
-        if (timed)
+        copied = zc_copies(bits, b);
+        if (e->rank == 0 && (bits & ZC_ON))
             t0 = ticks();
     }
     ar_plan_t pl = ar_plan(e, bytes, dtype, sb && !copied);
@@ -515,12 +559,8 @@ int all_reduce_rounds(Engine *e, char *t, size_t count, int dtype, int op, uint3
             done += m;
         }
     }
-    if (sb && e->rank == 0 && st == ST_OK) {
-        if (timed)
-            zc_learn(e, b, copied, ticks() - t0, bytes);
-        else
-            zc_publish(e, zc_agreed(e)); /* settle a change in force */
-    }
+    if (sb && e->rank == 0 && st == ST_OK && (bits & ZC_ON))
+        zc_after_call(e, bits, b, copied, ticks() - t0, bytes);
     e->zc.copied += (uint64_t)copied;
     *tsp = ts;
     return st;
@@ -546,7 +586,7 @@ PyObject *eng_all_reduce_plan(Engine *e, PyObject *args)
     }
     /* a comm.empty tensor: zero copy or the copies, as agreed now */
     if (symmetric && nbytes >= e->zc_min && nbytes <= e->zc_max && e->base)
-        symmetric = !((zc_agreed(e) >> zc_bucket(nbytes)) & 1);
+        symmetric = !zc_copies(zc_agreed(e), zc_bucket(nbytes));
     const ar_plan_t pl = ar_plan(e, nbytes, dtype, symmetric);
     if (pl.algo != AR_ONESHOT && pl.algo != AR_TWOSHOT)
         return Py_BuildValue("(sKs)", names[pl.algo], (unsigned long long)pl.chunk, "");
@@ -601,15 +641,20 @@ PyObject *eng_set_zero_copy_auto(Engine *e, PyObject *arg)
     if (refuse_if_busy(e, "set_zero_copy_auto") < 0)
         return NULL;
     if (e->rank == 0 && e->base) {
-        memset(e->zc.cost, 0, sizeof e->zc.cost);
-        zc_publish(e, v ? (zc_agreed(e) | ZC_ON) : 0);
+        const uint64_t switches = e->zc.switches, copied = e->zc.copied;
+        memset(&e->zc, 0, sizeof e->zc);
+        e->zc.switches = switches;
+        e->zc.copied = copied;
+        e->zc.want = v ? zc_chosen(zc_agreed(e)) | ZC_ON : 0;
+        zc_publish(e, e->zc.want);
     }
     Py_RETURN_NONE;
 }
 
 /* zero_copy_state() -> {"auto", "copies": [per bucket, as agreed now],
- * "cost": [[zero copy, copies] ticks per KiB] (rank 0), "switches", "copied",
- * "min_bytes", "word"}: tests, tpcomm doctor */
+ * "trial": the bucket trying the other one now (-1: none), "cost": [[zero
+ * copy, copies] ticks per KiB] (rank 0), "switches", "trials" (timed trial
+ * calls, rank 0), "copied", "min_bytes", "word"}: tests, tpcomm doctor */
 PyObject *eng_zero_copy_state(Engine *e, PyObject *unused)
 {
     (void)unused;
@@ -624,9 +669,11 @@ PyObject *eng_zero_copy_state(Engine *e, PyObject *unused)
         PyList_SET_ITEM(copies, b, PyLong_FromLong((long)(bits >> b) & 1));
         PyList_SET_ITEM(cost, b, Py_BuildValue("(dd)", (double)e->zc.cost[b][0], (double)e->zc.cost[b][1]));
     }
-    return Py_BuildValue("{s:O,s:N,s:N,s:K,s:K,s:K,s:K}", "auto", bits & ZC_ON ? Py_True : Py_False,
-                         "copies", copies, "cost", cost, "switches",
-                         (unsigned long long)e->zc.switches, "copied",
+    return Py_BuildValue("{s:O,s:N,s:i,s:N,s:K,s:K,s:K,s:K,s:K}", "auto",
+                         bits & ZC_ON ? Py_True : Py_False, "copies", copies, "trial",
+                         (int)((bits >> ZC_TRIAL_SHIFT) & 15) - 1, "cost", cost, "switches",
+                         (unsigned long long)e->zc.switches, "trials",
+                         (unsigned long long)e->zc.trials, "copied",
                          (unsigned long long)e->zc.copied, "min_bytes",
                          (unsigned long long)(1u << ZC_MIN_LOG2), "word",
                          e->base ? (unsigned long long)atomic_load(&HDR(e)->zc_word) : 0ULL);

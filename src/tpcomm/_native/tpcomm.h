@@ -103,7 +103,7 @@
 #endif
 
 #define MAGIC 0x314d4d4f43505454ULL /* "TTPCOMM1" little endian */
-#define VERSION 6u
+#define VERSION 7u
 #define PAGE 4096u
 #define LINE 64u
 #define NCHAN 1          /* channels per rank: 0 = collectives */
@@ -254,7 +254,7 @@ typedef struct pool pool_t;   /* pool.c */
 #define STORE_BUCKETS (2 * STORE_SIZES)
 /* zero copy or the copies (allreduce.c): sizes by powers of two from 256 KiB */
 #define ZC_MIN_LOG2 18
-#define ZC_BUCKETS 12
+#define ZC_BUCKETS 11 /* bits 0-10 of the agreed state (allreduce.c) */
 typedef struct tview tview_t; /* torch.c: the torch objects the fast paths compare with */
 
 /* The engine: one communicator's mapping of the segment, by concern. */
@@ -305,9 +305,14 @@ typedef struct {
     /* zero copy or the copies for a comm.empty tensor, chosen as it runs
      * (allreduce.c): rank 0's costs, [bucket][0 zero copy, 1 copies] */
     struct {
-        float cost[ZC_BUCKETS][2]; /* ticks per KiB of a whole call (0: unknown) */
-        uint64_t switches;         /* changes of mind (rank 0) */
-        uint64_t copied;           /* calls of a symmetric tensor that copied */
+        float cost[ZC_BUCKETS][2];    /* ticks per KiB of a whole call (0: unknown) */
+        unsigned want;                /* the state rank 0 wants in force */
+        uint32_t calls[ZC_BUCKETS];   /* calls per bucket not on trial */
+        uint8_t seen[ZC_BUCKETS];     /* calls on trial so far in a row */
+        uint32_t asked;               /* calls since a trial was asked, 0: none */
+        uint64_t switches;            /* changes of mind (rank 0) */
+        uint64_t trials;              /* trial calls timed (rank 0) */
+        uint64_t copied;              /* calls of a symmetric tensor that copied */
     } zc;
     tview_t *tv;          /* torch.c's, for the one-call fast paths */
 
