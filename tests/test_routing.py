@@ -103,12 +103,17 @@ def _real_calls(comm):
 def _observed_paths(comm):
     """Which path each real call took: shared memory when it ran collective
     rounds, torch.distributed when it logged so (a reason is logged once per
-    communicator: a dup() of the pool's, whose earlier calls logged theirs)."""
+    communicator: a dup() of the pool's, whose earlier calls logged theirs);
+    then again, each call's route now kept from the first time, by rounds
+    alone (torch.distributed runs none); and whether closing let go of the
+    kept routes (they hold the paths)."""
     with comm.dup() as fresh:
-        return _observed(fresh)
+        first = _observed(fresh)
+        again = _observed(fresh, by_rounds=True)
+    return first, again, fresh._routes == {}
 
 
-def _observed(comm):
+def _observed(comm, by_rounds=False):
     import logging
 
     from tpcomm import _testing
@@ -131,6 +136,8 @@ def _observed(comm):
             # point-to-point has channels of its own, not rounds: not told is shm
             shm = _testing.rounds(comm) - before > 1 or call.kind == "p2p"
             told = any("goes to torch.distributed" in m for m in seen[notes:])
+            if by_rounds:
+                told = call.kind != "p2p" and not shm
             out.append((call.kind, "dist" if told else "shm" if shm else "?"))
     finally:
         log.removeHandler(handler)
@@ -144,7 +151,7 @@ def test_decisions_are_what_real_calls_do(pools):
     reason logged."""
     got = pools.run(2, _observed_paths)
     want = [(call.kind, route(plan(2), call).path) for call, _ in _real_calls(_Shape(2))]
-    assert got == [want, want]
+    assert got == [(want, want, True)] * 2
 
 
 class _Shape:

@@ -23,8 +23,7 @@ The order (``order``, written once):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -40,9 +39,9 @@ _ENGINE_DTYPES = ", ".join(str(d) for d in DTYPE_CODES)
 _ENGINE_OPS = ", ".join("ReduceOp." + o.name for o in ReduceOp)
 
 
-@dataclass(frozen=True)
-class Call:
-    """What routing needs to know of a call.
+class Call(NamedTuple):
+    """What routing needs to know of a call (a tuple: cheap to make and to
+    hash, which every call that is not on a fast path does).
 
     Attributes:
         kind: the collective (``all_reduce``, ``all_gather``, ``gather``,
@@ -63,8 +62,7 @@ class Call:
     even: bool = True
 
 
-@dataclass(frozen=True)
-class Route:
+class Route(NamedTuple):
     """The path a call takes (its name, and the path object), and why it is not
     shared memory when it is not."""
 
