@@ -96,6 +96,10 @@ bench: install build/handoff build/oneshot
 		$(TP) perf $$c $(COLL_ARGS) -J $(BENCH_DIR)/$$c.json || exit 1; done
 	$(TP) perf all_gather $(COLL_ARGS) --in-place -J $(BENCH_DIR)/all_gather_in_place.json
 	$(TP) perf all_reduce -b 1K -e 1M -f 4 --backend dist --compare gloo -J $(BENCH_DIR)/dist_all_reduce.json
+	# more ranks than cores (2 here): oversubscribed
+	for n in 4 8; do \
+		$(TP) perf all_reduce -N $$n -b 1K -e 1M -f 4 -R 3 --compare gloo,mpi \
+			-J $(BENCH_DIR)/all_reduce_world$$n.json || exit 1; done
 	$(PY) benchmarks/kernels.py > $(BENCH_DIR)/kernels.txt && cat $(BENCH_DIR)/kernels.txt
 	$(PY) benchmarks/pg_floor.py > $(BENCH_DIR)/pg_floor.txt && cat $(BENCH_DIR)/pg_floor.txt
 	$(PY) benchmarks/gather_dims.py > $(BENCH_DIR)/gather_dims.txt && cat $(BENCH_DIR)/gather_dims.txt
