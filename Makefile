@@ -17,7 +17,7 @@ BENCH_ARGS ?= -b 1K -e 64M -f 4 -R 5 --compare gloo,vllm,deepspeed,mpi
 # the shared-memory peers of make bench (tpcomm perf --compare vllm,deepspeed): DeepSpeed is
 # installed for its shm op; vLLM's shm.cpp is built from its pinned source by tpcomm.perf.peers
 BENCH_PACKAGES ?= deepspeed==0.19.8 hjson msgpack ninja psutil py-cpuinfo "pydantic>=2" einops tqdm
-COLL_ARGS ?= -b 1K -e 16M -f 4 --compare gloo,mpi --fresh
+COLL_ARGS ?= -b 1K -e 16M -f 4 -R 3 --compare gloo,mpi --fresh
 
 .PHONY: test bench demo lint install clean test-kernels test-arm
 

@@ -46,28 +46,28 @@ RUNS = [
     (
         "all_gather",
         "all_gather",
-        "tpcomm perf all_gather -b 1K -e 16M -f 4 --compare gloo,mpi --fresh",
+        "tpcomm perf all_gather -b 1K -e 16M -f 4 -R 3 --compare gloo,mpi --fresh",
     ),
     (
         "all_gather_in_place",
         "all_gather, in place",
-        "tpcomm perf all_gather -b 1K -e 16M -f 4 --compare gloo,mpi --fresh --in-place",
+        "tpcomm perf all_gather -b 1K -e 16M -f 4 -R 3 --compare gloo,mpi --fresh --in-place",
     ),
     (
         "reduce_scatter",
         "reduce_scatter",
-        "tpcomm perf reduce_scatter -b 1K -e 16M -f 4 --compare gloo,mpi --fresh",
+        "tpcomm perf reduce_scatter -b 1K -e 16M -f 4 -R 3 --compare gloo,mpi --fresh",
     ),
     (
         "broadcast",
         "broadcast",
-        "tpcomm perf broadcast -b 1K -e 16M -f 4 --compare gloo,mpi --fresh",
+        "tpcomm perf broadcast -b 1K -e 16M -f 4 -R 3 --compare gloo,mpi --fresh",
     ),
-    ("gather", "gather", "tpcomm perf gather -b 1K -e 16M -f 4 --compare gloo,mpi --fresh"),
+    ("gather", "gather", "tpcomm perf gather -b 1K -e 16M -f 4 -R 3 --compare gloo,mpi --fresh"),
     (
         "sendrecv",
         "sendrecv (every rank sends to the next, receives from the previous)",
-        "tpcomm perf sendrecv -b 1K -e 16M -f 4 --compare gloo,mpi --fresh",
+        "tpcomm perf sendrecv -b 1K -e 16M -f 4 -R 3 --compare gloo,mpi --fresh",
     ),
     (
         "dist_all_reduce",
