@@ -264,8 +264,8 @@ def zero_copy_min_bytes() -> int:
 
 def zero_copy_max_bytes() -> int:
     """TPCOMM_ZERO_COPY_MAX_BYTES: the largest such all_reduce that goes zero
-    copy (default -1: no limit; tpcomm tune sets one where the copies, in
-    cache-sized chunks, win again past it)."""
+    copy (default -1: no limit; within the limits rank 0 chooses zero copy or
+    the copies as calls run)."""
     return _int("TPCOMM_ZERO_COPY_MAX_BYTES", -1, -1, MAX_BYTES, " (-1: no limit)")
 
 

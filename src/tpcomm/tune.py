@@ -282,17 +282,20 @@ def _settings(sizes: list, res: dict) -> dict:
 
 def _copy_settings(sizes: list, res: dict) -> dict:
     """The second pass's settings: the switch points of non-temporal stores,
-    helper threads and chunks (and rank 0's chunk), zero copy's window."""
+    helper threads and chunks (and rank 0's chunk), where zero copy starts."""
     out = {"nt_min_bytes": switch_point(sizes, _ratios(sizes, res, "nt_stores", *NT[::-1]))}
     if "threads" in res:
         out["threads_min_bytes"] = switch_point(
             sizes, _ratios(sizes, res, "threads", *THREADS[::-1])
         )
     if "zero_copy" in res:
-        lo, hi = switch_window(sizes, _ratios(sizes, res, "zero_copy", *ZERO_COPY[::-1]))
-        out["zero_copy_min_bytes"] = lo
-        if lo >= 0 and hi >= 0:
-            out["zero_copy_max_bytes"] = hi
+        # only where zero copy starts to win: from there rank 0 chooses it or
+        # the copies as calls run (zc_auto), state by state of the machine, so
+        # a measurement made in one state neither caps it nor turns it off
+        # (with no win here the default stands)
+        lo, _ = switch_window(sizes, _ratios(sizes, res, "zero_copy", *ZERO_COPY[::-1]))
+        if lo >= 0:
+            out["zero_copy_min_bytes"] = lo
     if "chunks" in res:
         big = [s for s in sizes if s in res["chunks"]]
         out["chunk_min_bytes"] = switch_point(big, _ratios(big, res, "chunks", *CHUNKS[::-1]))
