@@ -176,6 +176,53 @@ def test_zero_copy_or_the_copies_chosen_as_it_runs(pools, world):
             assert all(n >= 100 for k, n in runs[1:-1] if k == choice), runs
 
 
+def tried_on_nt_stores(comm, calls):
+    """Zero copy made slow on rank 0 and the copies made slower still on
+    plain stores but not on non-temporal ones, the stores starting plain:
+    each call's rounds (3: zero copy; 2: the copies, two-shot), whether every
+    result was right, the choice at the end for this size (1: the copies)
+    and the stores' bits (1: non-temporal)."""
+    eng = _testing.engine(comm)
+    eng.retune(nt_auto=False)  # the stores from plain, nothing learnt
+    eng.retune(twoshot_min=0, chunk_min=-1, zc_min=0, zc_max=-1, nt_auto=True)
+    _testing.set_zero_copy_auto(comm, False)
+    _testing.set_zero_copy_auto(comm, True)  # from nothing learnt (a barrier)
+    n, total = 1 << 17, float(sum(range(1, comm.world_size + 1)))
+    x = comm.empty((n,), torch.float32)
+    rounds, right = [], True
+    try:
+        if comm.rank == 0:
+            eng.fault_zero_copy(300.0)
+            eng.fault_stores(600.0, 0.0)
+        for _ in range(calls):
+            x.fill_(comm.rank + 1.0)
+            r0 = _testing.rounds(comm)
+            comm.all_reduce(x)
+            rounds.append(_testing.rounds(comm) - r0)
+            right &= bool(torch.all(x == total))
+        state = eng.zero_copy_state()["copies"][1], eng.stores()["nt"]
+    finally:
+        eng.fault_zero_copy(0.0)
+        eng.fault_stores(0.0, 0.0)
+        _testing.restore(comm)
+    return rounds, right, *state
+
+
+def test_a_trial_of_the_copies_runs_them_on_non_temporal_stores(pools):
+    """A size whose copies never ran keeps the stores it started with, plain;
+    where those make the copies lose and non-temporal ones make them win
+    (this VM's slow mode), the copies must be tried on the latter, or zero
+    copy is kept at twice their cost.  Here zero copy is 300 us slower and
+    the copies 600 us slower on plain stores only: the first trials turn the
+    size to the copies, which keep their non-temporal stores."""
+    res = pools.run(2, tried_on_nt_stores, 400, timeout=300)
+    assert res[0][:3] == res[1][:3], "ranks ran different rounds"
+    rounds, right, copies, nt = res[0]
+    assert right and copies == 1
+    assert rounds[-100:].count(2) >= 95, rounds
+    assert any(nt[len(nt) // 2 :]), nt  # a two-shot size on non-temporal stores
+
+
 def disagree(comm):
     buf = comm.empty((BIG,), torch.float32)
     x = buf if comm.rank == 0 else torch.empty(BIG)

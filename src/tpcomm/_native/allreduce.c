@@ -350,7 +350,15 @@ static struct sym *find_sym(Engine *e, const char *t, size_t bytes)
  * back), and three of each size where two sizes alternate.  The timed one
  * switches at once where the other one wins (what runs next is what it
  * timed).  Rank 0 times one in 16 of the other calls, none right after a
- * trial.  A rank that copies a comm.empty tensor marks its metadata
+ * trial.  A trial of the copies runs their chunks on non-temporal stores
+ * (the stores' bit in the header, which every rank reads): zero copy loses
+ * where the machine makes cache-to-cache transfers slow, which is where the
+ * copies need those stores, and the stores' own choice learns nothing for a
+ * size whose copies never run: it stays on the plain stores it started with
+ * (in this VM's slow mode `tpcomm perf -Z` then kept zero copy at 1 MiB at
+ * 232 us, where the copies took 96-130 that day).  Where the copies win, the
+ * stores stay non-temporal (their own choice goes on from there); else they
+ * go back to what they were.  A rank that copies a comm.empty tensor marks its metadata
  * (ARG_COPIED), so a peer that passes an ordinary tensor gets the mismatch
  * error as before.  The bits, so the results, are the same either way.
  */
@@ -413,17 +421,45 @@ static void zc_learn(Engine *e, int b, int copied, uint64_t dt, size_t bytes)
     }
 }
 
-/* rank 0, after a call of bucket b that ran in state `bits` and took dt
- * ticks: learn from it where it was timed, ask for a trial or for the choice
- * back, and publish what it wants */
-static void zc_after_call(Engine *e, unsigned bits, int b, int copied, uint64_t dt, size_t bytes)
+/* rank 0: a trial of the copies of `bytes` of dtype begins: their chunks'
+ * stores go non-temporal, remembering the kind they had (see above) */
+static void zc_trial_stores(Engine *e, size_t bytes, int dtype)
 {
+    const ar_plan_t pl = ar_plan(e, bytes, dtype, 0);
+    if (pl.algo != AR_ONESHOT && pl.algo != AR_TWOSHOT)
+        return;
+    const int sb = store_bucket(e, bytes < pl.chunk ? bytes : pl.chunk, pl.algo == AR_TWOSHOT);
+    if (sb < 0)
+        return;
+    const uint32_t had = atomic_fetch_or_explicit(&HDR(e)->stores, 1u << sb, memory_order_relaxed);
+    e->zc.st_bucket = sb + 1;
+    e->zc.st_had = (int)(had >> sb) & 1;
+}
+
+/* rank 0: that trial is over; where zero copy stays the choice of bucket b,
+ * the copies' stores go back to the kind they had */
+static void zc_trial_stores_end(Engine *e, int b)
+{
+    const int sb = e->zc.st_bucket - 1;
+    if (sb >= 0 && !((e->zc.want >> b) & 1) && !e->zc.st_had)
+        atomic_fetch_and_explicit(&HDR(e)->stores, ~(1u << sb), memory_order_relaxed);
+    e->zc.st_bucket = 0;
+}
+
+/* rank 0, after a call of `bytes` of dtype, bucket b, that ran in state
+ * `bits` and took dt ticks: learn from it where it was timed, ask for a
+ * trial or for the choice back, and publish what it wants */
+static void zc_after_call(Engine *e, unsigned bits, int b, int copied, uint64_t dt, size_t bytes,
+                          int dtype)
+{
+    const int tb = (int)((e->zc.want >> ZC_TRIAL_SHIFT) & 15) - 1; /* the bucket asked to try */
     if (copied != ((int)(zc_chosen(bits) >> b) & 1)) { /* on trial */
         if (++e->zc.seen[b] == ZC_TRIAL_WARM) { /* warm (see above) */
             zc_learn(e, b, copied, dt, bytes);
             e->zc.trials++;
             e->zc.want = zc_chosen(e->zc.want); /* the choice back after the next call */
             e->zc.asked = 0;
+            zc_trial_stores_end(e, b);
         }
     } else {
         if (e->zc.seen[b] == 0 && e->zc.calls[b] % 16 == 5)
@@ -432,10 +468,13 @@ static void zc_after_call(Engine *e, unsigned bits, int b, int copied, uint64_t 
         if (e->zc.asked && ++e->zc.asked > 2 * ZC_TRIAL_EVERY) { /* its size stopped coming */
             e->zc.want = zc_chosen(e->zc.want);
             e->zc.asked = 0;
+            zc_trial_stores_end(e, tb);
         }
         if (++e->zc.calls[b] % ZC_TRIAL_EVERY == 0 && !e->zc.asked) {
             e->zc.want |= (unsigned)(b + 1) << ZC_TRIAL_SHIFT;
             e->zc.asked = 1;
+            if (!((e->zc.want >> b) & 1)) /* a trial of the copies */
+                zc_trial_stores(e, bytes, dtype);
         }
     }
     zc_publish(e, e->zc.want);
@@ -560,7 +599,7 @@ int all_reduce_rounds(Engine *e, char *t, size_t count, int dtype, int op, uint3
         }
     }
     if (sb && e->rank == 0 && st == ST_OK && (bits & ZC_ON))
-        zc_after_call(e, bits, b, copied, ticks() - t0, bytes);
+        zc_after_call(e, bits, b, copied, ticks() - t0, bytes, dtype);
     e->zc.copied += (uint64_t)copied;
     *tsp = ts;
     return st;

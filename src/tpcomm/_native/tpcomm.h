@@ -310,6 +310,8 @@ typedef struct {
         uint32_t calls[ZC_BUCKETS];   /* calls per bucket not on trial */
         uint8_t seen[ZC_BUCKETS];     /* calls on trial so far in a row */
         uint32_t asked;               /* calls since a trial was asked, 0: none */
+        int st_bucket, st_had;        /* the stores bucket a trial of the copies made
+                                       * non-temporal + 1 (0: none), and its kind before */
         uint64_t switches;            /* changes of mind (rank 0) */
         uint64_t trials;              /* trial calls timed (rank 0) */
         uint64_t copied;              /* calls of a symmetric tensor that copied */
