@@ -111,6 +111,20 @@ def test_ranks_cutting_zero_copy_differently_are_told(pools):
         assert "mismatched collective" in msg and "in pieces of 64 KiB" in msg, msg
 
 
+def counted_calls(comm, x, calls):
+    """`calls` all_reduces of x, each rank's values rank + 1: each call's
+    rounds, and whether every result was right."""
+    total = float(sum(range(1, comm.world_size + 1)))
+    rounds, right = [], True
+    for _ in range(calls):
+        x.fill_(comm.rank + 1.0)
+        r0 = _testing.rounds(comm)
+        comm.all_reduce(x)
+        rounds.append(_testing.rounds(comm) - r0)
+        right &= bool(torch.all(x == total))
+    return rounds, right
+
+
 def chosen_as_it_runs(comm, slow_us, calls):
     """Zero copy made slow on rank 0 (fault_zero_copy), then the copies
     (fault_stores): per phase, each call's rounds (3: zero copy; 2: the
@@ -122,22 +136,14 @@ def chosen_as_it_runs(comm, slow_us, calls):
     # the copies' stores chosen as they run, where fault_stores slows them (at
     # world 3 on 2 cores the ranks outnumber the cores, which turns that off)
     eng.retune(twoshot_min=0, chunk_min=-1, zc_min=0, zc_max=-1, nt_auto=True)
-    w, n = comm.world_size, 1 << 17  # 512 KiB of float32
-    x = comm.empty((n,), torch.float32)
-    total = float(sum(range(1, w + 1)))
+    x = comm.empty((1 << 17,), torch.float32)  # 512 KiB
     out = []
     try:
         for zc_us, copies_us in ((slow_us, 0.0), (0.0, slow_us)):
             if comm.rank == 0:
                 eng.fault_zero_copy(zc_us)
                 eng.fault_stores(copies_us, copies_us)
-            rounds, right = [], True
-            for _ in range(calls):
-                x.fill_(comm.rank + 1.0)
-                r0 = _testing.rounds(comm)
-                comm.all_reduce(x)
-                rounds.append(_testing.rounds(comm) - r0)
-                right &= bool(torch.all(x == total))
+            rounds, right = counted_calls(comm, x, calls)
             st = eng.zero_copy_state()
             out.append((rounds, right, st["copies"][1], st["trials"] if comm.rank == 0 else None))
     finally:
@@ -187,19 +193,12 @@ def tried_on_nt_stores(comm, calls):
     eng.retune(twoshot_min=0, chunk_min=-1, zc_min=0, zc_max=-1, nt_auto=True)
     _testing.set_zero_copy_auto(comm, False)
     _testing.set_zero_copy_auto(comm, True)  # from nothing learnt (a barrier)
-    n, total = 1 << 17, float(sum(range(1, comm.world_size + 1)))
-    x = comm.empty((n,), torch.float32)
-    rounds, right = [], True
+    x = comm.empty((1 << 17,), torch.float32)
     try:
         if comm.rank == 0:
             eng.fault_zero_copy(300.0)
             eng.fault_stores(600.0, 0.0)
-        for _ in range(calls):
-            x.fill_(comm.rank + 1.0)
-            r0 = _testing.rounds(comm)
-            comm.all_reduce(x)
-            rounds.append(_testing.rounds(comm) - r0)
-            right &= bool(torch.all(x == total))
+        rounds, right = counted_calls(comm, x, calls)
         state = eng.zero_copy_state()["copies"][1], eng.stores()["nt"]
     finally:
         eng.fault_zero_copy(0.0)
