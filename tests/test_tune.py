@@ -220,6 +220,20 @@ def test_steadiness_warns_when_the_machine_changed_speed():
     assert profile.steadiness(0.0, 60e-6).startswith("warning:")
 
 
+def test_tune_measures_again_while_the_machine_changed_speed():
+    """speed_moved is what tune compares with the steadiness limit to measure a
+    world again (--tries, the steadiest try kept); --tries must be 1 or more."""
+    from tpcomm.tune import speed_moved
+
+    assert speed_moved(60e-6, 60e-6) == 1.0
+    assert speed_moved(60e-6, 90e-6) == speed_moved(90e-6, 60e-6) == 1.5  # the limit: steady
+    assert speed_moved(60e-6, 240e-6) == 4.0 and speed_moved(0.0, 1e-6) == float("inf")
+    assert (speed_moved(60e-6, 91e-6) <= profile.STEADY) == (not profile.steadiness(60e-6, 91e-6))
+    cmd = [sys.executable, "-m", "tpcomm", "tune", "--tries", "0", "--dry-run"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--tries: 1 or more" in r.stderr, r.stderr[-2000:]
+
+
 def test_doctor_repeats_the_warning_of_an_unsteady_profile(tmp_path, monkeypatch):
     from tpcomm import doctor
 
