@@ -339,28 +339,28 @@ static struct sym *find_sym(Engine *e, const char *t, size_t bytes)
  *
  * The other one is tried warm.  The first call that tries it finds caches
  * that the choice left, and so does the second where the copies go one-shot
- * (each call in the other slot): at 1 MiB on this VM the copies so tried
- * took 1.6-2.4x, 1.0-1.35x and 1.0-1.15x their steady time in their first,
- * second and third calls, and in the slow mode, timing the first alone,
- * zero copy was kept at twice the copies' cost.  So every 128th call of a bucket rank
- * 0 asks for a trial and times the third call of that bucket that tries the
- * other one; only then it asks for the choice back, so a trial is four
- * calls where the calls are all of one size, as one layer's are (the two
- * cold ones, the timed one, and the one that starts before the choice is
- * back), and three of each size where two sizes alternate.  The timed one
- * switches at once where the other one wins (what runs next is what it
- * timed).  Rank 0 times one in 16 of the other calls, none right after a
- * trial.  A trial of the copies runs their chunks on non-temporal stores
- * (the stores' bit in the header, which every rank reads): zero copy loses
- * where the machine makes cache-to-cache transfers slow, which is where the
- * copies need those stores, and the stores' own choice learns nothing for a
- * size whose copies never run: it stays on the plain stores it started with
- * (in this VM's slow mode `tpcomm perf -Z` then kept zero copy at 1 MiB at
- * 232 us, where the copies took 96-130 that day).  Where the copies win, the
- * stores stay non-temporal (their own choice goes on from there); else they
- * go back to what they were.  A rank that copies a comm.empty tensor marks its metadata
- * (ARG_COPIED), so a peer that passes an ordinary tensor gets the mismatch
- * error as before.  The bits, so the results, are the same either way.
+ * (each call in the other slot): at 1 MiB on this VM the copies so tried took
+ * 1.6-2.4x, 1.0-1.35x and 1.0-1.15x their steady time in their first, second
+ * and third calls, and in the slow mode, timing the first alone, zero copy
+ * was kept at twice the copies' cost.  So every 128th call of a bucket rank 0
+ * asks for a trial and times the third call of that bucket that tries the
+ * other one; only then it asks for the choice back, so a trial is four calls
+ * where the calls are all of one size, as one layer's are (the two cold ones,
+ * the timed one, and the one that starts before the choice is back), and
+ * three of each size where two sizes alternate.  The timed one switches at
+ * once where the other one wins (what runs next is what it timed).  Rank 0
+ * times one in 16 of the other calls, none right after a trial.  A trial of
+ * the copies runs their chunks on non-temporal stores (the stores' bit in the
+ * header, which every rank reads): zero copy loses where the machine makes
+ * cache-to-cache transfers slow, which is where the copies need those stores,
+ * and the stores' own choice learns nothing for a size whose copies never
+ * run: it stays on the plain stores it started with (in this VM's slow mode
+ * `tpcomm perf -Z` then kept zero copy at 1 MiB at 232 us, where the copies
+ * took 96-130 that day).  Where the copies win, the stores stay non-temporal
+ * (their own choice goes on from there); else they go back to what they were.
+ * A rank that copies a comm.empty tensor marks its metadata (ARG_COPIED), so
+ * a peer that passes an ordinary tensor gets the mismatch error as before.
+ * The bits, so the results, are the same either way.
  */
 #define ZC_ON (1u << 15)
 #define ZC_TRIAL_SHIFT 11 /* 4 bits: the bucket on trial + 1, 0: none */
