@@ -223,7 +223,7 @@ def test_steadiness_warns_when_the_machine_changed_speed():
 def test_tune_measures_again_while_the_machine_changed_speed():
     """speed_moved is what tune compares with the steadiness limit to measure a
     world again (--tries, the steadiest try kept); --tries must be 1 or more."""
-    from tpcomm.tune import speed_moved
+    speed_moved = profile.speed_moved
 
     assert speed_moved(60e-6, 60e-6) == 1.0
     assert speed_moved(60e-6, 90e-6) == speed_moved(90e-6, 60e-6) == 1.5  # the limit: steady

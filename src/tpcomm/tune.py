@@ -37,7 +37,7 @@ from .perf.timing import measured
 from .shm import profile
 from .shm.engine import engine_of
 
-__all__ = ["add_arguments", "main", "run", "speed_moved", "switch_point", "switch_window"]
+__all__ = ["add_arguments", "main", "run", "switch_point", "switch_window"]
 
 ALL_REDUCE = ("one-shot", "two-shot", "single-copy")
 ALL_GATHER = ("copy", "single-copy")
@@ -145,12 +145,6 @@ def switch_window(sizes: list, ratios: list, margin: float = MARGIN) -> tuple:
             best = (sizes[wins[0]], -1 if j == len(sizes) else sizes[j - 1])
         i = j + 1
     return best
-
-
-def speed_moved(before: float, after: float) -> float:
-    """How far the machine's speed moved between two timings of the same call:
-    the larger over the smaller (infinite where one is 0)."""
-    return max(before, after) / min(before, after) if min(before, after) > 0 else float("inf")
 
 
 def _reference(comm: Any, cfg: dict) -> float:
@@ -379,7 +373,7 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
                 settings = _settings(sizes, res)
                 copies = group.run(_measure_copies, cfg, settings)[0]
                 after = group.run(_reference, cfg)[0]
-            tries.append((speed_moved(before, after), before, after, res, settings, copies))
+            tries.append((profile.speed_moved(before, after), before, after, res, settings, copies))
         _, before, after, res, settings, copies = min(tries, key=lambda t: t[0])
         settings.update(_copy_settings(sizes, copies))
         res.update(copies, reference_s=[before, after])

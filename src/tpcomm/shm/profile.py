@@ -156,10 +156,16 @@ REFERENCE_BYTES = 1 << 20
 STEADY = 1.5
 
 
+def speed_moved(before: float, after: float) -> float:
+    """How far the machine's speed moved between two timings of the same call:
+    the larger over the smaller (infinite where one is 0)."""
+    return max(before, after) / min(before, after) if min(before, after) > 0 else float("inf")
+
+
 def steadiness(before: float, after: float, limit: float = STEADY) -> str:
     """ "" where the reference all_reduce took about as long (seconds) before
     the measurements as after them (within ``limit`` times), else a warning."""
-    if min(before, after) > 0 and max(before, after) / min(before, after) <= limit:
+    if speed_moved(before, after) <= limit:
         return ""
     return (
         f"warning: a plain {REFERENCE_BYTES >> 20} MiB all_reduce took {before * 1e6:.1f} us "
