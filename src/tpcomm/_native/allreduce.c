@@ -382,12 +382,12 @@ static unsigned zc_agreed(const Engine *e)
     return zc_bits(atomic_load_explicit(&HDR((Engine *)e)->zc_word, memory_order_acquire), e->round);
 }
 
+/* the bucket on trial in state `bits` (-1: none) */
+static int zc_trial(unsigned bits) { return (int)((bits >> ZC_TRIAL_SHIFT) & 15) - 1; }
+
 /* whether bucket b's calls copy in state `bits`: its choice, or the other
  * one while it is on trial */
-static int zc_copies(unsigned bits, int b)
-{
-    return (int)((bits >> b) & 1) ^ (int)(((bits >> ZC_TRIAL_SHIFT) & 15) == (unsigned)b + 1);
-}
+static int zc_copies(unsigned bits, int b) { return (int)((bits >> b) & 1) ^ (zc_trial(bits) == b); }
 
 /* the state `bits` with no trial */
 static unsigned zc_chosen(unsigned bits) { return bits & ~(15u << ZC_TRIAL_SHIFT); }
@@ -452,8 +452,8 @@ static void zc_trial_stores_end(Engine *e, int b)
 static void zc_after_call(Engine *e, unsigned bits, int b, int copied, uint64_t dt, size_t bytes,
                           int dtype)
 {
-    const int tb = (int)((e->zc.want >> ZC_TRIAL_SHIFT) & 15) - 1; /* the bucket asked to try */
-    if (copied != ((int)(zc_chosen(bits) >> b) & 1)) { /* on trial */
+    const int tb = zc_trial(e->zc.want); /* the bucket asked to try */
+    if (zc_trial(bits) == b) { /* on trial */
         if (++e->zc.seen[b] == ZC_TRIAL_WARM) { /* warm (see above) */
             zc_learn(e, b, copied, dt, bytes);
             e->zc.trials++;
@@ -710,7 +710,7 @@ PyObject *eng_zero_copy_state(Engine *e, PyObject *unused)
     }
     return Py_BuildValue("{s:O,s:N,s:i,s:N,s:K,s:K,s:K,s:K,s:K}", "auto",
                          bits & ZC_ON ? Py_True : Py_False, "copies", copies, "trial",
-                         (int)((bits >> ZC_TRIAL_SHIFT) & 15) - 1, "cost", cost, "switches",
+                         zc_trial(bits), "cost", cost, "switches",
                          (unsigned long long)e->zc.switches, "trials",
                          (unsigned long long)e->zc.trials, "copied",
                          (unsigned long long)e->zc.copied, "min_bytes",
