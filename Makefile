@@ -104,7 +104,10 @@ bench: install build/handoff build/oneshot
 	$(PY) benchmarks/pg_floor.py > $(BENCH_DIR)/pg_floor.txt && cat $(BENCH_DIR)/pg_floor.txt
 	$(PY) benchmarks/gather_dims.py > $(BENCH_DIR)/gather_dims.txt && cat $(BENCH_DIR)/gather_dims.txt
 	$(PY) benchmarks/p2p_batch.py > $(BENCH_DIR)/p2p_batch.txt && cat $(BENCH_DIR)/p2p_batch.txt
-	$(PY) benchmarks/stores.py > $(BENCH_DIR)/stores.txt && cat $(BENCH_DIR)/stores.txt
+	$(PY) benchmarks/stores.py > $(BENCH_DIR)/stores.txt
+	for c in broadcast all_gather; do \
+		$(PY) benchmarks/stores.py --collective $$c -b 64K >> $(BENCH_DIR)/stores.txt || exit 1; done
+	cat $(BENCH_DIR)/stores.txt
 	build/oneshot > $(BENCH_DIR)/oneshot.txt && cat $(BENCH_DIR)/oneshot.txt
 	{ echo "# producer copies N bytes on CPU 0, consumer reads them on CPU 1"; \
 	  echo "#    bytes   round(us)  copy(us)  read(us)  read GB/s"; \

@@ -1,6 +1,7 @@
 """Plain stores, non-temporal stores and the running choice between them, in
 turns, for the all_reduce sizes whose copies choose (4 KiB and up, one-shot
-and two-shot as the switch point says).
+and two-shot as the switch point says), or for another collective's copies,
+which store as an all_reduce chunk of their size chose (`--collective`).
 
 Which store into a slot costs less changes with the machine's state, by
 seconds on a shared VM (benchmarks/oneshot.c), so three runs one after the
@@ -11,9 +12,13 @@ turning every round, so that every state meets all three (the same
 algorithm each: the default switch point, or the profile's).  Per block: the
 slower rank's time per call.  Per size: the median block of each, the median
 over the rounds of each round's ratio to the faster fixed kind ("auto/best"),
-and how many rounds each fixed kind won.
+and how many rounds each fixed kind won.  A broadcast or all_gather block
+(each rank's copy into a slot: `size` bytes) follows an untimed block of
+all_reduces of as many bytes on the same communicator, as an application's
+all_reduces keep the choice current.
 
 Run by `make bench`: python benchmarks/stores.py [-b 4K -e 4M -f 4]
+[--collective broadcast]
 """
 
 from __future__ import annotations
@@ -31,7 +36,16 @@ from tpcomm.shm.engine import engine_of
 KINDS = ("plain", "non-temporal", "auto")
 
 
-def rank(comm, sizes: list, rounds: int, seconds: float) -> dict:
+def call_of(comm, collective: str, x, out):
+    """One call of the collective under test on comm: size bytes in a slot."""
+    if collective == "broadcast":
+        return lambda: comm.broadcast(x, 0)
+    if collective == "all_gather":
+        return lambda: comm.all_gather_into_tensor(out, x)
+    return lambda: comm.all_reduce(x)
+
+
+def rank(comm, sizes: list, rounds: int, seconds: float, collective: str) -> dict:
     torch.set_num_threads(1)
     comms = {k: comm.dup() for k in KINDS}
     for k, fixed in (("plain", -1), ("non-temporal", 0)):  # fixed stores
@@ -40,19 +54,21 @@ def rank(comm, sizes: list, rounds: int, seconds: float) -> dict:
     try:
         for size in sizes:
             x = torch.rand(size // 4)
+            out = torch.empty(comm.world_size * x.numel())
             for c in comms.values():  # warm-up: the running choice learns
                 for _ in range(2000):
                     c.all_reduce(x.fill_(1.0))
-            probe = timed(lambda x=x: comms["plain"].all_reduce(x), 20)
+            calls = {k: call_of(c, collective, x, out) for k, c in comms.items()}
+            probe = timed(calls["plain"], 20)
             iters = agree(comm, max(50, int(seconds / rounds / len(KINDS) / max(probe, 1e-7))))
             for r in range(rounds):
                 k = r % len(KINDS)
                 for kind in KINDS[k:] + KINDS[:k]:
                     c = comms[kind]
-                    c.barrier()
-                    times.setdefault((kind, size), []).append(
+                    if collective != "all_reduce":  # the application's all_reduces
                         timed(lambda c=c, x=x: c.all_reduce(x), iters)
-                    )
+                    c.barrier()
+                    times.setdefault((kind, size), []).append(timed(calls[kind], iters))
         return {"times": times, "stores": engine_of(comms["auto"]).stores()}
     finally:
         for c in comms.values():
@@ -64,13 +80,20 @@ def main(argv=None) -> int:
     size_arguments(p, "4K", "4M")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--seconds", type=float, default=3.0, help="per size")
+    p.add_argument("--collective", choices=("all_reduce", "broadcast", "all_gather"),
+                   default="all_reduce")  # fmt: skip
     args = p.parse_args(argv)
     sizes = sizes_of(args)
     with LocalGroup(2) as g:
         res = g.run(
-            rank, sizes, args.rounds, args.seconds, timeout=60 + 4 * args.seconds * len(sizes)
+            rank,
+            sizes,
+            args.rounds,
+            args.seconds,
+            args.collective,
+            timeout=60 + 8 * args.seconds * len(sizes),
         )
-    print(f"# all_reduce of float32 by store kind on {cpu_model()}, 2 ranks pinned; "
+    print(f"# {args.collective} of float32 by store kind on {cpu_model()}, 2 ranks pinned; "
           f"{args.rounds} rounds of blocks in turns")  # fmt: skip
     print(
         f"# {'size':>8} {'plain':>9} {'non-temp':>9} {'auto':>9}  auto/best  "

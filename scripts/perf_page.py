@@ -94,8 +94,8 @@ TEXTS = [
     ("p2p_batch", "batch_isend_irecv (`benchmarks/p2p_batch.py`)"),
     (
         "stores",
-        "Plain or non-temporal stores into the slots, and the choice made as it runs "
-        "(`benchmarks/stores.py`)",
+        "Plain or non-temporal stores into the slots, and the choice made as it runs; the "
+        "other collectives' copies follow the all_reduce chunks' choice (`benchmarks/stores.py`)",
     ),
     (
         "oneshot",
@@ -341,11 +341,11 @@ def main(bench_dir: str) -> None:
         "new builds alike; it comes and goes by seconds too, size by size. What is slow "
         "in it is a store into a line the other core holds (`benchmarks/oneshot.c`: the copy "
         "phase); non-temporal stores avoid that, and the all_reduce chunks choose them while "
-        "it lasts (the stores table). A table that shows it is rerun, not kept (the header "
-        "says which). Zero copy reads the lines where their owner wrote them, and in the slow "
-        "mode a 1 MiB zero-copy all_reduce took about 1.8x the time of the copies, so rank 0 "
-        "chooses between them as calls run (docs/COLLECTIVES.md); a table run in the fast "
-        "mode shows zero copy.",
+        "it lasts, the other collectives' copies following (the stores tables). A table that "
+        "shows it is rerun, not kept (the header says which). Zero copy reads the lines where "
+        "their owner wrote them, and in the slow mode a 1 MiB zero-copy all_reduce took about "
+        "1.8x the time of the copies, so rank 0 chooses between them as calls run "
+        "(docs/COLLECTIVES.md); a table run in the fast mode shows zero copy.",
         "- Worlds larger than the core count run oversubscribed: the engine stops spinning and "
         'yields at once (docs/ENGINE.md, "Waiting"); the 4- and 8-rank tables above are such '
         "worlds on this machine's cores (rank r pinned to CPU r mod the CPU count).",

@@ -16,7 +16,7 @@ from tpcomm import _testing
 from tpcomm.launch import LocalGroup
 from tpcomm.shm.engine import engine_of
 
-from ._ref import make
+from ._ref import make, reference
 
 NT_KERNELS = any(isa in _testing.isa_variants() for isa in ("avx2", "avx512"))
 BUCKET = 2  # one-shot 16 KiB: buckets are powers of two from 4 KiB
@@ -148,3 +148,83 @@ def test_oversubscribed_ranks_keep_the_fixed_stores(pools):
     over = (os.cpu_count() or 1) + 1
     assert pools.run(over, stores_on) == [False] * over
     assert pools.run(2, stores_on) == [True] * 2
+
+
+N_OTHER = 16384 // 4  # float32 elements: each round copies 16 KiB into a slot
+
+
+def other_collectives(comm):
+    """Every collective but all_reduce once, a rank's copy into a slot 16 KiB
+    a round: per collective, whether its result is the reference's and how
+    many of this rank's copies followed a non-temporal choice."""
+    w, r = comm.world_size, comm.rank
+    n = N_OTHER
+    xs = [make(q, n, torch.float32, 5) for q in range(w)]
+    big = [make(q, w * n, torch.float32, 6) for q in range(w)]
+    mine = slice(r * n, (r + 1) * n)
+    cases = {
+        "broadcast": (lambda: comm.broadcast(xs[r].clone(), 0), xs[0]),
+        "all_gather": (
+            lambda: comm.all_gather_into_tensor(torch.empty(w * n), xs[r]),
+            torch.cat(xs),
+        ),
+        "gather": (
+            lambda: comm.gather(xs[r], 0, out=torch.empty(w * n) if r == 0 else None),
+            torch.cat(xs) if r == 0 else None,
+        ),
+        "reduce_scatter": (
+            lambda: comm.reduce_scatter_tensor(torch.empty(n), big[r]),
+            reference(big, tpcomm.ReduceOp.SUM)[mine],
+        ),
+        "all_to_all": (
+            lambda: comm.all_to_all_single(torch.empty(w * n), big[r]),
+            torch.cat([b[mine] for b in big]),
+        ),
+        "sendrecv": (
+            lambda: comm.sendrecv([xs[r]], (r + 1) % w, (r - 1) % w, out=[torch.empty(n)])[0],
+            xs[(r - 1) % w],
+        ),
+    }
+    out = {}
+    for name, (call, want) in cases.items():
+        before = _testing.stores(comm)["followed_nt"]
+        got = call()
+        right = got is None if want is None else torch.equal(got, want)
+        out[name] = (right, _testing.stores(comm)["followed_nt"] - before)
+    return out
+
+
+def others_follow(comm, algo):
+    """The other collectives before all_reduce learnt anything, after it chose
+    non-temporal stores for 16 KiB (plain made slow), and after it went back."""
+    runs = [other_collectives(comm)]
+    for plain_us, nt_us in ((40.0, 0.0), (0.0, 40.0)):
+        assert calls_until_settled(comm, plain_us, nt_us, algo)[1] == 0
+        _testing.set_twoshot_min(comm, -1 if algo == "one-shot" else 0)
+        try:
+            runs.append(other_collectives(comm))
+        finally:
+            _testing.set_twoshot_min(comm, None)
+    return runs
+
+
+@pytest.mark.skipif(not NT_KERNELS, reason="no non-temporal copy here: the choice is off")
+@pytest.mark.parametrize("algo", ["one-shot", "two-shot"])
+def test_the_other_collectives_store_as_all_reduce_chose(algo):
+    """A broadcast's, all_gather's, ... copies into a slot store as an
+    all_reduce chunk of their size does: plain until it learns otherwise,
+    non-temporal once it chose them, plain again after; results exact."""
+    with LocalGroup(2, timeout=120) as g:
+        res = g.run(others_follow, algo, timeout=300)
+    for r, (before, nt, back) in enumerate(res):
+        copies = {  # this rank's copies into a slot: one round each
+            "broadcast": 1 if r == 0 else 0,
+            "all_gather": 1,
+            "gather": 1,
+            "reduce_scatter": 1,
+            "all_to_all": 1,
+            "sendrecv": 1,
+        }
+        assert before == {k: (True, 0) for k in copies}, (r, before)
+        assert nt == {k: (True, c) for k, c in copies.items()}, (r, nt)
+        assert back == {k: (True, 0) for k in copies}, (r, back)

@@ -84,6 +84,29 @@ static int store_nt(const Engine *e, const stores_t *sc, size_t n)
     return sc->b >= 0 ? sc->nt : n >= e->nt_min;
 }
 
+/*
+ * The stores of the other collectives' copies into a slot (rounds.c, p2p.c):
+ * n bytes, a round's copies of this rank, store as an all_reduce chunk of n
+ * bytes does now.  Theirs are the same hand-off from one core to another,
+ * which the machine's state makes cheaper one way or the other alike
+ * (broadcast and all_gather in this VM's slow mode: 2-4x faster with
+ * non-temporal stores; in its fast mode 1.5-2.4x slower, docs/DECISIONS.md),
+ * and the all_reduce chunks learn which as they run.  They time nothing
+ * themselves: a broadcast's root would time only its own stores, which
+ * non-temporal ones make cheap while the readers pay.  A size no all_reduce
+ * chunk has learnt keeps plain stores; where the choice is off, nt_min
+ * decides, as for all_reduce.
+ */
+int slot_stores_nt(Engine *e, size_t n)
+{
+    const int b = store_bucket(e, n, n >= e->twoshot_min);
+    if (b < 0)
+        return n >= e->nt_min;
+    const int nt = (int)(atomic_load_explicit(&HDR(e)->stores, memory_order_relaxed) >> b) & 1;
+    e->stores.followed_nt += (uint64_t)nt;
+    return nt;
+}
+
 static void store_pause(stores_t *sc) /* a wait begins: not timed */
 {
     if (sc->timed)
@@ -159,8 +182,9 @@ PyObject *eng_set_stores_auto(Engine *e, PyObject *arg)
 }
 
 /* stores() -> {"on", "nt": [per bucket], "cost": [[plain, nt] ticks per KiB],
- * "switches", "min_bytes", "sizes", "nt_copies"}: what the all_reduce chunks
- * learnt; the buckets: one-shot by size (a power of two from min_bytes;
+ * "switches", "followed_nt", "min_bytes", "sizes", "nt_copies"}: what the
+ * all_reduce chunks learnt (followed_nt: the other collectives' copies that
+ * followed a non-temporal choice, slot_stores_nt); the buckets: one-shot by size (a power of two from min_bytes;
  * `sizes` of them, the last from 1 MiB up), then two-shot the same;
  * nt_copies: whether a non-temporal copy exists with the kernels in use
  * (tests, benchmarks, tpcomm perf) */
@@ -178,9 +202,10 @@ PyObject *eng_stores(Engine *e, PyObject *unused)
         PyList_SET_ITEM(cost, b, Py_BuildValue("(dd)", (double)e->stores.cost[b][0],
                                                (double)e->stores.cost[b][1]));
     }
-    return Py_BuildValue("{s:O,s:N,s:N,s:K,s:K,s:i,s:O}", "on", e->stores.on ? Py_True : Py_False,
+    return Py_BuildValue("{s:O,s:N,s:N,s:K,s:K,s:K,s:i,s:O}", "on", e->stores.on ? Py_True : Py_False,
                          "nt", nt, "cost", cost, "switches",
-                         (unsigned long long)e->stores.switches, "min_bytes",
+                         (unsigned long long)e->stores.switches, "followed_nt",
+                         (unsigned long long)e->stores.followed_nt, "min_bytes",
                          (unsigned long long)(1u << STORE_MIN_LOG2), "sizes", STORE_SIZES,
                          "nt_copies", copy_nt_available() ? Py_True : Py_False);
 }

@@ -82,10 +82,11 @@ int bsend_step(Engine *e, bop_t *o)
             break;
         char *slot = p2p_slot_of(e, e->rank, o->peer, k);
         size_t fill = 0;
+        const int nt = slot_stores_nt(e, o->total - o->pos < cap ? o->total - o->pos : cap);
         while (fill < cap && o->piece < o->pc.n) {
             size_t left = o->pc.len[o->piece] - o->off;
             size_t n = left < cap - fill ? left : cap - fill;
-            memcpy(slot + fill, o->pc.addr[o->piece] + o->off, n);
+            copy_slot(slot + fill, o->pc.addr[o->piece] + o->off, n, nt);
             fill += n;
             o->off += n;
             if (o->off == o->pc.len[o->piece]) {

@@ -45,11 +45,10 @@ PyObject *eng_sync(Engine *e, PyObject *const *args, Py_ssize_t nargs)
  * copies of a small message.  Each round: copy this rank's part into its slot of parity
  * (round + 1) & 1, publish and compare the metadata (round_sync), copy out of
  * the peers' slots.  Slot p is rewritten only two rounds later, after every
- * peer published the round in between, so it was read by then.  Plain
- * memcpy both ways, as the Python loops they replace did: the non-temporal
- * copy_in made no difference that stood out of the noise (16 MiB gather,
- * world 2: 4.4-4.7 ms with it, 3.3-4.9 ms without, three runs each).
-
+ * peer published the round in between, so it was read by then.  The copies
+ * into a slot store as an all_reduce chunk of their size does
+ * (allreduce.c slot_stores_nt: plain or non-temporal, as the machine's state
+ * makes cheaper); the copies out are plain memcpys (the caller reads next).
  */
 
 /* Parse a list of `world` non-negative ints into v (PyMem); -1 with an exception */
@@ -111,13 +110,14 @@ void put_blocks(char *out, const char *src, size_t q, size_t n, size_t blk, size
     }
 }
 
-/* the inverse of put_blocks: n bytes of the contribution, from byte q on, to dst */
+/* the inverse of put_blocks: n bytes of the contribution, from byte q on, to
+ * dst in a slot (nt: non-temporal stores) */
 static void take_blocks(char *dst, const char *x, size_t q, size_t n, size_t blk, size_t row,
-                        size_t off)
+                        size_t off, int nt)
 {
     while (n) {
         size_t a = q / blk, in = q % blk, m = blk - in < n ? blk - in : n;
-        memcpy(dst, x + a * row + off + in, m);
+        copy_slot(dst, x + a * row + off + in, m, nt);
         dst += m;
         q += m;
         n -= m;
@@ -270,7 +270,7 @@ static int gather_rounds(Engine *e, uint32_t kind, const char *mine, const size_
         size_t lo = k * cap, n = part_of(cnt[me], lo, cap);
         int p = (int)((e->round + 1) & 1);
         if (n)
-            memcpy(slot_of(e, me, p), mine + lo, n);
+            copy_slot(slot_of(e, me, p), mine + lo, n, slot_stores_nt(e, n));
         st = round_sync(e, kind, dtype, 0, numel, arg, &ts);
         if (st != ST_OK || !(out || dsts))
             continue;
@@ -307,7 +307,7 @@ int broadcast_rounds(Engine *e, uint32_t kind, char *data, size_t total, int src
         size_t lo = k * cap, n = part_of(total, lo, cap);
         int p = (int)((e->round + 1) & 1);
         if (e->rank == src && n)
-            memcpy(slot_of(e, e->rank, p), data + lo, n);
+            copy_slot(slot_of(e, e->rank, p), data + lo, n, slot_stores_nt(e, n));
         st = round_sync(e, kind, dtype, 0, numel, (uint64_t)src, &ts);
         if (st == ST_OK && e->rank != src && n)
             memcpy(data + lo, slot_of(e, src, p), n);
@@ -407,12 +407,16 @@ int reduce_scatter_rounds(Engine *e, uint32_t kind, const char *x, int dtype, co
         size_t lo = k * per;
         int p = (int)((e->round + 1) & 1);
         char *base = slot_of(e, me, p);
+        size_t in = 0; /* this round's bytes into the slot */
+        for (int j = 0; j < w; j++)
+            in += j == me ? 0 : part_of(outer * sizes[j], lo, per) * es;
+        const int nt = slot_stores_nt(e, in);
         /* shard j's part of this round to its place in the slot (take_blocks) */
         for (int j = 0; j < w; j++) {
             size_t n = part_of(outer * sizes[j], lo, per);
             if (n && j != me)
                 take_blocks(base + (size_t)j * per * es, x, lo * es, n * es, sizes[j] * es, row,
-                            offs[j] * es);
+                            offs[j] * es, nt);
         }
         st = round_sync(e, kind, (uint32_t)dtype, (uint32_t)op, numel, arg, &ts);
         size_t n = part_of(outer * sizes[me], lo, per);
@@ -488,10 +492,14 @@ static int alltoallv_rounds(Engine *e, uint32_t kind, const char *x, const size_
         size_t lo = k * per;
         int p = (int)((e->round + 1) & 1);
         char *base = slot_of(e, me, p);
+        size_t in = 0; /* this round's bytes into the slot */
+        for (int j = 0; j < w; j++)
+            in += j == me ? 0 : part_of(sc[j], lo, per);
+        const int nt = slot_stores_nt(e, in);
         for (int j = 0; j < w; j++) {
             size_t n = part_of(sc[j], lo, per);
             if (n && j != me)
-                memcpy(base + (size_t)j * per, x + so[j] + lo, n);
+                copy_slot(base + (size_t)j * per, x + so[j] + lo, n, nt);
         }
         st = round_sync(e, kind, dtype, 0, count, arg, &ts);
         for (int r = 0; st == ST_OK && r < w; r++) {

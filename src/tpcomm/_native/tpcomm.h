@@ -301,6 +301,8 @@ typedef struct {
         uint8_t nt[STORE_BUCKETS];         /* in use per size: 1 non-temporal */
         float cost[STORE_BUCKETS][2];      /* ticks per KiB out of the waits (0: unknown) */
         uint64_t switches;                 /* changes of mind, for tests and doctor */
+        uint64_t followed_nt;              /* other collectives' copies that followed a
+                                            * non-temporal choice (slot_stores_nt) */
     } stores;
     /* zero copy or the copies for a comm.empty tensor, chosen as it runs
      * (allreduce.c): rank 0's costs, [bucket][0 zero copy, 1 copies] */
@@ -609,6 +611,7 @@ PyObject *eng_all_reduce(Engine *e, PyObject *const *args, Py_ssize_t nargs);
 PyObject *eng_set_stores_auto(Engine *e, PyObject *arg);
 PyObject *eng_stores(Engine *e, PyObject *unused);
 PyObject *eng_fault_stores(Engine *e, PyObject *args);
+int slot_stores_nt(Engine *e, size_t n);
 
 /* rounds.c */
 PyObject *eng_sync(Engine *e, PyObject *const *args, Py_ssize_t nargs);
