@@ -17,7 +17,7 @@ import torch
 
 from tpcomm import _testing
 from tpcomm.shm import profile
-from tpcomm.tune import switch_point, switch_window
+from tpcomm.tune import switch_point, wins_from
 
 
 def test_switch_point():
@@ -31,15 +31,15 @@ def test_switch_point():
     assert switch_point(sizes, [0.98, 0.99, 1.01, 1.0]) == -1
 
 
-def test_switch_window():
+def test_wins_from():
     sizes = [1, 2, 3, 4, 5, 6, 7, 8]
-    # wins from 5, loses again at 8: from 5 up to 7
-    assert switch_window(sizes, [1.3, 1.2, 1.1, 1.05, 0.8, 0.5, 0.7, 1.06]) == (5, 7)
-    assert switch_window(sizes, [1.3, 1.2, 1.1, 1.05, 0.8, 0.5, 0.7, 0.9]) == (5, -1)  # no limit
-    assert switch_window(sizes, [1.3] * 8) == (-1, -1)
-    assert switch_window(sizes, [1.0] * 8) == (-1, -1)  # ties only: never
+    # wins from 5, loses again at 8: from 5 (past it, chosen as calls run)
+    assert wins_from(sizes, [1.3, 1.2, 1.1, 1.05, 0.8, 0.5, 0.7, 1.06]) == 5
+    assert wins_from(sizes, [1.3, 1.2, 1.1, 1.05, 0.8, 0.5, 0.7, 0.9]) == 5
+    assert wins_from(sizes, [1.3] * 8) == -1
+    assert wins_from(sizes, [1.0] * 8) == -1  # ties only: never
     # the run with the most wins: 3-5 (two) over 1 (one) and 7-8 (one)
-    assert switch_window(sizes, [0.9, 1.1, 0.9, 0.9, 1.0, 1.2, 0.9, 1.0]) == (3, 5)
+    assert wins_from(sizes, [0.9, 1.1, 0.9, 0.9, 1.0, 1.2, 0.9, 1.0]) == 3
 
 
 def _profile(path, worlds, **machine) -> str:
@@ -196,7 +196,7 @@ def test_tune_writes_the_switch_points_of_what_it_measured(tmp_path):
     zc = [ratio("zero_copy", s, "zero-copy", "copies") for s in sizes]
     # where it starts to win (the rule has its own test above); no end, no
     # "never": past that point rank 0 chooses as calls run
-    assert got.get("zero_copy_min_bytes", -1) == switch_window(sizes, zc)[0]
+    assert got.get("zero_copy_min_bytes", -1) == wins_from(sizes, zc)
     assert "zero_copy_max_bytes" not in got
     # a slot at a time against 64 KiB at a time, past one chunk only
     assert sorted(res["chunks"], key=int) == [str(128 << 10), str(1 << 20)]

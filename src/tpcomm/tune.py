@@ -37,7 +37,7 @@ from .perf.timing import measured
 from .shm import profile
 from .shm.engine import engine_of
 
-__all__ = ["add_arguments", "main", "run", "switch_point", "switch_window"]
+__all__ = ["add_arguments", "main", "run", "switch_point", "wins_from"]
 
 ALL_REDUCE = ("one-shot", "two-shot", "single-copy")
 ALL_GATHER = ("copy", "single-copy")
@@ -126,14 +126,13 @@ def switch_point(sizes: list, ratios: list, margin: float = MARGIN) -> int:
     return point
 
 
-def switch_window(sizes: list, ratios: list, margin: float = MARGIN) -> tuple:
-    """(lo, hi): the other algorithm from lo up to hi (hi -1: no limit; lo -1:
-    never), for one that wins over a range of sizes and loses again past it
-    (zero copy against copies in cache-sized chunks).  Of the runs of sizes
-    where it is never slower by more than the margin, the one where it wins
-    (by the margin) at the most sizes; lo its first win, hi its last size
-    unless the run reaches the largest size."""
-    best, best_wins = (-1, -1), 0
+def wins_from(sizes: list, ratios: list, margin: float = MARGIN) -> int:
+    """Where the other algorithm starts to win (-1: never), for one that may
+    lose again past a range of sizes (zero copy against the copies): of the
+    runs of sizes where it is never slower by more than the margin, the one
+    where it wins (by the margin) at the most sizes; its first win.  Past it
+    the choice is made as calls run, so where the run ends is not kept."""
+    best, best_wins = -1, 0
     i = 0
     while i < len(sizes):
         j = i
@@ -142,7 +141,7 @@ def switch_window(sizes: list, ratios: list, margin: float = MARGIN) -> tuple:
         wins = [k for k in range(i, j) if ratios[k] <= 1 - margin]
         if len(wins) >= max(best_wins, 1):
             best_wins = len(wins)
-            best = (sizes[wins[0]], -1 if j == len(sizes) else sizes[j - 1])
+            best = sizes[wins[0]]
         i = j + 1
     return best
 
@@ -300,7 +299,7 @@ def _copy_settings(sizes: list, res: dict) -> dict:
         # the copies as calls run (zc_auto), state by state of the machine, so
         # a measurement made in one state neither caps it nor turns it off
         # (with no win here the default stands)
-        lo, _ = switch_window(sizes, _ratios(sizes, res, "zero_copy", *ZERO_COPY[::-1]))
+        lo = wins_from(sizes, _ratios(sizes, res, "zero_copy", *ZERO_COPY[::-1]))
         if lo >= 0:
             out["zero_copy_min_bytes"] = lo
     if "chunks" in res:
