@@ -228,3 +228,42 @@ def test_the_other_collectives_store_as_all_reduce_chose(algo):
         assert before == {k: (True, 0) for k in copies}, (r, before)
         assert nt == {k: (True, c) for k, c in copies.items()}, (r, nt)
         assert back == {k: (True, 0) for k in copies}, (r, back)
+
+
+def untimed_sizes_follow(comm):
+    """16 KiB learns non-temporal stores (plain made slow), then plain again:
+    what a 256 KiB all_reduce that never ran would store, and whether a
+    256 KiB broadcast's copies followed non-temporal stores, at each step."""
+
+    def step():
+        before = _testing.stores(comm)["followed_nt"]
+        x = make(0, 65536, torch.float32, 7) if comm.rank == 0 else torch.empty(65536)
+        comm.broadcast(x, 0)
+        right = torch.equal(x, make(0, 65536, torch.float32, 7))
+        named = engine_of(comm).stores_in_use(262144, torch.float32)
+        return named, right, _testing.stores(comm)["followed_nt"] - before
+
+    _testing.set_twoshot_min(comm, -1)
+    try:
+        out = [step()]
+        for plain_us, nt_us in ((40.0, 0.0), (0.0, 40.0)):
+            assert calls_until_settled(comm, plain_us, nt_us)[1] == 0
+            _testing.set_twoshot_min(comm, -1)
+            out.append(step())
+        timed = _testing.stores(comm)["cost"]
+    finally:
+        _testing.set_twoshot_min(comm, None)
+    return out, timed
+
+
+@pytest.mark.skipif(not NT_KERNELS, reason="no non-temporal copy here: the choice is off")
+def test_a_size_no_chunk_timed_follows_the_nearest_that_was():
+    """The machine's state moves every size alike: a size met for the first
+    time (and the other collectives' copies of it) starts from the choice of
+    the nearest size that was timed, not from plain stores."""
+    with LocalGroup(2, timeout=120) as g:
+        res = g.run(untimed_sizes_follow, timeout=300)
+    for r, (steps, cost) in enumerate(res):
+        roots = 1 if r == 0 else 0  # the broadcast's root copies into its slot
+        assert steps == [("plain", True, 0), ("nt", True, roots), ("plain", True, 0)], (r, steps)
+        assert cost[BUCKET + 4] == (0.0, 0.0)  # 256 KiB itself was never timed

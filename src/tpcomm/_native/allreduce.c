@@ -94,8 +94,9 @@ static int store_nt(const Engine *e, const stores_t *sc, size_t n)
  * and the all_reduce chunks learn which as they run.  They time nothing
  * themselves: a broadcast's root would time only its own stores, which
  * non-temporal ones make cheap while the readers pay.  A size no all_reduce
- * chunk has learnt keeps plain stores; where the choice is off, nt_min
- * decides, as for all_reduce.
+ * chunk has timed follows the nearest size one has (store_spread), plain
+ * stores before any has; where the choice is off, nt_min decides, as for
+ * all_reduce.
  */
 int slot_stores_nt(Engine *e, size_t n)
 {
@@ -119,6 +120,43 @@ static void store_resume(stores_t *sc)
         sc->mark = ticks();
 }
 
+static int store_timed(const Engine *e, int b)
+{
+    return e->stores.cost[b][0] > 0.0f || e->stores.cost[b][1] > 0.0f;
+}
+
+/*
+ * Rank 0, when a bucket is first timed or changes its mind: every bucket no
+ * chunk has timed yet takes the choice of the nearest one that has (by size,
+ * its own algorithm's first).  The machine's state moves every size the same
+ * way (docs/DECISIONS.md), so a size met for the first time starts from what
+ * the others learnt instead of from plain stores, and the other collectives'
+ * copies of a size no all_reduce runs follow the nearest that does
+ * (slot_stores_nt).  A bucket a zero-copy trial holds non-temporal is left
+ * to it.
+ */
+static void store_spread(Engine *e)
+{
+    const uint32_t bits = atomic_load_explicit(&HDR(e)->stores, memory_order_relaxed);
+    uint32_t want = bits;
+    for (int u = 0; u < STORE_BUCKETS; u++) {
+        if (store_timed(e, u) || u == e->zc.st_bucket - 1)
+            continue;
+        int near = -1, dist = 0;
+        for (int v = 0; v < STORE_BUCKETS; v++) {
+            int d = 2 * abs(u % STORE_SIZES - v % STORE_SIZES) + (u / STORE_SIZES != v / STORE_SIZES);
+            if (store_timed(e, v) && (near < 0 || d < dist)) {
+                near = v;
+                dist = d;
+            }
+        }
+        if (near >= 0)
+            want = (want & ~(1u << u)) | (((bits >> near) & 1u) << u);
+    }
+    if (want != bits)
+        atomic_store_explicit(&HDR(e)->stores, want, memory_order_relaxed);
+}
+
 /* The chunk is done (rank 0: learn from it) */
 static void store_end(Engine *e, stores_t *sc, size_t bytes)
 {
@@ -126,12 +164,15 @@ static void store_end(Engine *e, stores_t *sc, size_t bytes)
         return;
     store_pause(sc);
     float x = (float)sc->spent * 1024.0f / (float)bytes, *c = e->stores.cost[sc->b];
-    const int nt = sc->nt, cur = e->stores.nt[sc->b];
+    const int nt = sc->nt, cur = e->stores.nt[sc->b], first = !store_timed(e, sc->b);
     if (c[nt] > 0.0f && x > 2.0f * c[nt])
         x = 2.0f * c[nt];
     c[nt] = c[nt] == 0.0f ? x : c[nt] + (x - c[nt]) * (nt == cur ? 0.25f : 0.5f);
-    if (c[!cur] > 0.0f && c[!cur] < 0.8f * c[cur])
+    const int flip = c[!cur] > 0.0f && c[!cur] < 0.8f * c[cur];
+    if (flip)
         atomic_fetch_xor_explicit(&HDR(e)->stores, 1u << sc->b, memory_order_relaxed);
+    if (flip || first)
+        store_spread(e);
 }
 
 /* round_sync, its wait left out of the chunk's time */
