@@ -144,7 +144,8 @@ static void store_spread(Engine *e)
             continue;
         int near = -1, dist = 0;
         for (int v = 0; v < STORE_BUCKETS; v++) {
-            int d = 2 * abs(u % STORE_SIZES - v % STORE_SIZES) + (u / STORE_SIZES != v / STORE_SIZES);
+            int d = 2 * abs(u % STORE_SIZES - v % STORE_SIZES) +
+                    (u / STORE_SIZES != v / STORE_SIZES); /* the other algorithm: farther */
             if (store_timed(e, v) && (near < 0 || d < dist)) {
                 near = v;
                 dist = d;
@@ -224,11 +225,11 @@ PyObject *eng_set_stores_auto(Engine *e, PyObject *arg)
 
 /* stores() -> {"on", "nt": [per bucket], "cost": [[plain, nt] ticks per KiB],
  * "switches", "followed_nt", "min_bytes", "sizes", "nt_copies"}: what the
- * all_reduce chunks learnt (followed_nt: the other collectives' copies that
- * followed a non-temporal choice, slot_stores_nt); the buckets: one-shot by size (a power of two from min_bytes;
- * `sizes` of them, the last from 1 MiB up), then two-shot the same;
- * nt_copies: whether a non-temporal copy exists with the kernels in use
- * (tests, benchmarks, tpcomm perf) */
+ * all_reduce chunks learnt; the buckets: one-shot by size (a power of two
+ * from min_bytes; `sizes` of them, the last from 1 MiB up), then two-shot the
+ * same; followed_nt: the other collectives' copies that followed a
+ * non-temporal choice (slot_stores_nt); nt_copies: whether a non-temporal
+ * copy exists with the kernels in use (tests, benchmarks, tpcomm perf) */
 PyObject *eng_stores(Engine *e, PyObject *unused)
 {
     (void)unused;
@@ -243,8 +244,8 @@ PyObject *eng_stores(Engine *e, PyObject *unused)
         PyList_SET_ITEM(cost, b, Py_BuildValue("(dd)", (double)e->stores.cost[b][0],
                                                (double)e->stores.cost[b][1]));
     }
-    return Py_BuildValue("{s:O,s:N,s:N,s:K,s:K,s:K,s:i,s:O}", "on", e->stores.on ? Py_True : Py_False,
-                         "nt", nt, "cost", cost, "switches",
+    return Py_BuildValue("{s:O,s:N,s:N,s:K,s:K,s:K,s:i,s:O}", "on",
+                         e->stores.on ? Py_True : Py_False, "nt", nt, "cost", cost, "switches",
                          (unsigned long long)e->stores.switches, "followed_nt",
                          (unsigned long long)e->stores.followed_nt, "min_bytes",
                          (unsigned long long)(1u << STORE_MIN_LOG2), "sizes", STORE_SIZES,
