@@ -42,11 +42,17 @@ typedef struct {
     uint64_t mark;  /* when the current part began */
 } stores_t;
 
+/* rank 0's store choice for bucket b in the header (1: non-temporal) */
+static int stores_bit(const Engine *e, int b)
+{
+    return (int)(atomic_load_explicit(&HDR((Engine *)e)->stores, memory_order_relaxed) >> b) & 1;
+}
+
 /* The store kind bucket b uses now: rank 0's choice (every rank keeps the
  * last it saw, for stores()) */
 static int store_choice(Engine *e, int b)
 {
-    int nt = (int)(atomic_load_explicit(&HDR(e)->stores, memory_order_relaxed) >> b) & 1;
+    int nt = stores_bit(e, b);
     if (nt != e->stores.nt[b]) {
         e->stores.nt[b] = (uint8_t)nt;
         e->stores.switches++;
@@ -103,7 +109,7 @@ int slot_stores_nt(Engine *e, size_t n)
     const int b = store_bucket(e, n, n >= e->twoshot_min);
     if (b < 0)
         return n >= e->nt_min;
-    const int nt = (int)(atomic_load_explicit(&HDR(e)->stores, memory_order_relaxed) >> b) & 1;
+    const int nt = stores_bit(e, b);
     e->stores.followed_nt += (uint64_t)nt;
     return nt;
 }
@@ -421,7 +427,8 @@ static struct sym *find_sym(Engine *e, const char *t, size_t bytes)
  * header, which every rank reads): zero copy loses where the machine makes
  * cache-to-cache transfers slow, which is where the copies need those stores,
  * and the stores' own choice learns nothing for a size whose copies never
- * run: it stays on the plain stores it started with (in this VM's slow mode
+ * run: it stays on what it started with, the nearest timed size's choice
+ * (store_spread), plain where no size was timed (in this VM's slow mode
  * `tpcomm perf -Z` then kept zero copy at 1 MiB at 232 us, where the copies
  * took 96-130 that day).  Where the copies win, the stores stay non-temporal
  * (their own choice goes on from there); else they go back to what they were.
@@ -488,6 +495,13 @@ static void zc_learn(Engine *e, int b, int copied, uint64_t dt, size_t bytes)
     }
 }
 
+/* The first chunk of an all_reduce of `bytes` through the slots, planned as
+ * pl (one-shot or two-shot): its bytes */
+static size_t first_chunk(const ar_plan_t *pl, size_t bytes)
+{
+    return bytes < pl->chunk ? bytes : pl->chunk;
+}
+
 /* rank 0: a trial of the copies of `bytes` of dtype begins: their chunks'
  * stores go non-temporal, remembering the kind they had (see above) */
 static void zc_trial_stores(Engine *e, size_t bytes, int dtype)
@@ -495,7 +509,7 @@ static void zc_trial_stores(Engine *e, size_t bytes, int dtype)
     const ar_plan_t pl = ar_plan(e, bytes, dtype, 0);
     if (pl.algo != AR_ONESHOT && pl.algo != AR_TWOSHOT)
         return;
-    const int sb = store_bucket(e, bytes < pl.chunk ? bytes : pl.chunk, pl.algo == AR_TWOSHOT);
+    const int sb = store_bucket(e, first_chunk(&pl, bytes), pl.algo == AR_TWOSHOT);
     if (sb < 0)
         return;
     const uint32_t had = atomic_fetch_or_explicit(&HDR(e)->stores, 1u << sb, memory_order_relaxed);
@@ -698,11 +712,10 @@ PyObject *eng_all_reduce_plan(Engine *e, PyObject *args)
         return Py_BuildValue("(sKs)", names[pl.algo], (unsigned long long)pl.chunk, "");
     /* the first chunk's copies: a whole chunk (one-shot) or the shards of the
      * peers (two-shot: their first, which is the smallest of them) */
-    const size_t chunk = nbytes < pl.chunk ? nbytes : pl.chunk, es = dt_size[dtype];
+    const size_t chunk = first_chunk(&pl, nbytes), es = dt_size[dtype];
     const int two = pl.algo == AR_TWOSHOT, b = store_bucket(e, chunk, two);
     const size_t copy = two ? shard_start(chunk / es, e->world, 1) * es : chunk;
-    const int nt = b >= 0 ? (int)((atomic_load_explicit(&HDR(e)->stores, memory_order_relaxed) >> b) & 1)
-                          : copy_nt_available() && copy >= e->nt_min;
+    const int nt = b >= 0 ? stores_bit(e, b) : copy_nt_available() && copy >= e->nt_min;
     return Py_BuildValue("(sKs)", names[pl.algo], (unsigned long long)pl.chunk, nt ? "nt" : "plain");
 }
 
