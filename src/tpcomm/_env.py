@@ -32,6 +32,8 @@ __all__ = [
     "host_id_override",
     "cuda_algo",
     "cache_dir",
+    "vllm_mode",
+    "stats",
 ]
 
 # Seconds any single wait may last while every peer is alive.  Dead peers are
@@ -342,3 +344,27 @@ def cache_dir() -> str:
     return os.environ.get("TPCOMM_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tpcomm"
     )
+
+
+def vllm_mode() -> str:
+    """TPCOMM_VLLM: what the vLLM plugin does in vLLM's processes: 1 (default:
+    serve vLLM's tensor- and pipeline-parallel groups), 0 (nothing: vLLM's own
+    communication), torch (nothing of tpcomm, and vLLM's shared memory off too:
+    those groups on torch.distributed, for comparisons)."""
+    raw = (os.environ.get("TPCOMM_VLLM") or "1").strip().lower()
+    value = {"1": "on", "0": "off", "torch": "torch"}.get(raw)
+    if value is None:
+        raise ValueError(f"TPCOMM_VLLM={raw!r}: expected 1, 0 or torch")
+    return value
+
+
+def stats() -> str | None:
+    """TPCOMM_STATS: None (default, unset or 0: off), "stderr" (1: each
+    Communicator prints its record of rounds and waits at close) or a
+    directory (one JSON file per Communicator there; tpcomm.stats)."""
+    raw = (os.environ.get("TPCOMM_STATS") or "").strip()
+    if raw in ("", "0"):
+        return None
+    if raw in ("1", "stderr"):
+        return "stderr"
+    return raw

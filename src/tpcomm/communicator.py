@@ -19,7 +19,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from . import checks, construction, custom_ops, routing
+from . import checks, construction, custom_ops, routing, stats
 from .errors import CommError
 from .ops import ReduceOp, as_reduce_op, dense, is_dense
 from .paths import Path
@@ -175,6 +175,8 @@ class Communicator:
             # all_reduce in the common case (_native/torch.c fast_all_reduce).
             self.all_reduce = self._shm.fast_all_reduce
         self._op_name = custom_ops.register(self)
+        self._final_stats = None
+        stats.start(self)
 
     # -- properties -----------------------------------------------------------
 
@@ -228,6 +230,9 @@ class Communicator:
         """
         if self._closed:
             return
+        if self._shm is not None and not self._shm.failed:
+            self._final_stats = self.stats()
+            stats.finish(self)
         self._closed = True
         if self._shm is not None:
             # a call another thread is running is aborted first and close waits for
@@ -250,6 +255,20 @@ class Communicator:
         self._routes = {}
         if self._hier is not None:
             self._hier.close()
+
+    def stats(self, reset: bool = False) -> dict:
+        """This rank's record of rounds and waits: how many rounds of each
+        collective, how many waits found the peer there and how the others
+        ended (spinning, yielding, asleep), the time they took, and with
+        ``TPCOMM_STATS`` set, how late this rank saw its peers' publishes
+        (``tpcomm.stats`` says what each field means).  Not collective.
+        ``reset`` starts the counts again.  After close(): the record at close.
+        Without shared memory (world size 1, across hosts): rank and world only."""
+        if self._closed:
+            return self._final_stats or {"rank": self._rank, "world_size": self._world}
+        if self._shm is None:
+            return {"rank": self._rank, "world_size": self._world}
+        return stats.shape(self._shm.record(reset), self._rank, self._world)
 
     def dup(self, *, timeout: Timeout = None) -> Communicator:
         """A new Communicator over the same ranks (collective: every rank calls it,

@@ -498,12 +498,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--selftest", action="store_true", help="also run an all_reduce on -n local ranks"
     )
+    p.add_argument(
+        "--stats",
+        metavar="DIR",
+        help="print the records of rounds and waits that Communicators wrote to DIR "
+        "(TPCOMM_STATS=DIR) and nothing else",
+    )
+
+
+def _print_stats(path: str, out: Callable[[str], None]) -> int:
+    from . import stats
+
+    try:
+        records = stats.read_dir(path)
+    except OSError as e:
+        print(f"tpcomm doctor: --stats {path}: {e.strerror}", file=sys.stderr)
+        return 2
+    if not records:
+        out(f"no records in {path} (TPCOMM_STATS={path} writes them when Communicators close)")
+        return 0
+    for name, rec in records:
+        out(stats.describe(rec, f"{name} (pid {rec.get('pid', '?')})"))
+    return 0
 
 
 def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> int:
     if args.nranks < 1:
         print(f"tpcomm doctor: -n must be >= 1, got {args.nranks}", file=sys.stderr)
         return 2
+    if getattr(args, "stats", None):
+        return _print_stats(args.stats, out)
     rep = Report(out)
     from ._version import __version__
 

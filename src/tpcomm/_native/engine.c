@@ -728,6 +728,9 @@ static PyMethodDef eng_methods[] = {
     {"set_stores_auto", (PyCFunction)eng_set_stores_auto, METH_O,
      "set_stores_auto(on) -> on: all_reduce chunks choose their stores as they run"},
     {"stores", (PyCFunction)eng_stores, METH_NOARGS, "stores() -> what the copy-ins learnt"},
+    {"record", (PyCFunction)eng_record, METH_VARARGS,
+     "record(reset=False, stamp=-1) -> dict: the rounds and waits so far (stamp 0/1: "
+     "stop/start stamping publishes)"},
     {"set_zero_copy_auto", (PyCFunction)eng_set_zero_copy_auto, METH_O,
      "set_zero_copy_auto(on): rank 0 chooses zero copy or the copies as calls run"},
     {"zero_copy_state", (PyCFunction)eng_zero_copy_state, METH_NOARGS,

@@ -134,7 +134,9 @@ enum { ST_OK = 0, ST_TIMEOUT = 1, ST_PEER_DEAD = 2, ST_MISMATCH = 3, ST_ABORTED 
  * different collectives are told so instead of corrupting each other. */
 enum { KIND_ALL_REDUCE = 1, KIND_BARRIER = 2, KIND_ALL_GATHER = 3, KIND_REDUCE_SCATTER = 4,
        KIND_BROADCAST = 5, KIND_GATHER = 6, KIND_EMPTY = 7, KIND_ALL_TO_ALL = 8,
-       KIND_DUP = 9, KIND_REFUSED = 10 /* a rank's own checks refused its arguments */ };
+       KIND_DUP = 9, KIND_REFUSED = 10 /* a rank's own checks refused its arguments */,
+       KIND_LAST = KIND_REFUSED };
+#define REC_BUCKETS 16 /* the record's lateness histogram: < 1 us ... >= 16 ms */
 
 typedef struct {
     uint64_t magic;
@@ -161,7 +163,8 @@ typedef struct {
     uint32_t kind, dtype, op, _r;
     uint64_t count, arg;
     uint64_t addr; /* single-copy all_gather: where this rank's input is (its own memory) */
-    char _pad[LINE - 48];
+    uint64_t stamp; /* now_ns() of the publish, where the record is on (rec.stamp) */
+    char _pad[LINE - 56];
 } line_t;
 
 _Static_assert(sizeof(line_t) == LINE, "line_t must be one cache line");
@@ -328,6 +331,24 @@ typedef struct {
         uint64_t crowded_until; /* no yields before this (wait.c: the core is shared) */
     } waits;
 
+    /* the record of this rank's rounds and waits (wait.c, eng_record): what a
+     * user switches on with TPCOMM_STATS to see where a call's time goes.  The
+     * counters always run (a few increments a wait); stamp adds a clock read
+     * to every publish so that a waiter can tell how late it saw a peer. */
+    struct {
+        uint64_t rounds[KIND_LAST + 1]; /* collective rounds by kind */
+        uint64_t instant;  /* waits whose peer was there already */
+        uint64_t waits;    /* waits that had to wait */
+        uint64_t ended[3]; /* of those, ended while spinning, yielding, sleeping */
+        uint64_t wait_ns;  /* time in those waits */
+        uint64_t yields, sleeps; /* sched_yield calls; futex sleeps and naps */
+        uint64_t crowded;  /* times the waits stopped yielding (YIELD_LOST_NS) */
+        int last;          /* how the last wait ended: 0 at once, 1 spin, 2 yield, 3 sleep */
+        int stamp;         /* stamp publishes; measure lateness (set_record) */
+        uint64_t late_n[3], late_ns[3], late_max[3]; /* lateness by how the wait ended */
+        uint64_t late_hist[REC_BUCKETS]; /* lateness: bucket b < 2^b us (last: more) */
+    } rec;
+
     /* details of the last error, for Python's message (error_info): the
      * peer's rank, and on a mismatch what it published and what this rank
      * published */
@@ -458,6 +479,8 @@ void futex_wake_all(_Atomic uint64_t *p);
  */
 static inline void publish(Engine *e, line_t *l, uint64_t n)
 {
+    if (e->rec.stamp)
+        l->stamp = now_ns();
     atomic_store_explicit(&l->seq, n, memory_order_release);
     if (atomic_load_explicit(&HDR(e)->sleepers, memory_order_relaxed))
         futex_wake_all(&l->seq);
@@ -583,6 +606,7 @@ int round_sync(Engine *e, uint32_t kind, uint32_t dtype, uint32_t op, uint64_t c
 /* engine.c */
 PyObject *eng_closed_error(void);
 PyObject *eng_layout(Engine *e, PyObject *unused);
+PyObject *eng_record(Engine *e, PyObject *args); /* wait.c */
 int call_check(Engine *e);
 void call_begin(Engine *e, size_t bytes, PyThreadState **ts);
 int call_end(Engine *e, int st, PyThreadState *ts);

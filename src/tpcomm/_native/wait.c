@@ -122,14 +122,33 @@ int fail(Engine *e, int st, int err_rank, int blame)
 #define YIELD_LOST_NS 200000ull
 #define CROWDED_NS 1000000000ull
 
+static int wait_loop(Engine *e, waiter_t *w, PyThreadState **ts, uint64_t start);
+
 int wait_until(Engine *e, waiter_t *w, PyThreadState **ts)
 {
     int st = w->poll(e, w, ts);
-    if (st == WAIT_DONE)
+    if (st == WAIT_DONE) {
+        e->rec.instant++;
+        e->rec.last = 0;
         return ST_OK;
+    }
     if (st != WAIT_IDLE && st != WAIT_MOVED)
         return st;
-    uint64_t last = now_ns(), t = last;
+    uint64_t start = now_ns();
+    e->rec.last = 1;
+    st = wait_loop(e, w, ts, start);
+    e->rec.waits++;
+    e->rec.ended[e->rec.last - 1]++;
+    e->rec.wait_ns += now_ns() - start;
+    return st;
+}
+
+/* wait_until's loop once the first poll found nothing; e->rec.last says how
+ * far it went: 1 spin, 2 yield, 3 sleep */
+static int wait_loop(Engine *e, waiter_t *w, PyThreadState **ts, uint64_t start)
+{
+    int st;
+    uint64_t last = start, t = last;
     uint64_t next_check = last + CHECK_NS, next_signal = last + SIGNAL_NS;
     hdr_t *h = HDR(e);
     int recheck = 0;
@@ -179,11 +198,18 @@ int wait_until(Engine *e, waiter_t *w, PyThreadState **ts)
         }
         if (t - last < e->waits.yield_ns && t >= e->waits.crowded_until) {
             sched_yield();
+            e->rec.yields++;
+            if (e->rec.last < 2)
+                e->rec.last = 2;
             uint64_t back = now_ns();
-            if (back - t > YIELD_LOST_NS && e->waits.spin_ns)
+            if (back - t > YIELD_LOST_NS && e->waits.spin_ns) {
                 e->waits.crowded_until = back + CROWDED_NS;
+                e->rec.crowded++;
+            }
             continue;
         }
+        e->rec.sleeps++;
+        e->rec.last = 3;
         uint64_t want = 0;
         _Atomic uint64_t *word = w->sleep_on ? w->sleep_on(e, w, &want) : NULL;
         struct timespec to = {0, (long)w->sleep_ns};
@@ -242,8 +268,11 @@ static _Atomic uint64_t *seq_sleep_on(Engine *e, waiter_t *w, uint64_t *want)
 static int wait_seq(Engine *e, _Atomic uint64_t *seq, uint64_t n, int peer, int p2p,
                     PyThreadState **ts)
 {
-    if (atomic_load_explicit(seq, memory_order_acquire) >= n)
+    if (atomic_load_explicit(seq, memory_order_acquire) >= n) {
+        e->rec.instant++;
+        e->rec.last = 0;
         return ST_OK;
+    }
     seq_wait_t s = {{seq_poll, seq_verdict, seq_sleep_on, CHECK_NS, peer}, seq, n, p2p};
     return wait_until(e, &s.w, ts);
 }
@@ -253,6 +282,64 @@ static int wait_seq(Engine *e, _Atomic uint64_t *seq, uint64_t n, int peer, int 
 int wait_p2p(Engine *e, _Atomic uint64_t *seq, uint64_t n, int peer, PyThreadState **ts)
 {
     return wait_seq(e, seq, n, peer, 1, ts);
+}
+
+/* The record: how late this rank saw peer line l's publish (a wait that had
+ * to wait, just ended: e->rec.last) */
+static void note_late(Engine *e, line_t *l)
+{
+    uint64_t now = now_ns(), at = l->stamp;
+    if (at == 0 || at > now)
+        return; /* the peer does not stamp (yet) */
+    uint64_t late = now - at, us = late / 1000;
+    int k = e->rec.last - 1, b = 0;
+    while (b < REC_BUCKETS - 1 && us >= (1ull << b))
+        b++;
+    e->rec.late_hist[b]++;
+    e->rec.late_n[k]++;
+    e->rec.late_ns[k] += late;
+    if (late > e->rec.late_max[k])
+        e->rec.late_max[k] = late;
+}
+
+/* record(reset) -> dict: the record of rounds and waits (see Engine.rec);
+ * reset clears it after reading */
+PyObject *eng_record(Engine *e, PyObject *args)
+{
+    int reset = 0, stamp = -1;
+    if (!PyArg_ParseTuple(args, "|pi", &reset, &stamp))
+        return NULL;
+    PyObject *rounds = PyList_New(KIND_LAST + 1), *hist = PyList_New(REC_BUCKETS);
+    if (!rounds || !hist)
+        goto fail;
+    for (int k = 0; k <= KIND_LAST; k++)
+        PyList_SET_ITEM(rounds, k, PyLong_FromUnsignedLongLong(e->rec.rounds[k]));
+    for (int b = 0; b < REC_BUCKETS; b++)
+        PyList_SET_ITEM(hist, b, PyLong_FromUnsignedLongLong(e->rec.late_hist[b]));
+    PyObject *d = Py_BuildValue(
+        "{s:N,s:K,s:K,s:(KKK),s:K,s:K,s:K,s:K,s:(KKK),s:(KKK),s:(KKK),s:N,s:i}",
+        "rounds", rounds, "instant", e->rec.instant, "waits", e->rec.waits,
+        "ended", e->rec.ended[0], e->rec.ended[1], e->rec.ended[2],
+        "wait_ns", e->rec.wait_ns, "yields", e->rec.yields, "sleeps", e->rec.sleeps,
+        "crowded", e->rec.crowded,
+        "late_n", e->rec.late_n[0], e->rec.late_n[1], e->rec.late_n[2],
+        "late_ns", e->rec.late_ns[0], e->rec.late_ns[1], e->rec.late_ns[2],
+        "late_max", e->rec.late_max[0], e->rec.late_max[1], e->rec.late_max[2],
+        "late_hist", hist, "stamp", e->rec.stamp);
+    if (!d)
+        return NULL;
+    if (reset) {
+        int keep = e->rec.stamp;
+        memset(&e->rec, 0, sizeof e->rec);
+        e->rec.stamp = keep;
+    }
+    if (stamp >= 0)
+        e->rec.stamp = stamp;
+    return d;
+fail:
+    Py_XDECREF(rounds);
+    Py_XDECREF(hist);
+    return NULL;
 }
 
 /*
@@ -265,6 +352,7 @@ int round_sync(Engine *e, uint32_t kind, uint32_t dtype, uint32_t op, uint64_t c
 {
     uint64_t n = ++e->round;
     int p = (int)(n & 1);
+    e->rec.rounds[kind <= KIND_LAST ? kind : 0]++;
     line_t *mine = line_of(e, e->rank, 0, p);
     mine->kind = kind;
     mine->dtype = dtype;
@@ -279,6 +367,8 @@ int round_sync(Engine *e, uint32_t kind, uint32_t dtype, uint32_t op, uint64_t c
         int st = wait_seq(e, &l->seq, n, r, 0, ts);
         if (st != ST_OK)
             return st;
+        if (e->rec.stamp && e->rec.last)
+            note_late(e, l);
         if (mismatch < 0 && (l->kind != kind || l->dtype != dtype || l->op != op ||
                              l->count != count || l->arg != arg)) {
             mismatch = r;

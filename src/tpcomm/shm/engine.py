@@ -572,6 +572,11 @@ class ShmEngine:
         self._apply(self.settings)
         self.cma_init(*self.settings.cma_plan)
 
+    def record(self, reset: bool = False, stamp: Optional[bool] = None) -> dict:
+        """The core's record of rounds and waits (tpcomm.stats); ``reset`` clears
+        it after reading, ``stamp`` turns the publishes' time stamps on or off."""
+        return self._native.record(reset, -1 if stamp is None else int(stamp))
+
     def stores(self) -> dict:
         """What the all_reduce chunks learnt about their stores (_native/allreduce.c)."""
         return self._native.stores()

@@ -85,6 +85,10 @@ class ShmPath(Path):
     def single_copy(self) -> bool:
         return self.engine.cma
 
+    def record(self, reset: bool = False, stamp: Optional[bool] = None) -> dict:
+        """The core's record of rounds and waits (Communicator.stats)."""
+        return self.engine.record(reset, stamp)
+
     def refuse(self) -> None:
         self.engine.refuse()
 

@@ -1,0 +1,248 @@
+"""vLLM CPU, tensor parallel 2: tokens per second with vLLM's own shared
+memory, with the tpcomm plugin, and with torch.distributed (gloo).
+
+Each engine runs in a process of its own, in the Python that has vLLM (and
+tpcomm, installed as a user installs it: ``make bench-vllm`` makes that
+environment).  A small Llama (a ``config.json`` this script writes; random
+weights, ``load_format="dummy"``: nothing is fetched) decodes greedily at
+batch 1, 16 and 64 and prefills 512 tokens; rounds interleave the
+communicators (their order turns each round), and each ratio is the median of
+each round's own ratio to vLLM's.
+
+    python benchmarks/vllm_decode.py --python .venv-vllm/bin/python --rounds 3
+    python benchmarks/vllm_decode.py --engine tpcomm --batches 1 --tokens 32  # one engine, JSON
+
+Communicators (``TPCOMM_VLLM``, read by the plugin in each vLLM process):
+``vllm`` 0 (the plugin off: vLLM's ``_CPUSHMDistributed``), ``tpcomm`` 1,
+``gloo`` torch (vLLM's shared memory off too: torch.distributed over gloo, as
+vLLM runs on every CPU without AVX-512).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+MODES = {"vllm": "0", "tpcomm": "1", "gloo": "torch"}
+
+# A small Llama: 8 layers (two all_reduces each, plus the logits' gather: 17
+# collectives a decoded token), bfloat16
+LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 1024,
+    "intermediate_size": 2816,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "vocab_size": 32000,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def model_dir(path: str, layers: int = 8) -> str:
+    """Write the model's config.json into ``path`` (made if missing)."""
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(dict(LLAMA, num_hidden_layers=layers), f)
+    return path
+
+
+def engine_env(mode: str) -> dict:
+    """The environment of one engine run with communicator ``mode``: a name of
+    MODES, and after a colon, settings of its own (``tpcomm:TPCOMM_SPIN_US=50``)."""
+    base, _, extra = mode.partition(":")
+    env = dict(os.environ)
+    env.update(kv.split("=", 1) for kv in extra.split(",") if kv)
+    env.update(
+        TPCOMM_VLLM=MODES[base],
+        VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        VLLM_CPU_OMP_THREADS_BIND=env.get("VLLM_CPU_OMP_THREADS_BIND", "0|1"),
+        VLLM_ENABLE_V1_MULTIPROCESSING=env.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1"),
+        TOKENIZERS_PARALLELISM="false",
+    )
+    return env
+
+
+def prompts(batch: int, length: int, seed: int = 0) -> list:
+    import random
+
+    rng = random.Random(seed + batch * 1000 + length)
+    return [
+        {"prompt_token_ids": [rng.randrange(3, 32000) for _ in range(length)]} for _ in range(batch)
+    ]
+
+
+def run_engine(args: argparse.Namespace) -> dict:
+    """One engine (this process; its workers are vLLM's): the timings and tokens."""
+    from vllm import LLM, SamplingParams
+
+    kw = dict(
+        model=args.model,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        tensor_parallel_size=args.tp,
+        pipeline_parallel_size=args.pp,
+        dtype="bfloat16",
+        enforce_eager=True,
+        distributed_executor_backend="mp",
+        max_model_len=1024,
+        max_num_seqs=max(args.batches + [1]),
+        max_num_batched_tokens=max(1024, args.prefill),
+        seed=0,
+    )
+    t0 = time.perf_counter()
+    llm = LLM(**kw)
+    out = {"engine": args.engine, "start_s": time.perf_counter() - t0, "decode": {}}
+    greedy = SamplingParams(
+        temperature=0, max_tokens=args.tokens, ignore_eos=True, detokenize=False
+    )
+    llm.generate(prompts(1, 16, 99), greedy, use_tqdm=False)  # warm-up
+    for b in args.batches:
+        ps = prompts(b, 16)
+        print(f"# generate batch {b}", flush=True)
+        t = time.perf_counter()
+        res = llm.generate(ps, greedy, use_tqdm=False)
+        dt = time.perf_counter() - t
+        toks = [list(r.outputs[0].token_ids) for r in res]
+        out["decode"][str(b)] = {"s": dt, "tok_s": sum(map(len, toks)) / dt, "tokens": toks}
+    if args.prefill:
+        one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, detokenize=False)
+        ps = prompts(1, args.prefill)
+        llm.generate(ps, one, use_tqdm=False)
+        t = time.perf_counter()
+        res = llm.generate(ps, one, use_tqdm=False)
+        dt = time.perf_counter() - t
+        out["prefill"] = {
+            "s": dt,
+            "tok_s": args.prefill / dt,
+            "tokens": list(res[0].outputs[0].token_ids),
+        }
+    return out
+
+
+def spawn(args: argparse.Namespace, mode: str, model: str) -> dict:
+    """One engine in a child process of ``args.python``; its JSON result."""
+    cmd = [
+        args.python, os.path.abspath(__file__), "--engine", mode, "--model", model,
+        "--tokens", str(args.tokens), "--prefill", str(args.prefill),
+        "--tp", str(args.tp), "--pp", str(args.pp),
+        "--batches", *map(str, args.batches),
+    ]  # fmt: skip
+    with tempfile.TemporaryFile("w+") as log:
+        p = subprocess.run(
+            cmd, env=engine_env(mode), stdout=subprocess.PIPE, stderr=log, text=True,
+            timeout=args.timeout,
+        )  # fmt: skip
+        if p.returncode != 0:
+            log.seek(0)
+            sys.stderr.write(log.read()[-6000:])
+            raise SystemExit(f"# engine {mode} failed with exit code {p.returncode}")
+    for line in reversed(p.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise SystemExit(f"# engine {mode} printed no result")
+
+
+def cpu_name() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--python", default=sys.executable, help="the Python that has vLLM")
+    ap.add_argument("--engine", help="run one engine here (a mode), print JSON")
+    ap.add_argument("--model", help="model directory (default: a config written to a temp dir)")
+    ap.add_argument(
+        "--modes",
+        nargs="+",
+        default=["vllm", "tpcomm", "gloo"],
+        help="communicators (MODES), each optionally with settings: tpcomm:TPCOMM_SPIN_US=50",
+    )
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
+    ap.add_argument("--tokens", type=int, default=96, help="tokens decoded per sequence")
+    ap.add_argument("--prefill", type=int, default=512, help="prompt tokens prefilled (0: none)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per engine")
+    ap.add_argument("-J", "--json", help="write every round's results here")
+    args = ap.parse_args()
+    if args.engine:
+        if not args.model:
+            args.model = model_dir(tempfile.mkdtemp(prefix="tpcomm-llama-"))
+        print(json.dumps(run_engine(args)), flush=True)
+        return
+    model = args.model or model_dir(tempfile.mkdtemp(prefix="tpcomm-llama-"))
+    rounds = []
+    for r in range(args.rounds):
+        order = args.modes[r % len(args.modes) :] + args.modes[: r % len(args.modes)]
+        got = {m: spawn(args, m, model) for m in order}
+        rounds.append(got)
+        line = "  ".join(
+            f"{m} "
+            + " ".join(f"b{b}={got[m]['decode'][str(b)]['tok_s']:.1f}" for b in args.batches)
+            for m in args.modes
+        )
+        print(f"# round {r + 1}: {line}", flush=True)
+    report(args, rounds)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"cpu": cpu_name(), "model": LLAMA, "args": vars(args), "rounds": rounds}, f)
+
+
+def report(args: argparse.Namespace, rounds: list) -> None:
+    base = args.modes[0]
+    print(
+        f"# vLLM CPU, TP={args.tp}, {cpu_name()}; Llama {LLAMA['num_hidden_layers']} layers, "
+        f"hidden {LLAMA['hidden_size']}, bfloat16, dummy weights; greedy, {args.tokens} tokens"
+    )
+    print(
+        f"# tokens/s (range over {len(rounds)} rounds) and the median of each round's "
+        f"ratio to {base}"
+    )
+    cells = [
+        (f"decode batch {b}", lambda g, b=b: g["decode"][str(b)]["tok_s"]) for b in args.batches
+    ]
+    if args.prefill:
+        cells.append((f"prefill {args.prefill}", lambda g: g["prefill"]["tok_s"]))
+    print("| cell | " + " | ".join(args.modes) + " |")
+    print("|---|" + "---:|" * len(args.modes))
+    for name, get in cells:
+        row = [name]
+        for m in args.modes:
+            vals = [get(g[m]) for g in rounds]
+            ratio = statistics.median(get(g[m]) / get(g[base]) for g in rounds)
+            row.append(f"{ratio:.3f} ({min(vals):.1f}-{max(vals):.1f})")
+        print("| " + " | ".join(row) + " |")
+    for m in args.modes[1:]:
+        eq = all(
+            g[m]["decode"][str(b)]["tokens"] == g[base]["decode"][str(b)]["tokens"]
+            for g in rounds
+            for b in args.batches
+        )
+        print(f"# {m}: greedy tokens {'identical to' if eq else 'DIFFER from'} {base}'s")
+
+
+if __name__ == "__main__":
+    main()
