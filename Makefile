@@ -150,6 +150,7 @@ bench: install build/handoff build/oneshot
 	} > $(BENCH_DIR)/handoff.txt && cat $(BENCH_DIR)/handoff.txt
 	$(PY) examples/tp_decode.py --ranks 2 --layers 4 --steps 16 > $(BENCH_DIR)/tp_decode.txt && cat $(BENCH_DIR)/tp_decode.txt
 	$(PY) benchmarks/workloads.py --ranks 2 4 > $(BENCH_DIR)/workloads.txt && cat $(BENCH_DIR)/workloads.txt
+	$(MAKE) --no-print-directory bench-vllm
 	$(PY) scripts/perf_page.py $(BENCH_DIR) > docs/PERFORMANCE.md
 	@echo "# docs/PERFORMANCE.md rewritten from $(BENCH_DIR)"
 

