@@ -15,7 +15,9 @@ each round's own ratio to vLLM's.
 Communicators (``TPCOMM_VLLM``, read by the plugin in each vLLM process):
 ``vllm`` 0 (the plugin off: vLLM's ``_CPUSHMDistributed``), ``tpcomm`` 1,
 ``gloo`` torch (vLLM's shared memory off too: torch.distributed over gloo, as
-vLLM runs on every CPU without AVX-512).
+vLLM runs on every CPU without AVX-512), and ``none``: the bound, the
+plugin's calls made to return at once (wrong tokens; the time an exchange of
+no time would give).
 """
 
 from __future__ import annotations
@@ -29,7 +31,21 @@ import sys
 import tempfile
 import time
 
-MODES = {"vllm": "0", "tpcomm": "1", "gloo": "torch"}
+MODES = {"vllm": "0", "tpcomm": "1", "gloo": "torch", "none": "1"}
+
+# mode "none": the bound, an exchange that takes no time.  The plugin serves
+# the groups, and this sitecustomize (on PYTHONPATH, so in every vLLM process)
+# makes its calls return at once: results are wrong, only the time counts.
+NO_EXCHANGE = """
+try:
+    from tpcomm import vllm_plugin as _p
+except Exception:
+    pass
+else:
+    _p.VllmModule.all_reduce = lambda self, input, group=None: None
+    _p.VllmModule.gather = lambda self, input, gather_list, dst=-1, group=None: None
+    _p.VllmModule.all_gather_into_tensor = lambda self, output, input, group=None: None
+"""
 
 # A small Llama: 8 layers (two all_reduces each, plus the logits' gather: 17
 # collectives a decoded token), bfloat16
@@ -71,6 +87,11 @@ def engine_env(mode: str) -> dict:
     base, _, extra = mode.partition(":")
     env = dict(os.environ)
     env.update(kv.split("=", 1) for kv in extra.split(",") if kv)
+    if base == "none":
+        site = tempfile.mkdtemp(prefix="tpcomm-none-")
+        with open(os.path.join(site, "sitecustomize.py"), "w") as f:
+            f.write(NO_EXCHANGE)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [site, env.get("PYTHONPATH")]))
     env.update(
         TPCOMM_VLLM=MODES[base],
         VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
@@ -94,22 +115,8 @@ def run_engine(args: argparse.Namespace) -> dict:
     """One engine (this process; its workers are vLLM's): the timings and tokens."""
     from vllm import LLM, SamplingParams
 
-    kw = dict(
-        model=args.model,
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        tensor_parallel_size=args.tp,
-        pipeline_parallel_size=args.pp,
-        dtype="bfloat16",
-        enforce_eager=True,
-        distributed_executor_backend="mp",
-        max_model_len=1024,
-        max_num_seqs=max(args.batches + [1]),
-        max_num_batched_tokens=max(1024, args.prefill),
-        seed=0,
-    )
     t0 = time.perf_counter()
-    llm = LLM(**kw)
+    llm = LLM(**engine_kwargs(args))
     out = {"engine": args.engine, "start_s": time.perf_counter() - t0, "decode": {}}
     greedy = SamplingParams(
         temperature=0, max_tokens=args.tokens, ignore_eos=True, detokenize=False
@@ -136,6 +143,115 @@ def run_engine(args: argparse.Namespace) -> dict:
             "tokens": list(res[0].outputs[0].token_ids),
         }
     return out
+
+
+class NoExchange:
+    """A dist_module whose calls return at once: the bound of an exchange that
+    takes no time (wrong results)."""
+
+    def all_reduce(self, input, group=None):
+        return None
+
+    def gather(self, input, gather_list, dst=-1, group=None):
+        return None
+
+    def all_gather_into_tensor(self, output, input, group=None):
+        return None
+
+
+def _worker_use(worker, mode: str, reset: bool = True):
+    """In each worker (LLM.collective_rpc): the tensor-parallel group's
+    communicator calls ``mode`` from now on (vllm, tpcomm[:SPIN_US,YIELD_US],
+    gloo, none); returns the tpcomm Communicator's record since the last
+    switch."""
+    import torch
+    import torch.distributed as dist
+    from vllm.distributed.device_communicators import cpu_communicator as cc
+    from vllm.distributed.parallel_state import get_tp_group
+
+    dc = get_tp_group().device_communicator
+    mods = dc.__dict__.setdefault("_bench_modules", {"tpcomm": dc.dist_module})
+    base, _, waits = mode.partition(":")
+    if base == "vllm" and "vllm" not in mods:
+        if not hasattr(torch.ops._C, "init_shm_manager"):
+            raise RuntimeError("vLLM's CPU library here has no shared memory (no AVX-512)")
+        mods["vllm"] = cc._CPUSHMDistributed(dc)  # collective: every worker is here
+    ours = mods["tpcomm"]
+    rec = ours.comm.stats(reset=reset)
+    engine = ours.comm._shm.engine
+    if base == "tpcomm":
+        from tpcomm import _env
+
+        given = [float(x) for x in waits.split(",")] if waits else []
+        engine.set_waits(*given, *[_env.spin_us(), _env.yield_us(), 200.0][len(given) :])
+    dc.dist_module = {
+        "tpcomm": ours, "gloo": dist, "none": NoExchange(), "vllm": mods.get("vllm"),
+    }[base]  # fmt: skip
+    return rec
+
+
+def run_switch(args: argparse.Namespace) -> dict:
+    """One engine (the plugin on), the communicators switched between generate
+    calls in every worker, rounds interleaved: no engine start, process
+    placement or machine state between two communicators' numbers."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(**engine_kwargs(args))
+    greedy = SamplingParams(
+        temperature=0, max_tokens=args.tokens, ignore_eos=True, detokenize=False
+    )
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, detokenize=False)
+    llm.generate(prompts(1, 16, 99), greedy, use_tqdm=False)  # warm-up
+    if args.prefill:
+        llm.generate(prompts(1, args.prefill), one, use_tqdm=False)
+    rounds = []
+    for r in range(args.rounds):
+        order = args.modes[r % len(args.modes) :] + args.modes[: r % len(args.modes)]
+        got = {}
+        for m in order:
+            llm.collective_rpc(_worker_use, args=(m,))
+            llm.generate(prompts(1, 16, 98), greedy, use_tqdm=False)  # settle
+            llm.collective_rpc(_worker_use, args=(m,))  # records from here
+            cells = {}
+            for b in args.batches:
+                t = time.perf_counter()
+                res = llm.generate(prompts(b, 16), greedy, use_tqdm=False)
+                dt = time.perf_counter() - t
+                toks = [list(x.outputs[0].token_ids) for x in res]
+                cells[str(b)] = {"s": dt, "tok_s": sum(map(len, toks)) / dt, "tokens": toks}
+            recs = llm.collective_rpc(_worker_use, args=(m,))
+            got[m] = {"decode": cells, "records": recs if m.startswith("tpcomm") else None}
+            if args.prefill:
+                t = time.perf_counter()
+                llm.generate(prompts(1, args.prefill), one, use_tqdm=False)
+                dt = time.perf_counter() - t
+                got[m]["prefill"] = {"s": dt, "tok_s": args.prefill / dt}
+        rounds.append(got)
+        line = "  ".join(
+            f"{m} "
+            + " ".join(f"b{b}={got[m]['decode'][str(b)]['tok_s']:.1f}" for b in args.batches)
+            for m in args.modes
+        )
+        print(f"# round {r + 1}: {line}", flush=True)
+    llm.collective_rpc(_worker_use, args=("tpcomm",))
+    return {"rounds": rounds}
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        model=args.model,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        tensor_parallel_size=args.tp,
+        pipeline_parallel_size=args.pp,
+        dtype="bfloat16",
+        enforce_eager=True,
+        distributed_executor_backend="mp",
+        max_model_len=1024,
+        max_num_seqs=max(args.batches + [1]),
+        max_num_batched_tokens=max(1024, args.prefill),
+        seed=0,
+    )
 
 
 def spawn(args: argparse.Namespace, mode: str, model: str) -> dict:
@@ -191,7 +307,23 @@ def main() -> None:
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per engine")
     ap.add_argument("-J", "--json", help="write every round's results here")
+    ap.add_argument(
+        "--switch", action="store_true",
+        help="one engine, the communicators switched in its workers between generate calls "
+        "(modes: vllm, tpcomm[:SPIN_US,YIELD_US,LOST_US], gloo, none)",
+    )  # fmt: skip
     args = ap.parse_args()
+    if args.switch:
+        args.model = model_dir(args.model)
+        os.environ.update(engine_env("tpcomm"))
+        # collective_rpc with a function of this script: vLLM pickles it only so
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        res = run_switch(args)
+        report(args, res["rounds"])
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"cpu": cpu_name(), "model": LLAMA, "args": vars(args), **res}, f)
+        return
     if args.engine:
         args.model = model_dir(args.model)
         print(json.dumps(run_engine(args)), flush=True)
@@ -239,6 +371,8 @@ def report(args: argparse.Namespace, rounds: list) -> None:
             row.append(f"{ratio:.3f} ({min(vals):.1f}-{max(vals):.1f})")
         print("| " + " | ".join(row) + " |")
     for m in args.modes[1:]:
+        if m.startswith("none"):
+            continue  # no exchange: other tokens, by design
         eq = all(
             g[m]["decode"][str(b)]["tokens"] == g[base]["decode"][str(b)]["tokens"]
             for g in rounds

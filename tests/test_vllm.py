@@ -168,9 +168,11 @@ def test_kill_a_worker_mid_decode(vllm_env, tmp_path):
             env=env, cwd=str(tmp_path), stdout=log, stderr=subprocess.STDOUT, text=True,
             start_new_session=True,
         )  # fmt: skip
+    vllm_segments = set()  # vLLM's own must never be made for a group tpcomm serves
     try:
         pid, deadline = None, time.monotonic() + 600
         while time.monotonic() < deadline and p.poll() is None:
+            vllm_segments |= {s for s in _segments() if "cpushm" in s}
             text = log_path.read_text()
             m = re.search(r"Worker_TP1 pid=(\d+)", text)
             if m and "# generate batch 1" in text:
@@ -178,6 +180,7 @@ def test_kill_a_worker_mid_decode(vllm_env, tmp_path):
                 break
             time.sleep(0.2)
         assert pid, log_path.read_text()[-4000:]
+        assert not vllm_segments, vllm_segments
         time.sleep(1.0)  # mid-decode (900 tokens take several seconds)
         os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()

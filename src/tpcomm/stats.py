@@ -24,7 +24,8 @@ waits      waits that had to wait; ``ended``: how (spin, yield, sleep)
 wait_ns    the time those waits took, in all
 yields     sched_yield calls; ``sleeps``: futex sleeps (and naps)
 crowded    times the waits stopped yielding: a yield lost the core for
-           more than 200 us to another process, so they sleep instead
+           more than 200 us to another process, so they sleep instead;
+           ``yield_max_us``: the longest yield
 late_*     lateness (ns) by how the wait ended: count, sum, max; and a
            histogram, bucket b counting lateness under 2^b us
 ========== ==============================================================
@@ -77,6 +78,7 @@ def shape(raw: dict, rank: int, world: int) -> dict:
         "yields": raw["yields"],
         "sleeps": raw["sleeps"],
         "crowded": raw["crowded"],
+        "yield_max_us": raw["lost_max"] / 1e3,
         "stamped": bool(raw["stamp"]),
         "late": late,
         "late_hist_us": {f"<{1 << b}" if b < 15 else f">={1 << 14}": n
@@ -99,8 +101,9 @@ def describe(rec: dict, name: str = "") -> str:
         f"{e['spin']}, yielding {e['yield']}, asleep {e['sleep']}"
     )
     lines.append(
-        f"  yields {rec['yields']}, futex sleeps {rec['sleeps']}, crowded {rec['crowded']} "
-        f"(a yield lost the core for > 200 us: sleeps instead of yields for 1 s)"
+        f"  yields {rec['yields']} (the longest {rec['yield_max_us']:.0f} us), futex sleeps "
+        f"{rec['sleeps']}, crowded {rec['crowded']} (a yield lost the core for > 200 us: "
+        f"sleeps instead of yields for 1 s)"
     )
     if rec["stamped"]:
         parts = [

@@ -38,18 +38,28 @@ What the plugin took is logged once per process; ``TPCOMM_STATS`` (see
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
 
 from . import _env
 
-__all__ = ["register", "VllmModule", "KNOWN_VLLM", "served_groups"]
+__all__ = ["register", "VllmModule", "KNOWN_VLLM", "ENGINE_SPIN_US", "served_groups"]
 
 # vLLM versions whose CpuCommunicator this module has been tested against
 # ([low, high): the constructor's arguments, ``dist_module`` and
 # ``supports_tensor_dict``, the ``tp``/``pp`` group names)
 KNOWN_VLLM = ((0, 32), (0, 33))
+
+# TPCOMM_SPIN_US inside vLLM's processes unless set: spin up to 2 ms (the
+# core's limit), which leaves no time to yield (TPCOMM_YIELD_US is 1 ms), then
+# sleep.  Ranks that outnumber the cores still never spin (shm/engine.py).
+ENGINE_SPIN_US = "2000"
+
+# vLLM's own __init__ runs under this prefix on the name of a group the plugin
+# takes: vLLM picks its shm object for names starting "tp" or "pp" only
+_HIDDEN = "_tpcomm:"
 
 _registered = False
 # the groups this process's Communicators serve: unique_name -> Communicator
@@ -102,6 +112,10 @@ def register() -> None:
             version, *low, *high,
         )  # fmt: skip
         return
+    # vLLM binds each worker to its own core and spins in its own waits: a
+    # tpcomm wait there spins up to 2 ms before it sleeps, never yields (the
+    # record of the decode loop: docs/DECISIONS.md); what the user sets wins
+    os.environ.setdefault("TPCOMM_SPIN_US", ENGINE_SPIN_US)
     from vllm.distributed.device_communicators import cpu_communicator as cc
 
     cls = cc.CpuCommunicator
@@ -113,7 +127,7 @@ def register() -> None:
         if mode == "torch" and _ours(unique_name):
             # vLLM without its shared memory: torch.distributed (gloo), as on a CPU
             # without AVX-512; for comparisons
-            original_init(self, cpu_group, device, device_group, "tpcomm-" + unique_name, *a, **kw)
+            original_init(self, cpu_group, device, device_group, _HIDDEN + unique_name, *a, **kw)
             self.unique_name = unique_name
             _log().info(
                 "tpcomm: TPCOMM_VLLM=torch, vLLM group %s on torch.distributed", unique_name
@@ -125,7 +139,7 @@ def register() -> None:
             return
         # vLLM's own init, told a name it makes no shared memory for (it picks
         # its shm object for tp/pp names only); the real name is put back
-        original_init(self, cpu_group, device, device_group, "tpcomm-" + unique_name, *a, **kw)
+        original_init(self, cpu_group, device, device_group, _HIDDEN + unique_name, *a, **kw)
         self.unique_name = unique_name
         self.dist_module = VllmModule(comm, unique_name)
         self.supports_tensor_dict = True

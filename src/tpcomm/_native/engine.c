@@ -446,6 +446,7 @@ static int eng_init(Engine *e, PyObject *args, PyObject *kw)
      * (2 ms), whatever the setting; the waits after it check every 2 ms */
     e->waits.spin_ns = ns_of(spin_us * 1e-6) < 2000000ull ? ns_of(spin_us * 1e-6) : 2000000ull;
     e->waits.yield_ns = ns_of(yield_us * 1e-6);
+    e->waits.lost_ns = YIELD_LOST_NS;
     e->busy = 0;
     e->failed = 0;
     e->twoshot_min = UINT64_MAX;
@@ -728,6 +729,8 @@ static PyMethodDef eng_methods[] = {
     {"set_stores_auto", (PyCFunction)eng_set_stores_auto, METH_O,
      "set_stores_auto(on) -> on: all_reduce chunks choose their stores as they run"},
     {"stores", (PyCFunction)eng_stores, METH_NOARGS, "stores() -> what the copy-ins learnt"},
+    {"set_waits", (PyCFunction)eng_set_waits, METH_VARARGS,
+     "set_waits(spin_us, yield_us): how this rank's waits wait from now on"},
     {"record", (PyCFunction)eng_record, METH_VARARGS,
      "record(reset=False, stamp=-1) -> dict: the rounds and waits so far (stamp 0/1: "
      "stop/start stamping publishes)"},

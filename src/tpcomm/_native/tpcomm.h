@@ -136,6 +136,7 @@ enum { KIND_ALL_REDUCE = 1, KIND_BARRIER = 2, KIND_ALL_GATHER = 3, KIND_REDUCE_S
        KIND_BROADCAST = 5, KIND_GATHER = 6, KIND_EMPTY = 7, KIND_ALL_TO_ALL = 8,
        KIND_DUP = 9, KIND_REFUSED = 10 /* a rank's own checks refused its arguments */,
        KIND_LAST = KIND_REFUSED };
+#define YIELD_LOST_NS 200000ull /* a yield that took this long lost the core (wait.c) */
 #define REC_BUCKETS 16 /* the record's lateness histogram: < 1 us ... >= 16 ms */
 
 typedef struct {
@@ -329,6 +330,7 @@ typedef struct {
         uint64_t spin_ns;  /* spin with pause this long before yielding */
         uint64_t yield_ns; /* then sched_yield until this long, then sleep */
         uint64_t crowded_until; /* no yields before this (wait.c: the core is shared) */
+        uint64_t lost_ns;  /* a yield this long lost the core (wait.c: YIELD_LOST_NS) */
     } waits;
 
     /* the record of this rank's rounds and waits (wait.c, eng_record): what a
@@ -343,6 +345,7 @@ typedef struct {
         uint64_t wait_ns;  /* time in those waits */
         uint64_t yields, sleeps; /* sched_yield calls; futex sleeps and naps */
         uint64_t crowded;  /* times the waits stopped yielding (YIELD_LOST_NS) */
+        uint64_t lost_max; /* the longest sched_yield (ns) */
         int last;          /* how the last wait ended: 0 at once, 1 spin, 2 yield, 3 sleep */
         int stamp;         /* stamp publishes; measure lateness (set_record) */
         uint64_t late_n[3], late_ns[3], late_max[3]; /* lateness by how the wait ended */
@@ -607,6 +610,7 @@ int round_sync(Engine *e, uint32_t kind, uint32_t dtype, uint32_t op, uint64_t c
 PyObject *eng_closed_error(void);
 PyObject *eng_layout(Engine *e, PyObject *unused);
 PyObject *eng_record(Engine *e, PyObject *args); /* wait.c */
+PyObject *eng_set_waits(Engine *e, PyObject *args); /* wait.c */
 int call_check(Engine *e);
 void call_begin(Engine *e, size_t bytes, PyThreadState **ts);
 int call_end(Engine *e, int st, PyThreadState *ts);

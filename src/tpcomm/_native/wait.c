@@ -119,7 +119,7 @@ int fail(Engine *e, int st, int err_rank, int blame)
  * ranks outnumber the cores (no spin): there a yield goes to a peer rank,
  * which may keep the core for its whole reduce, and the yields are what keeps
  * those ranks fast (futex sleeps made world 4 on 2 cores 1.2-2.5x slower). */
-#define YIELD_LOST_NS 200000ull
+/* YIELD_LOST_NS (tpcomm.h): the default of e->waits.lost_ns */
 #define CROWDED_NS 1000000000ull
 
 static int wait_loop(Engine *e, waiter_t *w, PyThreadState **ts, uint64_t start);
@@ -202,7 +202,9 @@ static int wait_loop(Engine *e, waiter_t *w, PyThreadState **ts, uint64_t start)
             if (e->rec.last < 2)
                 e->rec.last = 2;
             uint64_t back = now_ns();
-            if (back - t > YIELD_LOST_NS && e->waits.spin_ns) {
+            if (back - t > e->rec.lost_max)
+                e->rec.lost_max = back - t;
+            if (back - t > e->waits.lost_ns && e->waits.spin_ns) {
                 e->waits.crowded_until = back + CROWDED_NS;
                 e->rec.crowded++;
             }
@@ -317,7 +319,7 @@ PyObject *eng_record(Engine *e, PyObject *args)
     for (int b = 0; b < REC_BUCKETS; b++)
         PyList_SET_ITEM(hist, b, PyLong_FromUnsignedLongLong(e->rec.late_hist[b]));
     PyObject *d = Py_BuildValue(
-        "{s:N,s:K,s:K,s:(KKK),s:K,s:K,s:K,s:K,s:(KKK),s:(KKK),s:(KKK),s:N,s:i}",
+        "{s:N,s:K,s:K,s:(KKK),s:K,s:K,s:K,s:K,s:(KKK),s:(KKK),s:(KKK),s:N,s:i,s:K}",
         "rounds", rounds, "instant", e->rec.instant, "waits", e->rec.waits,
         "ended", e->rec.ended[0], e->rec.ended[1], e->rec.ended[2],
         "wait_ns", e->rec.wait_ns, "yields", e->rec.yields, "sleeps", e->rec.sleeps,
@@ -325,7 +327,7 @@ PyObject *eng_record(Engine *e, PyObject *args)
         "late_n", e->rec.late_n[0], e->rec.late_n[1], e->rec.late_n[2],
         "late_ns", e->rec.late_ns[0], e->rec.late_ns[1], e->rec.late_ns[2],
         "late_max", e->rec.late_max[0], e->rec.late_max[1], e->rec.late_max[2],
-        "late_hist", hist, "stamp", e->rec.stamp);
+        "late_hist", hist, "stamp", e->rec.stamp, "lost_max", e->rec.lost_max);
     if (!d)
         return NULL;
     if (reset) {
@@ -340,6 +342,26 @@ fail:
     Py_XDECREF(rounds);
     Py_XDECREF(hist);
     return NULL;
+}
+
+/* set_waits(spin_us, yield_us): how this rank's waits wait from now on (a
+ * rank's own: the peers need not agree) */
+PyObject *eng_set_waits(Engine *e, PyObject *args)
+{
+    double spin_us, yield_us, lost_us = YIELD_LOST_NS / 1e3;
+    if (!PyArg_ParseTuple(args, "dd|d", &spin_us, &yield_us, &lost_us))
+        return NULL;
+    if (!(spin_us >= 0 && spin_us <= 2000 && yield_us >= 0 && yield_us <= 1e6)) {
+        PyErr_Format(PyExc_ValueError,
+                     "set_waits: spin_us must be in [0, 2000] and yield_us in [0, 1e6], got %g, %g",
+                     spin_us, yield_us);
+        return NULL;
+    }
+    e->waits.spin_ns = (uint64_t)(spin_us * 1e3);
+    e->waits.yield_ns = (uint64_t)(yield_us * 1e3);
+    e->waits.lost_ns = lost_us > 0 ? (uint64_t)(lost_us * 1e3) : 0;
+    e->waits.crowded_until = 0;
+    Py_RETURN_NONE;
 }
 
 /*

@@ -572,6 +572,14 @@ class ShmEngine:
         self._apply(self.settings)
         self.cma_init(*self.settings.cma_plan)
 
+    def set_waits(self, spin_us: float, yield_us: float, lost_us: float = 200.0) -> None:
+        """How this rank's waits wait from now on: spin this long, then yield
+        until ``yield_us``, then sleep (TPCOMM_SPIN_US and TPCOMM_YIELD_US at
+        creation); a yield longer than ``lost_us`` lost the core, and the waits
+        sleep instead of yielding for a while (_native/wait.c).  A rank's own:
+        the peers need not agree."""
+        self._native.set_waits(spin_us, yield_us, lost_us)
+
     def record(self, reset: bool = False, stamp: Optional[bool] = None) -> dict:
         """The core's record of rounds and waits (tpcomm.stats); ``reset`` clears
         it after reading, ``stamp`` turns the publishes' time stamps on or off."""
