@@ -35,16 +35,21 @@ MODES = {"vllm": "0", "tpcomm": "1", "gloo": "torch", "none": "1"}
 
 # mode "none": the bound, an exchange that takes no time.  The plugin serves
 # the groups, and this sitecustomize (on PYTHONPATH, so in every vLLM process)
-# makes its calls return at once: results are wrong, only the time counts.
+# makes its calls exchange nothing (as NoExchange below): only the time counts.
 NO_EXCHANGE = """
 try:
     from tpcomm import vllm_plugin as _p
 except Exception:
     pass
 else:
-    _p.VllmModule.all_reduce = lambda self, input, group=None: None
-    _p.VllmModule.gather = lambda self, input, gather_list, dst=-1, group=None: None
-    _p.VllmModule.all_gather_into_tensor = lambda self, output, input, group=None: None
+    _p.VllmModule.all_reduce = lambda self, input, group=None: input.mul_(2)
+    def _gather(self, input, gather_list, dst=-1, group=None):
+        for t in gather_list or ():
+            t.copy_(input)
+    _p.VllmModule.gather = _gather
+    def _all_gather(self, output, input, group=None):
+        output.view(-1, input.numel()).copy_(input.view(1, -1))
+    _p.VllmModule.all_gather_into_tensor = _all_gather
 """
 
 # A small Llama: 8 layers (two all_reduces each, plus the logits' gather: 17
@@ -146,17 +151,21 @@ def run_engine(args: argparse.Namespace) -> dict:
 
 
 class NoExchange:
-    """A dist_module whose calls return at once: the bound of an exchange that
-    takes no time (wrong results)."""
+    """A dist_module that exchanges nothing: the bound of an exchange that
+    takes no time.  Each call fills its result from this rank's data alone
+    (an all_reduce doubles it, a gather repeats it), so the values keep the
+    magnitudes of real sums (left alone, they went to NaN and denormals,
+    which cost time of their own); the tokens differ from the others'."""
 
     def all_reduce(self, input, group=None):
-        return None
+        input.mul_(2)
 
     def gather(self, input, gather_list, dst=-1, group=None):
-        return None
+        for t in gather_list or ():
+            t.copy_(input)
 
     def all_gather_into_tensor(self, output, input, group=None):
-        return None
+        output.view(-1, input.numel()).copy_(input.view(1, -1))
 
 
 def _worker_use(worker, mode: str, reset: bool = True):
@@ -312,7 +321,21 @@ def main() -> None:
         help="one engine, the communicators switched in its workers between generate calls "
         "(modes: vllm, tpcomm[:SPIN_US,YIELD_US,LOST_US], gloo, none)",
     )  # fmt: skip
+    ap.add_argument("--report", metavar="JSON", help="print the report of a -J file again")
     args = ap.parse_args()
+    if args.report:
+        with open(args.report) as f:
+            saved = json.load(f)
+        args.__dict__.update({k: v for k, v in saved["args"].items() if k != "report"})
+        for i, got in enumerate(saved["rounds"]):
+            line = "  ".join(
+                f"{m} "
+                + " ".join(f"b{b}={got[m]['decode'][str(b)]['tok_s']:.1f}" for b in args.batches)
+                for m in args.modes
+            )
+            print(f"# round {i + 1}: {line}")
+        report(args, saved["rounds"])
+        return
     if args.switch:
         args.model = model_dir(args.model)
         os.environ.update(engine_env("tpcomm"))
@@ -348,9 +371,12 @@ def main() -> None:
 
 def report(args: argparse.Namespace, rounds: list) -> None:
     base = args.modes[0]
+    m = LLAMA
     print(
-        f"# vLLM CPU, TP={args.tp}, {cpu_name()}; Llama {LLAMA['num_hidden_layers']} layers, "
-        f"hidden {LLAMA['hidden_size']}, bfloat16, dummy weights; greedy, {args.tokens} tokens"
+        f"# vLLM CPU, TP={args.tp}, {cpu_name()}; Llama of {m['num_hidden_layers']} layers, "
+        f"hidden {m['hidden_size']}, MLP {m['intermediate_size']}, {m['num_attention_heads']} "
+        f"heads ({m['num_key_value_heads']} KV), vocabulary {m['vocab_size']}, bfloat16, random "
+        f"weights; greedy decode of {args.tokens} tokens a sequence, 16-token prompts"
     )
     print(
         f"# tokens/s (range over {len(rounds)} rounds) and the median of each round's "
@@ -370,6 +396,14 @@ def report(args: argparse.Namespace, rounds: list) -> None:
             ratio = statistics.median(get(g[m]) / get(g[base]) for g in rounds)
             row.append(f"{ratio:.3f} ({min(vals):.1f}-{max(vals):.1f})")
         print("| " + " | ".join(row) + " |")
+    if "gloo" in args.modes:
+        for m in args.modes:
+            if m != "gloo":
+                r = [
+                    statistics.median(get(g[m]) / get(g["gloo"]) for g in rounds)
+                    for _, get in cells
+                ]
+                print(f"# {m} / gloo: " + ", ".join(f"{n} {x:.2f}" for (n, _), x in zip(cells, r)))
     for m in args.modes[1:]:
         if m.startswith("none"):
             continue  # no exchange: other tokens, by design

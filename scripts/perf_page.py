@@ -261,6 +261,7 @@ def vllm_section(bench_dir: str) -> list[str]:
         return []
     with open(path) as f:
         lines = f.read().rstrip().splitlines()
+    when = datetime.datetime.fromtimestamp(os.path.getmtime(path), datetime.timezone.utc)
     out = [
         "## vLLM: tensor-parallel decode and prefill, tokens per second",
         "",
@@ -269,8 +270,11 @@ def vllm_section(bench_dir: str) -> list[str]:
         "order turning each round. `vllm`: vLLM's own shared memory (`_CPUSHMDistributed`, the "
         "shm ops of its `_C` library, as vLLM calls them); `tpcomm`: the tpcomm plugin "
         "(docs/VLLM.md); `gloo`: torch.distributed over gloo (`TPCOMM_VLLM=torch`, what vLLM "
-        "runs on every CPU without AVX-512). Each cell: the median of each round's own ratio "
-        "to `vllm`, and the range of tokens/s.",
+        "runs on every CPU without AVX-512); `none`: the plugin's calls exchanging nothing "
+        "(each rank fills the result from its own data: other tokens): the bound, an exchange "
+        "that takes no time. Each cell: the median "
+        "of each round's own ratio to `vllm`, and the range of tokens/s. "
+        f"Run {when:%Y-%m-%d %H:%M} UTC on {cpu_model()}.",
         "",
     ]
     out += [x for x in lines if x.startswith("|")]

