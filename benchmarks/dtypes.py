@@ -1,9 +1,9 @@
 """all_reduce of float32, bfloat16 and float16 side by side, timed in turns.
 
-Issue 15's table: is a 16-bit all_reduce as fast as a float32 one of the same
-bytes?  Three `tpcomm perf -d DTYPE` runs one after the other cannot say: on
-this shared VM the speed of a whole run moves by 10-30 % (more in its slow
-mode), more than the difference asked about.  Here the dtypes (and the kernel
+Is a 16-bit all_reduce as fast as a float32 one of the same bytes?  Three
+`tpcomm perf -d DTYPE` runs one after the other cannot say: on a shared VM the
+speed of a whole run moves by 10-30 % (more in a slow mode, docs/PERFORMANCE.md),
+more than the difference asked about.  Here the dtypes (and the kernel
 variants: the auto choice, and AVX2 forced where the CPU has better) run in
 the same two pinned ranks, one block of calls each in turn, the order rotated
 every round, so that a change of speed meets all of them alike.

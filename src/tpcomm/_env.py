@@ -303,10 +303,10 @@ DEFAULT_CHUNK_BYTES = 256 << 10  # where the L2 is unknown
 
 
 def chunk_bytes(slot: int) -> int:
-    """TPCOMM_CHUNK_BYTES: the chunk of TPCOMM_CHUNK_MIN_BYTES, rounded down to
-    a 4 KiB page and at most a slot (default: half this CPU's L2, at least
-    64 KiB: a chunk and its slot's copy then stay in the core's cache between
-    the copy in and the reduce)."""
+    """TPCOMM_CHUNK_BYTES: the chunk of TPCOMM_CHUNK_MIN_BYTES, 4 KiB to a slot,
+    rounded down to a 4 KiB page (default: half this CPU's L2, at least 64 KiB:
+    a chunk and its slot's copy then stay in the core's cache between the copy
+    in and the reduce)."""
     l2 = l2_bytes()
     default = max(64 << 10, l2 // 2) if l2 else DEFAULT_CHUNK_BYTES
     value = _int("TPCOMM_CHUNK_BYTES", default, 4096, MAX_SLOT_BYTES)

@@ -178,7 +178,7 @@ COLLECTIVES = {
         parts=True,
         root=0,
         # every side gathers into buffers it allocated once: tpcomm into `out`,
-        # gloo into its gather_list, MPI into one buffer (tpcomm._perf_mpi)
+        # gloo into its gather_list, MPI into one buffer (tpcomm.perf.mpi_rank)
         make=lambda r, w, c, dt, op, salt: {
             "x": data(r, c // w, dt, salt),
             "y": [torch.empty(c // w, dtype=dt) for _ in range(w)] if r == 0 else None,
