@@ -27,7 +27,6 @@ from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 
-from .cuda.path import CudaPath
 from .ops import DTYPE_CODES, ReduceOp
 from .paths import LOCAL
 
@@ -81,6 +80,22 @@ def engine_objection(call: Call) -> Optional[str]:
         name = str(call.op).rsplit(".", 1)[-1]
         return f"op {name} is not supported by the engine (it does {_ENGINE_OPS})"
     return None
+
+
+def cuda_objection(call: Call) -> Optional[str]:
+    """Why the CUDA path does not take this call, or None: all_reduce of CUDA
+    tensors only (the other collectives take CPU tensors)."""
+    if not call.cuda:
+        return "not a CUDA tensor"
+    return None if call.kind == "all_reduce" else f"{call.kind} takes CPU tensors only"
+
+
+class _Cuda:
+    name = "cuda"
+
+    @staticmethod
+    def should_use(call: Call) -> Optional[str]:
+        return cuda_objection(call)
 
 
 class _Shm:
@@ -142,7 +157,7 @@ def plan(world: int, hosts: int = 1, why_hosts: str = "") -> list:
     that does not exist (``tpcomm doctor``), in ``order``, with the real paths'
     objections (``why_hosts``: how a multi-host group is described)."""
     middle = _Shm() if hosts == 1 else _Hier(why_hosts or f"the group spans {hosts} hosts")
-    return order(world, CudaPath(None, None), middle, _Dist())
+    return order(world, _Cuda(), middle, _Dist())
 
 
 def route(paths: Sequence[Any], call: Call) -> Route:

@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .. import routing
 from ..ops import ReduceOp, as_reduce_op
 from ..paths import Path
 
@@ -38,9 +39,7 @@ class CudaPath(Path):
         self._custom: dict = {}  # device -> CustomAllreduce, made on first use
 
     def should_use(self, call: Any) -> Optional[str]:
-        if not call.cuda:
-            return "not a CUDA tensor"
-        return None if call.kind == "all_reduce" else f"{call.kind} takes CPU tensors only"
+        return routing.cuda_objection(call)
 
     def all_reduce(self, tensor: torch.Tensor, op: Any) -> torch.Tensor:
         op = as_reduce_op("all_reduce", op)

@@ -11,7 +11,7 @@ import os
 import time
 from typing import Any, NamedTuple, Optional
 
-from .. import _env, _native, layout, routing
+from .. import _env, _native, layout
 from ..bootstrap import Watch, broadcast_from_rank0, death_explains, local_cpu_count
 from ..errors import CommError, CommTimeoutError, PeerFailedError
 from ..ops import (
@@ -444,15 +444,6 @@ class ShmEngine:
         self.reduce_scatterv = n.reduce_scatterv
         self.broadcast = n.broadcast
         self.message_header = n.message_header
-
-    # -- as a path of the Communicator (routing.py) ---------------------------
-
-    name = "shm"
-
-    @staticmethod
-    def should_use(call: routing.Call) -> Optional[str]:
-        """Shared memory takes every call but the reductions it lacks."""
-        return routing.engine_objection(call)
 
     def all_reduce(self, tensor: Any, op: ReduceOp) -> Any:
         """``tensor`` (checked: a CPU tensor of a dtype and op the engine does)
