@@ -78,7 +78,7 @@ vllm-env: wheel $(VLLM_VENV)/.installed
 # vLLM CPU, tensor parallel 2: tokens/s with vLLM's own shm, the tpcomm plugin and gloo
 bench-vllm: vllm-env
 	mkdir -p $(BENCH_DIR)
-	$(VPY) benchmarks/vllm_decode.py --rounds 3 -J $(BENCH_DIR)/vllm.json > $(BENCH_DIR)/vllm.txt; \
+	$(VPY) benchmarks/vllm_decode.py --rounds 5 -J $(BENCH_DIR)/vllm.json > $(BENCH_DIR)/vllm.txt; \
 		st=$$?; cat $(BENCH_DIR)/vllm.txt; exit $$st
 
 build/test_kernels: tests/c/test_kernels.c $(KERNEL_SRC) src/tpcomm/_native/kernels.h

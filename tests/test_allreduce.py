@@ -15,6 +15,7 @@ import torch
 import tpcomm
 from tpcomm import _env, _testing
 
+from ._helpers import zero_copy_matrix
 from ._ref import DTYPES, FLOATS, OPS, digest, make, reference, reference_f64
 
 WORLDS = [1, 2, 3, 4, 8]
@@ -271,8 +272,6 @@ def test_threads_per_rank(monkeypatch, world):
             problems = [p for _, ps in results for p in ps]
             assert not problems, (algo, problems[:10])
             assert all(res[0] == results[0][0] for res in results)
-        from .test_zero_copy import zero_copy_matrix
-
         zc = g.run(zero_copy_matrix, timeout=240)
         assert not [p for ps, _ in zc for p in ps]
         assert all(d == zc[0][1] for _, d in zc)

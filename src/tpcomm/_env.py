@@ -15,6 +15,7 @@ import datetime
 import os
 
 __all__ = [
+    "explicit",
     "timeout",
     "shm_dir",
     "slot_bytes",
@@ -97,6 +98,12 @@ def _int(name: str, default: int, minimum: int, maximum: int, hint: str = "") ->
     if not minimum <= value <= maximum:
         raise ValueError(f"{name}={raw!r}: expected an int in [{minimum}, {maximum}]{hint}")
     return value
+
+
+def explicit(name: str) -> bool:
+    """Whether the environment sets ``name`` to a value: unset, empty and
+    "auto" all mean the default (a tuned profile's value, where there is one)."""
+    return (os.environ.get(name) or "auto").strip().lower() != "auto"
 
 
 def timeout() -> float:

@@ -329,7 +329,7 @@ def _check_paths(rep: Report, world: int) -> None:
 
     def source(key: str) -> str:
         env = profile.SETTINGS[key]
-        return "tuned profile" if key in tuned and not os.environ.get(env) else env
+        return "tuned profile" if key in tuned and not _env.explicit(env) else env
 
     if two < 0:
         ar = "one-shot for every size"

@@ -42,14 +42,10 @@ import weakref
 from typing import Any
 
 from . import _env
+from .shm.engine import KIND_NAMES
 
 __all__ = ["describe", "start", "finish", "read_dir"]
 
-# the C core's collective kinds (tpcomm.h: KIND_*), by index
-KINDS = (
-    "other", "all_reduce", "barrier", "all_gather", "reduce_scatter", "broadcast",
-    "gather", "empty", "all_to_all", "dup", "refused",
-)  # fmt: skip
 ENDED = ("spin", "yield", "sleep")
 
 _live: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -58,7 +54,7 @@ _count = itertools.count()
 
 def shape(raw: dict, rank: int, world: int) -> dict:
     """The core's record as a user reads it (stats())."""
-    rounds = {KINDS[k]: n for k, n in enumerate(raw["rounds"]) if n and k < len(KINDS)}
+    rounds = {KIND_NAMES.get(k, "other"): n for k, n in enumerate(raw["rounds"]) if n}
     late = {
         how: {
             "n": raw["late_n"][i],

@@ -210,10 +210,6 @@ def _settings_differ(info: dict, rank: int) -> str:
     )
 
 
-def _explicit(name: str) -> bool:
-    return (os.environ.get(name) or "auto").strip().lower() != "auto"
-
-
 def engine_of(comm: Any) -> Optional[ShmEngine]:
     """The shared-memory engine of a Communicator (None: world size 1, across
     hosts, closed): how tpcomm tune, tpcomm perf and the tests reach it."""
@@ -255,7 +251,7 @@ def settings_for(world: int, slot: int, tuned: Optional[dict] = None) -> Setting
 
     def pick(key: str, default: int) -> int:
         env = profile.SETTINGS[key]
-        return default if key not in tuned or _explicit(env) else tuned[key]
+        return default if key not in tuned or _env.explicit(env) else tuned[key]
 
     two = pick("twoshot_min_bytes", _env.twoshot_min_bytes(world))
     chunk = pick("chunk_bytes", _env.chunk_bytes(slot)) // 4096 * 4096  # a profile's too
