@@ -236,12 +236,7 @@ def run_switch(args: argparse.Namespace) -> dict:
                 dt = time.perf_counter() - t
                 got[m]["prefill"] = {"s": dt, "tok_s": args.prefill / dt}
         rounds.append(got)
-        line = "  ".join(
-            f"{m} "
-            + " ".join(f"b{b}={got[m]['decode'][str(b)]['tok_s']:.1f}" for b in args.batches)
-            for m in args.modes
-        )
-        print(f"# round {r + 1}: {line}", flush=True)
+        print(round_line(args, r, got), flush=True)
     llm.collective_rpc(_worker_use, args=("tpcomm",))
     return {"rounds": rounds}
 
@@ -328,12 +323,7 @@ def main() -> None:
             saved = json.load(f)
         args.__dict__.update({k: v for k, v in saved["args"].items() if k != "report"})
         for i, got in enumerate(saved["rounds"]):
-            line = "  ".join(
-                f"{m} "
-                + " ".join(f"b{b}={got[m]['decode'][str(b)]['tok_s']:.1f}" for b in args.batches)
-                for m in args.modes
-            )
-            print(f"# round {i + 1}: {line}")
+            print(round_line(args, i, got))
         report(args, saved["rounds"])
         return
     if args.switch:
@@ -357,16 +347,19 @@ def main() -> None:
         order = args.modes[r % len(args.modes) :] + args.modes[: r % len(args.modes)]
         got = {m: spawn(args, m, model) for m in order}
         rounds.append(got)
-        line = "  ".join(
-            f"{m} "
-            + " ".join(f"b{b}={got[m]['decode'][str(b)]['tok_s']:.1f}" for b in args.batches)
-            for m in args.modes
-        )
-        print(f"# round {r + 1}: {line}", flush=True)
+        print(round_line(args, r, got), flush=True)
     report(args, rounds)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"cpu": cpu_name(), "model": LLAMA, "args": vars(args), "rounds": rounds}, f)
+
+
+def round_line(args: argparse.Namespace, r: int, got: dict) -> str:
+    """Round r's tokens/s, a line per round as the run goes."""
+    return f"# round {r + 1}: " + "  ".join(
+        f"{m} " + " ".join(f"b{b}={got[m]['decode'][str(b)]['tok_s']:.1f}" for b in args.batches)
+        for m in args.modes
+    )
 
 
 def report(args: argparse.Namespace, rounds: list) -> None:
