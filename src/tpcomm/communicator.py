@@ -232,7 +232,7 @@ class Communicator:
             return
         if self._shm is not None and not self._shm.failed:
             self._final_stats = self.stats()
-            stats.finish(self)
+            stats.finish(self, self._final_stats)
         self._closed = True
         if self._shm is not None:
             # a call another thread is running is aborted first and close waits for

@@ -123,18 +123,20 @@ def start(comm: Any) -> None:
     _live.add(comm)
 
 
-def finish(comm: Any) -> None:
-    """A Communicator closes: report its record where TPCOMM_STATS says."""
+def finish(comm: Any, rec: Any = None) -> None:
+    """A Communicator closes (``rec``: its record, read there) or the process
+    exits: report the record where TPCOMM_STATS says."""
     if comm not in _live:
         return
     _live.discard(comm)
     to = _env.stats()
-    try:
-        rec = comm.stats()
-    except Exception:
-        return
     if to is None:
         return
+    if rec is None:
+        try:
+            rec = comm.stats()
+        except Exception:
+            return
     if to == "stderr":
         sys.stderr.write(describe(rec) + "\n")
         sys.stderr.flush()

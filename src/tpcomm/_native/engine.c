@@ -730,7 +730,7 @@ static PyMethodDef eng_methods[] = {
      "set_stores_auto(on) -> on: all_reduce chunks choose their stores as they run"},
     {"stores", (PyCFunction)eng_stores, METH_NOARGS, "stores() -> what the copy-ins learnt"},
     {"set_waits", (PyCFunction)eng_set_waits, METH_VARARGS,
-     "set_waits(spin_us, yield_us): how this rank's waits wait from now on"},
+     "set_waits(spin_us, yield_us, lost_us=200): how this rank's waits wait from now on"},
     {"record", (PyCFunction)eng_record, METH_VARARGS,
      "record(reset=False, stamp=-1) -> dict: the rounds and waits so far (stamp 0/1: "
      "stop/start stamping publishes)"},
