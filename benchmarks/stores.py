@@ -29,9 +29,9 @@ import statistics
 import torch
 from dtypes import cpu_model, human, size_arguments, sizes_of  # beside this script
 
+from tpcomm.construction import engine_of
 from tpcomm.launch import LocalGroup
 from tpcomm.perf.timing import agree, timed
-from tpcomm.shm.engine import engine_of
 
 KINDS = ("plain", "non-temporal", "auto")
 
@@ -49,7 +49,7 @@ def rank(comm, sizes: list, rounds: int, seconds: float, collective: str) -> dic
     torch.set_num_threads(1)
     comms = {k: comm.dup() for k in KINDS}
     for k, fixed in (("plain", -1), ("non-temporal", 0)):  # fixed stores
-        engine_of(comms[k]).retune(nt_min=fixed, nt_auto=False)
+        engine_of(comms[k]).adjust(nt_min=fixed, nt_auto=False)
     times: dict = {}
     try:
         for size in sizes:

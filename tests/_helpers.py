@@ -185,7 +185,7 @@ def zero_copy_matrix(comm, chunk=0):
     problems, digests = [], []
     _testing.set_zero_copy_auto(comm, False)  # zero copy, never the copies: rounds counted
     if chunk:
-        _testing.engine(comm).retune(chunk_min=0, chunk_bytes=chunk)
+        _testing.engine(comm).adjust(chunk_min=0, chunk_bytes=chunk)
     try:
         _matrix(comm, chunk, problems, digests)
     finally:

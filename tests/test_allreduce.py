@@ -340,7 +340,7 @@ def plans_and_rounds(comm, nbytes):
         for name, (changes, symmetric) in PLANS.items():
             if name == "single copy" and not cma:
                 continue
-            eng.retune(
+            eng.adjust(
                 **{
                     **eng.settings._asdict(),
                     "chunk_bytes": 65536,
@@ -400,7 +400,7 @@ def test_the_plan_names_what_runs(pools, world):
 
 def disagree_on_chunks(comm):
     eng = _testing.engine(comm)
-    eng.retune(chunk_min=0 if comm.rank == 0 else -1)
+    eng.adjust(chunk_min=0 if comm.rank == 0 else -1)
     try:
         comm.all_reduce(torch.ones(SLOT // 2))
         return "no error"

@@ -90,3 +90,44 @@ def test_no_import_circle():
     assert "tpcomm.routing" in graph and "tpcomm.cuda.path" in graph
     assert "tpcomm.routing" in graph["tpcomm.cuda.path"]  # edges are seen
     assert _cycles(graph) == []
+
+
+def _imports_native(path: str) -> bool:
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if (node.module or "").endswith("_native") or any(
+                a.name == "_native" for a in node.names
+            ):
+                return True
+        elif isinstance(node, ast.Import) and any(a.name.endswith("._native") for a in node.names):
+            return True
+    return False
+
+
+def test_one_module_calls_the_core():
+    """The C core (tpcomm._native) has one Python caller: shm/engine.py."""
+    callers = sorted(m for m, p in _modules().items() if _imports_native(p))
+    assert callers == ["tpcomm.shm.engine"]
+
+
+def test_the_communicator_calls_only_path_methods():
+    """What communicator.py asks of a path (the path of its one-call entries,
+    ``self._fast``, and the one ``self._path(...)`` routes to) is a method of
+    ``paths.Path``: no path's own extras, no engine."""
+    from tpcomm.paths import Path
+
+    with open(os.path.join(SRC, "tpcomm", "communicator.py")) as f:
+        tree = ast.parse(f.read())
+    asked = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        v = node.value
+        of_fast = isinstance(v, ast.Attribute) and v.attr == "_fast"
+        routed = isinstance(v, ast.Call) and getattr(v.func, "attr", "") == "_path"
+        if of_fast or routed:
+            asked.add(node.attr)
+    assert {"fast_broadcast", "scatter", "recv_any", "close"} <= asked  # the walk sees them
+    assert sorted(a for a in asked if not hasattr(Path, a)) == []

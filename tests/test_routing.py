@@ -1,10 +1,14 @@
 """routing.route: which path a call takes, in the documented order.
 
-Guards: one function decides for every collective (the Communicator and
-``tpcomm doctor`` both ask it); world size 1 stays local; CUDA tensors go to
-the CUDA path; what the engine does not reduce goes to torch.distributed with
-the reason; a group spanning hosts is hierarchical for the calls it serves and
-torch.distributed for the rest.
+Guards: one function decides for every collective, over the real paths'
+own ``should_use`` (LocalPath, CudaPath, ShmPath, Hierarchy, DistPath);
+``tpcomm doctor``'s stand-ins (``plan``) decide alike; world size 1 stays
+local; CUDA tensors go to the CUDA path; what the engine does not reduce
+goes to torch.distributed with the reason; a group spanning hosts is
+hierarchical for the calls it serves (Hierarchy.should_use) and
+torch.distributed for the rest; the torch.distributed backend's own choices
+(``backend_way``); and real calls on a real communicator reach the path
+route() names, observed on the paths themselves with nothing forced.
 """
 
 from __future__ import annotations
@@ -14,32 +18,65 @@ import torch
 import torch.distributed as dist
 
 from tpcomm import ReduceOp
-from tpcomm.routing import Call, plan, route
+from tpcomm.cuda.path import CudaPath
+from tpcomm.dist_path import DistPath
+from tpcomm.hierarchical import Hierarchy
+from tpcomm.paths import LOCAL, NOT_PLAIN, Path
+from tpcomm.routing import Call, backend_way, order, plan, route
+from tpcomm.shm.path import ShmPath
 
-ONE_HOST, TWO_HOSTS, ALONE = plan(4), plan(4, 2, "the group spans 2 hosts (a, b)"), plan(1)
+
+def _hierarchy(members):
+    """A Hierarchy's routing face without a group: its hosts' ranks."""
+    h = Hierarchy.__new__(Hierarchy)
+    h.members, h.hosts = members, len(members)
+    return h
 
 
-@pytest.mark.parametrize(
-    "call, one_host, two_hosts",
-    [
-        (Call("all_reduce", dtype=torch.bfloat16, op=ReduceOp.AVG), "shm", "hier"),
-        (Call("reduce_scatter", dtype=torch.int64, op=ReduceOp.MAX), "shm", "hier"),
-        (Call("all_reduce", dtype=torch.float64, op=ReduceOp.SUM), "dist", "dist"),
-        (Call("all_reduce", dtype=torch.float32, op=dist.ReduceOp.PRODUCT), "dist", "dist"),
-        (Call("all_reduce", cuda=True), "cuda", "cuda"),
-        (Call("all_gather"), "shm", "hier"),
-        (Call("all_gather", even=False), "shm", "dist"),
-        (Call("gather", rooted=True), "shm", "dist"),
-        (Call("broadcast"), "shm", "hier"),
-        (Call("barrier"), "shm", "hier"),
-        (Call("all_to_all"), "shm", "dist"),
-        (Call("p2p"), "shm", "dist"),
-    ],
-)
-def test_the_documented_order(call, one_host, two_hosts):
+def _shm():
+    return ShmPath.__new__(ShmPath)  # should_use reads nothing of the engine
+
+
+# the real paths of a group of 4 on one host, on two hosts, and of one rank
+CUDA = CudaPath(None, lambda: None)
+DIST = DistPath(None, 0, 4)
+ONE_HOST = order(4, CUDA, _shm(), DIST)
+TWO_HOSTS = order(4, CUDA, _hierarchy([[0, 1], [2, 3]]), DIST)
+ALONE = order(1, CUDA, None, None)
+WHY_HOSTS = "the group spans 2 hosts (host 0: ranks [0, 1]; host 1: ranks [2, 3])"
+
+CASES = [
+    (Call("all_reduce", dtype=torch.bfloat16, op=ReduceOp.AVG), "shm", "hier"),
+    (Call("reduce_scatter", dtype=torch.int64, op=ReduceOp.MAX), "shm", "hier"),
+    (Call("all_reduce", dtype=torch.float64, op=ReduceOp.SUM), "dist", "dist"),
+    (Call("all_reduce", dtype=torch.float32, op=dist.ReduceOp.PRODUCT), "dist", "dist"),
+    (Call("all_reduce", sparse=True, op=ReduceOp.SUM), "dist", "dist"),
+    (Call("all_reduce", cuda=True), "cuda", "cuda"),
+    (Call("all_gather", cuda=True), "shm", "hier"),  # the CUDA path objects: CPU code decides
+    (Call("all_gather"), "shm", "hier"),
+    (Call("all_gather", even=False), "shm", "dist"),
+    (Call("gather", rooted=True), "shm", "dist"),
+    (Call("broadcast"), "shm", "hier"),
+    (Call("barrier"), "shm", "hier"),
+    (Call("empty"), "shm", "hier"),
+    (Call("all_to_all"), "shm", "dist"),
+    (Call("p2p"), "shm", "dist"),
+]
+
+
+@pytest.mark.parametrize("call, one_host, two_hosts", CASES)
+def test_the_documented_order_over_the_real_paths(call, one_host, two_hosts):
     assert route(ONE_HOST, call).path == one_host
     assert route(TWO_HOSTS, call).path == two_hosts
     assert route(ALONE, call).path == "local"
+    assert route(ALONE, call).via is LOCAL
+
+
+@pytest.mark.parametrize("call, one_host, two_hosts", CASES)
+def test_doctors_stand_ins_decide_as_the_real_paths(call, one_host, two_hosts):
+    assert route(plan(4), call)[:2] == route(ONE_HOST, call)[:2]
+    assert route(plan(4, 2, WHY_HOSTS), call)[:2] == route(TWO_HOSTS, call)[:2]
+    assert route(plan(1), call).path == "local"
 
 
 def test_reasons_name_what_the_engine_lacks():
@@ -47,36 +84,51 @@ def test_reasons_name_what_the_engine_lacks():
     assert r.path == "dist" and "unsupported dtype torch.complex64" in r.reason
     r = route(TWO_HOSTS, Call("all_reduce", dtype=torch.float32, op=dist.ReduceOp.BAND))
     assert r.path == "dist" and "op BAND is not supported" in r.reason
-    r = route(TWO_HOSTS, Call("p2p"))
-    assert r.reason == "the group spans 2 hosts (a, b)"
+    assert route(TWO_HOSTS, Call("p2p")).reason == WHY_HOSTS
+    assert route(TWO_HOSTS, Call("all_to_all")).reason == WHY_HOSTS
+    assert "sparse" in route(ONE_HOST, Call("all_reduce", sparse=True)).reason
     assert route(ONE_HOST, Call("all_reduce", dtype=torch.float16, op=ReduceOp.MIN)).reason == ""
 
 
-def test_real_paths_have_the_same_predicates():
-    """The Communicator routes over its real paths (ShmPath, DistPath, ...);
-    doctor over plan()'s stand-ins: both must decide alike."""
-    from tpcomm.dist_path import DistPath
-    from tpcomm.shm.path import ShmPath
-
-    calls = [
-        Call("all_reduce", dtype=torch.float64, op=ReduceOp.SUM),
-        Call("all_reduce", dtype=torch.int32, op=dist.ReduceOp.PRODUCT),
-        Call("reduce_scatter", dtype=torch.bfloat16, op=ReduceOp.AVG),
-        Call("gather", rooted=True),
-        Call("p2p"),
-    ]
-    for call in calls:
-        assert ShmPath.should_use(call) == ONE_HOST[1].should_use(call)
-        assert DistPath.should_use(call) is None and ONE_HOST[2].should_use(call) is None
-    assert [p.name for p in ONE_HOST] == ["cuda", ShmPath.name, DistPath.name]
+def test_a_hierarchy_objects_to_what_it_cannot_serve():
+    h = _hierarchy([[0, 2], [1]])
+    for call in (Call("all_to_all"), Call("p2p"), Call("gather", rooted=True)):
+        assert (
+            h.should_use(call)
+            == "the group spans 2 hosts (host 0: ranks [0, 2]; host 1: ranks [1])"
+        )
+    with pytest.raises(AssertionError, match="routing sends all_to_all"):
+        h.all_to_all("all_to_all_single", torch.empty(2), torch.empty(2), [], [])
 
 
-# (what routing is asked, the real call that asks it); the call's tensors are
-# the same on every rank, so its result is known
+@pytest.mark.parametrize(
+    "call, kw, way",
+    [
+        (Call("allreduce_coalesced", cuda=True), {}, "nccl"),
+        (Call("broadcast", cuda=True), {}, "nccl"),
+        (Call("alltoall_base", cuda=True), {}, "nccl"),
+        (Call("p2p", cuda=True), {}, "nccl"),
+        (Call("all_reduce", cuda=True), {}, "comm"),  # the CUDA path takes it
+        (Call("broadcast"), {}, "comm"),
+        (Call("p2p"), {}, "comm"),
+        (Call("p2p"), {"tag": 3}, "gloo"),
+        (Call("p2p"), {"shared_memory": False}, "gloo"),
+        (Call("all_to_all"), {"same_shapes": False}, "gloo"),
+        (Call("all_to_all"), {}, "comm"),
+        (Call("monitored_barrier"), {}, "gloo"),
+    ],
+)
+def test_the_backends_ways(call, kw, way):
+    assert backend_way(call, **kw) == way
+
+
+# the real calls, and what routing is asked for each; the tensors are the same
+# on every rank
 def _real_calls(comm):
     w, other = comm.world_size, 1 - comm.rank
     f64, c64, i64 = torch.float64, torch.complex64, torch.int64
     prod = dist.ReduceOp.PRODUCT
+    sparse = torch.ones(4).to_sparse()
     return [
         (Call("all_reduce", dtype=torch.float32, op=ReduceOp.SUM),
          lambda: comm.all_reduce(torch.ones(8))),
@@ -84,6 +136,7 @@ def _real_calls(comm):
          lambda: comm.all_reduce(torch.ones(8, dtype=f64))),
         (Call("all_reduce", dtype=torch.float32, op=prod),
          lambda: comm.all_reduce(torch.ones(8), prod)),
+        (Call("all_reduce", sparse=True, op=ReduceOp.SUM), lambda: comm.all_reduce(sparse)),
         (Call("reduce_scatter", dtype=i64, op=ReduceOp.MAX),
          lambda: comm.reduce_scatter(torch.ones(2 * w, dtype=i64), op=ReduceOp.MAX)),
         (Call("reduce_scatter", dtype=c64, op=ReduceOp.SUM),
@@ -97,61 +150,60 @@ def _real_calls(comm):
         (Call("all_to_all"),
          lambda: comm.all_to_all_single(torch.empty(2 * w, 3)[:, :2], torch.ones(2 * w, 2))),
         (Call("p2p"), lambda: comm.sendrecv([torch.ones(2)[::2]], other, other)),
+        (Call("p2p"), lambda: comm.sendrecv([torch.ones(2)], other, other)),
+        (Call("p2p"), lambda: comm.scatter(torch.empty(2), [torch.ones(2)] * w, src=0)),
     ]  # fmt: skip
 
 
-def _observed_paths(comm):
-    """Which path each real call took: shared memory when it ran collective
-    rounds, torch.distributed when it logged so (a reason is logged once per
-    communicator: a dup() of the pool's, whose earlier calls logged theirs);
-    then again, each call's route now kept from the first time, by rounds
-    alone (torch.distributed runs none); and whether closing let go of the
-    kept routes (they hold the paths)."""
+_INTERFACE = [n for n, v in vars(Path).items() if callable(v) and not n.startswith("_")]
+
+
+def _spy(path, seen):
+    """Record the path's name each time one of its Path methods takes a call
+    (a one-call entry: when it did the call); the call itself is unchanged."""
+
+    def wrap(name, f):
+        def run(*a, **k):
+            got = f(*a, **k)
+            if not name.startswith("fast_") or (got is not None and got is not NOT_PLAIN):
+                seen.append(path.name)
+            return got
+
+        return run
+
+    for name in _INTERFACE:
+        if name != "should_use":
+            setattr(path, name, wrap(name, getattr(path, name)))
+
+
+def _observed(comm):
+    """Which path each real call reached, on a dup() of the pool's
+    communicator whose every path records what it takes; the one-call
+    all_reduce (a C entry on the Communicator) counts as shared memory's when
+    it needed no other path."""
     with comm.dup() as fresh:
-        first = _observed(fresh)
-        again = _observed(fresh, by_rounds=True)
-    return first, again, fresh._routes == {}
-
-
-def _observed(comm, by_rounds=False):
-    import logging
-
-    from tpcomm import _testing
-
-    seen: list = []
-
-    class Notes(logging.Handler):
-        def emit(self, record):
-            seen.append(record.getMessage())
-
-    log = logging.getLogger("tpcomm")
-    handler = Notes()
-    log.addHandler(handler)
-    out = []
-    try:
-        for call, run in _real_calls(comm):
-            before, notes = _testing.rounds(comm), len(seen)
+        seen: list = []
+        for path in {id(p): p for p in [*fresh._paths, fresh._fast]}.values():
+            _spy(path, seen)
+        out = []
+        for _, run in _real_calls(fresh):
+            del seen[:]
             run()
-            comm.barrier()  # counted: one round
-            # point-to-point has channels of its own, not rounds: not told is shm
-            shm = _testing.rounds(comm) - before > 1 or call.kind == "p2p"
-            told = any("goes to torch.distributed" in m for m in seen[notes:])
-            if by_rounds:
-                told = call.kind != "p2p" and not shm
-            out.append((call.kind, "dist" if told else "shm" if shm else "?"))
-    finally:
-        log.removeHandler(handler)
-    return out
+            took = [n for n in seen if n not in ("cuda",)]
+            out.append(took[0] if took else "shm (C entry)")
+            fresh.barrier()
+        return out, fresh._routes != {}
 
 
-def test_decisions_are_what_real_calls_do(pools):
-    """route()'s decision for each kind of call (over plan()'s stand-ins, what
-    tpcomm doctor prints) is the path a real call of that kind takes on a
-    real communicator: shared-memory rounds, or torch.distributed with its
-    reason logged."""
-    got = pools.run(2, _observed_paths)
-    want = [(call.kind, route(plan(2), call).path) for call, _ in _real_calls(_Shape(2))]
-    assert got == [(want, want, True)] * 2
+def test_real_calls_reach_the_path_route_names(pools):
+    """Each real call, on a real two-rank communicator of one host, reaches
+    the path route() names for what it asks: observed on the paths (nothing
+    forced), so the decisions doctor prints are what calls do."""
+    paths = order(2, CUDA, _shm(), DIST)
+    want = [route(paths, call).path for call, _ in _real_calls(_Shape(2))]
+    for got, kept in pools.run(2, _observed):
+        assert kept  # the routes were kept per Call
+        assert [g if g != "shm (C entry)" else "shm" for g in got] == want, got
 
 
 class _Shape:

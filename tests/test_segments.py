@@ -55,13 +55,14 @@ def test_open_checks_size(shm_dir):
 def test_engine_rejects_a_foreign_header(shm_dir):
     """A file that is not a tpcomm segment of this layout is refused on attach."""
     from tpcomm.shm.engine import ShmEngine
+    from tpcomm.shm.settings import settings_for
 
     p, fd = segment.create(2, 4096, "gtest")
     try:
-        eng = ShmEngine.__new__(ShmEngine)
-        eng.rank, eng.world, eng.path = 1, 2, p
+        eng = ShmEngine(1, 2, 5.0)
+        eng.path = p
         with pytest.raises(tpcomm.CommError, match="magic=0"):
-            eng._map(fd, 2, 4096, 0.0, 5.0)  # nobody wrote a header
+            eng.map(fd, 4096, 0.0, settings_for(2, 4096), False)  # nobody wrote a header
         eng.close()
     finally:
         os.close(fd)
@@ -197,7 +198,7 @@ def test_a_peer_segment_is_checked_before_a_byte_is_written(shm_dir, tmp_path):
 
 
 def test_a_published_slot_size_is_checked():
-    from tpcomm.shm.engine import _published_slot
+    from tpcomm.shm.setup import _published_slot
 
     assert _published_slot("1048576") == 1 << 20
     for bad in ("9223372036854775808", "4097", "0", "-4096", "x", ""):

@@ -33,7 +33,7 @@ def die(*args, **kwargs):
 
 if rank == victim:
     if point == "attach":  # a peer dies right before it maps rank 0's segment
-        engine.ShmEngine._map = die
+        engine.ShmEngine.map = die
     elif point == "segment":  # rank 0 dies with its segment made, not yet published
         real = segment.create
         segment.create = lambda *a, **k: (real(*a, **k), die())

@@ -13,8 +13,8 @@ import torch
 
 import tpcomm
 from tpcomm import _testing
+from tpcomm.construction import engine_of
 from tpcomm.launch import LocalGroup
-from tpcomm.shm.engine import engine_of
 
 from ._ref import make, reference
 

@@ -48,7 +48,7 @@ def test_zero_copy_in_pieces(pools, world, chunk):
 def disagree_on_pieces(comm):
     buf = comm.empty((BIG,), torch.float32).fill_(1.0)
     eng = _testing.engine(comm)
-    eng.retune(chunk_min=0 if comm.rank == 0 else -1, chunk_bytes=65536)
+    eng.adjust(chunk_min=0 if comm.rank == 0 else -1, chunk_bytes=65536)
     try:
         comm.all_reduce(buf)
         return "no error"
@@ -87,7 +87,7 @@ def chosen_as_it_runs(comm, slow_us, calls):
     _testing.set_zero_copy_auto(comm, True)  # from nothing learnt
     # the copies' stores chosen as they run, where fault_stores slows them (at
     # world 3 on 2 cores the ranks outnumber the cores, which turns that off)
-    eng.retune(twoshot_min=0, chunk_min=-1, zc_min=0, zc_max=-1, nt_auto=True)
+    eng.adjust(twoshot_min=0, chunk_min=-1, zc_min=0, zc_max=-1, nt_auto=True)
     x = comm.empty((1 << 17,), torch.float32)  # 512 KiB
     out = []
     try:
@@ -141,8 +141,8 @@ def tried_on_nt_stores(comm, calls):
     result was right, the choice at the end for this size (1: the copies)
     and the stores' bits (1: non-temporal)."""
     eng = _testing.engine(comm)
-    eng.retune(nt_auto=False)  # the stores from plain, nothing learnt
-    eng.retune(twoshot_min=0, chunk_min=-1, zc_min=0, zc_max=-1, nt_auto=True)
+    eng.adjust(nt_auto=False)  # the stores from plain, nothing learnt
+    eng.adjust(twoshot_min=0, chunk_min=-1, zc_min=0, zc_max=-1, nt_auto=True)
     _testing.set_zero_copy_auto(comm, False)
     _testing.set_zero_copy_auto(comm, True)  # from nothing learnt (a barrier)
     x = comm.empty((1 << 17,), torch.float32)
@@ -203,12 +203,12 @@ def by_its_switch_point(comm):
     _testing.set_zero_copy_auto(comm, False)  # rounds counted
     cases = ((-1, -1, -1), (0, -1, -1), (0, -1, 0), (n * 4 + 1, -1, 0), (0, n * 4 - 1, 0))
     for zc, top, two in cases:
-        eng.retune(zc_min=zc, zc_max=top, twoshot_min=two)
+        eng.adjust(zc_min=zc, zc_max=top, twoshot_min=two)
         x.copy_(make(comm.rank, n, torch.float32, 5))
         r0 = _testing.rounds(comm)
         comm.all_reduce(x)
         out.append((_testing.rounds(comm) - r0, torch.equal(x, ref)))
-    eng.retune(zc_min=0 if comm.rank == 0 else -1, zc_max=-1, twoshot_min=-1)
+    eng.adjust(zc_min=0 if comm.rank == 0 else -1, zc_max=-1, twoshot_min=-1)
     try:
         comm.all_reduce(x)
         msg = "no error"

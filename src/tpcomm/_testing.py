@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from . import construction
 from .shm import engine as _engine
 from .shm.segment import segment_size
 
@@ -48,7 +49,7 @@ def reduce_kernel(dtype: int, op: int, dst: int, srcs: list, count: int, nthread
     _engine.reduce_kernel(dtype, op, dst, srcs, count, nthreads)
 
 
-engine = _engine.engine_of
+engine = construction.engine_of
 
 
 def _eng(comm: Any) -> _engine.ShmEngine:
@@ -74,22 +75,22 @@ def set_twoshot_min(comm: Any, nbytes: Optional[int]) -> None:
     to the agreed setting)."""
     eng = _eng(comm)
     if nbytes is None:
-        eng.retune(twoshot_min=eng.settings.twoshot_min, twoshot_min16=eng.settings.twoshot_min16)
+        eng.adjust(twoshot_min=eng.settings.twoshot_min, twoshot_min16=eng.settings.twoshot_min16)
     else:
-        eng.retune(twoshot_min=nbytes, twoshot_min16=nbytes)
+        eng.adjust(twoshot_min=nbytes, twoshot_min16=nbytes)
 
 
 def set_cma_allreduce_min(comm: Any, nbytes: Optional[int]) -> None:
     """Force this rank's single-copy all-reduce switch point (-1: never; None:
     back to the agreed setting).  Only where single-copy reads are on."""
     eng = _eng(comm)
-    eng.retune(cma_ar_min=eng.settings.cma_ar_min if nbytes is None else nbytes)
+    eng.adjust(cma_ar_min=eng.settings.cma_ar_min if nbytes is None else nbytes)
 
 
 def set_threads(comm: Any, n: int, min_bytes: int) -> None:
     """This rank's threads, sharing jobs of min_bytes and more (-1: none);
     restore() undoes it."""
-    _eng(comm).retune(threads=n, threads_min=min_bytes)
+    _eng(comm).adjust(threads=n, threads_min=min_bytes)
 
 
 def restore(comm: Any) -> None:
@@ -99,14 +100,14 @@ def restore(comm: Any) -> None:
 
 def cma_init(comm: Any, want: bool, min_bytes: int) -> tuple[int, bool]:
     """Agree again, collectively, on single-copy reads: (status, on)."""
-    return _eng(comm).cma_init(want, min_bytes)
+    return _eng(comm).agree_single_copy(want, min_bytes)
 
 
 def set_zero_copy_auto(comm: Any, on: bool) -> None:
     """Rank 0 chooses zero copy or the copies as calls run, or not (off: zero
     copy where its window says), from the next call on (collective: a barrier
     makes the call after it the first under the new setting)."""
-    _eng(comm).retune(zc_auto=on)
+    _eng(comm).adjust(zc_auto=on)
     comm.barrier()
 
 
@@ -151,4 +152,4 @@ def peer_pids(comm_or_engine: Any) -> list:
 def symmetric_buffers(comm: Any) -> tuple[int, int]:
     """The empty() buffers this rank still holds: (Python's mappings, the engine's)."""
     eng = _eng(comm)
-    return len(eng.symmetric), eng._native.nsymmetric()
+    return len(eng.symmetric), eng.nsymmetric()

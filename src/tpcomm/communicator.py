@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pickle
 import weakref
 from typing import Any, Optional, Sequence
 
@@ -21,9 +20,8 @@ import torch
 
 from . import checks, construction, custom_ops, routing, stats
 from .errors import CommError
-from .ops import ReduceOp, as_reduce_op, dense, is_dense
-from .paths import Path
-from .shm.path import NOT_PLAIN
+from .ops import ReduceOp, is_dense
+from .paths import NOT_PLAIN, Path
 
 __all__ = ["Communicator"]
 
@@ -31,10 +29,6 @@ _Tensor = torch.Tensor
 _compiling = torch.compiler.is_compiling
 
 Timeout = checks.Timeout
-
-# marks the messages of scatter, so that one of them is never taken for a
-# user's send (and the other way round)
-_SCATTER = "tpcomm.scatter"
 
 # the Calls of the collectives whose routing depends on nothing else (made
 # once: a NamedTuple costs about 0.4 us to make on a VM)
@@ -84,9 +78,7 @@ class Communicator:
         whose agent already serves one there, every rank connects to it).
         """
         seconds = checks.timeout_seconds("Communicator.from_env", timeout)
-        self = cls.__new__(cls)
-        self._setup(construction.env_setup(seconds))
-        return self
+        return cls._made(construction.env_setup(seconds))
 
     @classmethod
     def from_store(
@@ -111,35 +103,20 @@ class Communicator:
             cuda_fallback: the path CUDA all-reduces take when the custom
                 all-reduce declines them; default: a private NCCL group.
         """
-        return cls._from_store(
-            store, rank, world_size, prefix, prefix.replace("/", "-"), timeout,
-            fallback=fallback, cuda_fallback=cuda_fallback,
+        seconds = checks.timeout_seconds("Communicator.from_store", timeout)
+        return cls._made(
+            construction.Setup(
+                store, rank, world_size, prefix, prefix.replace("/", "-"), seconds,
+                fallback=fallback, cuda_fallback=cuda_fallback,
+            )
         )  # fmt: skip
 
     @classmethod
-    def _from_store(
-        cls,
-        store: Any,
-        rank: int,
-        world: int,
-        prefix: str,
-        tag: str,
-        timeout: Timeout = None,
-        fallback: Any = None,
-        cuda_fallback: Any = None,
-        watch: Any = None,
-    ) -> Communicator:
-        """from_store with the segment's name tag chosen by the caller (the
-        launcher's, a hierarchy's host-local communicators, whose ``watch``
-        knows its ranks' processes already)."""
+    def _made(cls, s: construction.Setup) -> Communicator:
+        """A Communicator from a set-up (the launcher's, a hierarchy's host-local
+        ones, whose segment tag and watch their maker chose)."""
         self = cls.__new__(cls)
-        seconds = checks.timeout_seconds("Communicator", timeout)
-        self._setup(
-            construction.Setup(
-                store, rank, world, prefix, tag, seconds, fallback=fallback,
-                cuda_fallback=cuda_fallback, watch=watch,
-            )
-        )  # fmt: skip
+        self._setup(s)
         return self
 
     def _setup(self, s: construction.Setup) -> None:
@@ -153,30 +130,34 @@ class Communicator:
         self._closed = False
         self._dups = 0
         self._shm = None
+        self._fast: Path = Path()  # no one-call entries until the paths exist
         self._paths: list[Path] = []
         self._routes: dict[routing.Call, routing.Route] = {}  # _path's
         cls = type(self)
 
         def make_local(r: int, w: int, p: str, members: list, watch: Any) -> Communicator:
             sub = watch.sub(s.store, p, members, r)
-            return cls._from_store(s.store, r, w, p, f"{s.tag}h", s.timeout, watch=sub)
+            return cls._made(
+                construction.Setup(s.store, r, w, p, f"{s.tag}h", s.timeout, watch=sub)
+            )
 
-        made = construction.build(
-            self, s, make_local, weakref.WeakMethod(self._all_reduce_fallback)
-        )
+        made = construction.build(self, s, make_local, weakref.WeakMethod(self._all_reduce_checked))
         self._paths = made.order
+        # the views the properties and dup() read; the calls go through _fast
+        # (the path whose one-call C entries are tried first: shared memory's,
+        # or a Path whose entries decline) and routing (_path)
         self._shm = made.shm
         self._hier = made.hier
         self._dist = made.dist
-        self._cuda = made.cuda
         self._watch = made.watch
-        if self._shm is not None:
+        self._fast = made.fast
+        if made.shm is not None:
             # The instance attribute shadows the method below: one C call per
             # all_reduce in the common case (_native/torch.c fast_all_reduce).
-            self.all_reduce = self._shm.fast_all_reduce
-        self._op_name = custom_ops.register(self)
+            self.all_reduce = made.shm.fast_all_reduce
+        self._op_name = custom_ops.register(self, self._fast.ident)
         self._final_stats = None
-        stats.start(self)
+        stats.start(self, self._fast)
 
     # -- properties -----------------------------------------------------------
 
@@ -213,7 +194,7 @@ class Communicator:
         return self._hier is not None
 
     def __repr__(self) -> str:
-        failed = self._shm is not None and self._shm.failed
+        failed = self._fast.failed
         state = "closed" if self._closed else ("failed" if failed else "open")
         return f"<tpcomm.Communicator rank={self._rank} world_size={self._world} {state}>"
 
@@ -230,31 +211,28 @@ class Communicator:
         """
         if self._closed:
             return
-        if self._shm is not None and not self._shm.failed:
+        if not self._fast.failed and self._fast.record() is not None:
             self._final_stats = self.stats()
             stats.finish(self, self._final_stats)
         self._closed = True
-        if self._shm is not None:
-            # a call another thread is running is aborted first and close waits for
-            # it to leave (ShmEngine.close); if it does not, nothing else changes
-            try:
-                self._shm.close()
-            except BaseException:
-                self._closed = False
-                raise
+        # a call another thread is running is aborted first and close waits for
+        # it to leave (ShmEngine.close); if it does not, nothing else changes
+        try:
+            self._fast.close()
+        except BaseException:
+            self._closed = False
+            raise
         custom_ops.unregister(self)
-        self._shm = None
         self.__dict__.pop("all_reduce", None)
-        if self._cuda is not None:
-            self._cuda.close()
+        for path in self._paths:  # shared memory's again: idempotent
+            path.close()
         # the set-up store: no longer needed (one this rank hosts for from_env
         # stays up for the next from_env of this process: construction._hosted)
         self._setup_args = None
-        self._dist = None
+        self._shm = self._dist = None
+        self._fast = Path()
         self._paths = []
         self._routes = {}
-        if self._hier is not None:
-            self._hier.close()
 
     def stats(self, reset: bool = False) -> dict:
         """This rank's record of rounds and waits: how many rounds of each
@@ -266,9 +244,10 @@ class Communicator:
         Without shared memory (world size 1, across hosts): rank and world only."""
         if self._closed:
             return self._final_stats or {"rank": self._rank, "world_size": self._world}
-        if self._shm is None:
+        record = self._fast.record(reset)
+        if record is None:
             return {"rank": self._rank, "world_size": self._world}
-        return stats.shape(self._shm.record(reset), self._rank, self._world)
+        return stats.shape(record, self._rank, self._world)
 
     def dup(self, *, timeout: Timeout = None) -> Communicator:
         """A new Communicator over the same ranks (collective: every rank calls it,
@@ -283,22 +262,19 @@ class Communicator:
         fn = "dup"
         self._check_open(fn)
         seconds = self._timeout if timeout is None else checks.timeout_seconds(fn, timeout)
-        if self._shm is not None:
-            self._shm.dup_round(fn)
+        self._fast.dup_round(fn)
         self._dups += 1
         s = self._setup_args
         prefix = f"{s.prefix}/dup{self._dups}"
         watch = None
         if self._watch is not None:  # the same processes: their records are known
             watch = self._watch.sub(s.store, prefix, list(range(self._world)), self._rank)
-        other = type(self).__new__(type(self))
-        other._setup(
+        return type(self)._made(
             construction.Setup(
                 s.store, self._rank, self._world, prefix, f"{s.tag}d{self._dups}", seconds,
                 s.group, s.fallback, watch=watch,
             )
         )  # fmt: skip
-        return other
 
     def __reduce__(self) -> Any:
         raise TypeError(
@@ -334,8 +310,7 @@ class Communicator:
         try:
             yield
         except (TypeError, ValueError):
-            if self._shm is not None:
-                self._shm.refuse()
+            self._fast.refuse()
             raise
 
     def _check_open(self, fn: str) -> None:
@@ -385,25 +360,11 @@ class Communicator:
             return custom_ops.all_reduce(self, tensor, op)
         return self._all_reduce_checked(tensor, op)
 
-    def _all_reduce_fallback(self, tensor: Any, op: Any, status: int) -> _Tensor:
-        """Called by the native fast path for everything it does not handle."""
-        if status:
-            self._raise(status, "all_reduce")
-        return self._all_reduce_checked(tensor, op)
-
     def _all_reduce_checked(self, tensor: Any, op: Any) -> _Tensor:
         fn = "all_reduce"
         self._check_open(fn)
-        if isinstance(tensor, _Tensor) and tensor.is_cuda:
-            op = as_reduce_op(fn, op)
-            return self._path(fn, routing.Call(fn, cuda=True)).all_reduce(tensor, op)
-        if isinstance(tensor, _Tensor) and tensor.is_sparse and tensor.is_cpu:
-            # sparse: torch.distributed's (gloo sums sparse tensors), in place
-            op = as_reduce_op(fn, op)
-            return tensor if self._dist is None else self._dist.all_reduce_sparse(tensor, op)
-        op = checks.reduce_op(fn, tensor, op)
-        checks.writable(fn, tensor)
-        return self._path(fn, routing.Call(fn, dtype=tensor.dtype, op=op)).all_reduce(tensor, op)
+        call = checks.all_reduce_call(fn, tensor, op)
+        return self._path(fn, call).all_reduce(tensor, call.op)
 
     def reduce_scatter(self, tensor: _Tensor, dim: int = 0, op: ReduceOp = ReduceOp.SUM) -> _Tensor:
         """This rank's shard of the reduction: the reduction of every rank's
@@ -414,13 +375,8 @@ class Communicator:
         self._check_open(fn)
         op = checks.reduce_op(fn, tensor, op)
         d = checks.dim(fn, tensor, dim)
-        size = tensor.shape[d]
-        if size % self._world:
-            raise ValueError(
-                f"{fn}: dim {d} has size {size}, which world size {self._world} "
-                f"does not divide; use reduce_scatterv with explicit sizes"
-            )
-        return self._reduce_scatterv(fn, tensor, [size // self._world] * self._world, d, op)
+        part = checks.divided(fn, tensor, d, self._world)
+        return self._reduce_scatterv(fn, tensor, [part] * self._world, d, op)
 
     def reduce_scatterv(
         self, tensor: _Tensor, sizes: Sequence[int], dim: int = 0, op: ReduceOp = ReduceOp.SUM
@@ -432,11 +388,7 @@ class Communicator:
         op = checks.reduce_op(fn, tensor, op)
         d = checks.dim(fn, tensor, dim)
         with self._own_checks():
-            sizes = checks.sizes(fn, sizes, self._world)
-            if sum(sizes) != tensor.shape[d]:
-                raise ValueError(
-                    f"{fn}: sizes add up to {sum(sizes)} but dim {d} has size {tensor.shape[d]}"
-                )
+            sizes = checks.sizes(fn, sizes, self._world, tensor, d)
         return self._reduce_scatterv(fn, tensor, sizes, d, op)
 
     def reduce_scatter_tensor(
@@ -446,14 +398,9 @@ class Communicator:
         ``input`` (world_size x output's elements, flattened).  Returns ``output``."""
         if _compiling():
             return custom_ops.reduce_scatter_tensor(self, output, input, op)
+        if self._fast.fast_reduce_scatter(output, input, op):  # one C call
+            return output
         fn = "reduce_scatter_tensor"
-        shm = self._shm
-        if shm is not None:  # one C call (None: the general road below)
-            status = shm.fast_reduce_scatter(output, input, op)
-            if status is not None:
-                if status:
-                    shm.raise_status(status, fn)
-                return output
         self._check_open(fn)
         op = checks.reduce_op(fn, input, op)
         checks.tensor(fn, output, "output")
@@ -480,22 +427,17 @@ class Communicator:
         """
         if _compiling():
             return custom_ops.all_gather(self, tensor, dim)
-        shm = self._shm
-        # the common case (a plain tensor, an int dim): one C check, the same rounds
-        # and layout key as the general road, ~8 us less per call
-        if shm is not None and type(dim) is int:
-            # 1-d: one C call, as all_gather_into_tensor (the same key)
-            if dim == 0 and type(tensor) is _Tensor and tensor.dim() == 1:
-                out = torch.empty(self._world * tensor.shape[0], dtype=tensor.dtype)
-                status = shm.fast_all_gather(out, tensor)
-                if status == 0:
-                    return out
-                if status is not None:
-                    shm.raise_status(status, "all_gather")
-            res = shm.plain_gather("all_gather", tensor, dim, None, None)
-            if res is not NOT_PLAIN:
-                return res
         fn = "all_gather"
+        # the common case (a plain tensor, an int dim): one C check, the same rounds
+        # and layout key as the general road, ~8 us less per call; 1-d: one C
+        # call, as all_gather_into_tensor (the same key)
+        if type(dim) is int and dim == 0 and type(tensor) is _Tensor and tensor.dim() == 1:
+            out = torch.empty(self._world * tensor.shape[0], dtype=tensor.dtype)
+            if self._fast.fast_all_gather(out, tensor, fn):
+                return out
+        res = self._fast.fast_gather_dim(fn, tensor, dim, None, None)
+        if res is not NOT_PLAIN:
+            return res
         self._check_open(fn)
         checks.tensor(fn, tensor)
         d = checks.dim(fn, tensor, dim)
@@ -509,12 +451,7 @@ class Communicator:
         checks.tensor(fn, tensor)
         d = checks.dim(fn, tensor, dim)
         with self._own_checks():
-            sizes = checks.sizes(fn, sizes, self._world)
-            if tensor.shape[d] != sizes[self._rank]:
-                raise ValueError(
-                    f"{fn}: rank {self._rank} has size {tensor.shape[d]} along dim {d} "
-                    f"but sizes[{self._rank}] = {sizes[self._rank]}"
-                )
+            sizes = checks.sizes(fn, sizes, self._world, tensor, d, self._rank)
         return self._gatherv(fn, tensor, sizes, d, None)
 
     def gather(
@@ -528,50 +465,34 @@ class Communicator:
         detected on ``dst`` only, so the gather still completes (into a temporary,
         the peers are not left waiting) and then ``dst`` raises ``ValueError``.
         """
-        shm = self._shm
+        fn = "gather"
         # the common case (a plain tensor, a fitting out= or none); 1-d: one C call
         # (fast_gather, the same layout key)
-        if shm is not None and type(dim) is int and type(dst) is int and 0 <= dst < self._world:
-            if (
-                type(tensor) is _Tensor
-                and tensor.dim() == 1
-                and (dim == 0 or dim == -1)
-                and (out is None or (type(out) is _Tensor and out.dim() == 1))
-            ):
-                res = out if self._rank == dst else None
-                if res is None and self._rank == dst:
-                    res = torch.empty(self._world * tensor.shape[0], dtype=tensor.dtype)
-                status = shm.fast_gather(tensor, res, dst)
-                if status == 0:
-                    return res
-                if status is not None:
-                    shm.raise_status(status, "gather")
-            res = shm.plain_gather("gather", tensor, dim, dst, out)
-            if res is not NOT_PLAIN:
+        if (
+            type(tensor) is _Tensor
+            and tensor.dim() == 1
+            and type(dim) is int
+            and (dim == 0 or dim == -1)
+            and (out is None or (type(out) is _Tensor and out.dim() == 1))
+        ):
+            res = out if self._rank == dst else None
+            if res is None and self._rank == dst:
+                res = torch.empty(self._world * tensor.shape[0], dtype=tensor.dtype)
+            if self._fast.fast_gather(tensor, res, dst):
                 return res
-        fn = "gather"
+        res = self._fast.fast_gather_dim(fn, tensor, dim, dst, out)
+        if res is not NOT_PLAIN:
+            return res
         self._check_open(fn)
         checks.tensor(fn, tensor)
         dst = checks.rank(fn, "dst", dst, self._world)
         d = checks.dim(fn, tensor, dim)
         sizes = [tensor.shape[d]] * self._world
-        bad = None
-        if out is not None and self._rank == dst:
-            shape = list(tensor.shape)
-            shape[d] *= self._world
-            try:
-                checks.tensor(fn, out, "out")
-                checks.writable(fn, out, "out")
-                if out.dtype != tensor.dtype or list(out.shape) != shape:
-                    raise ValueError(
-                        f"{fn}: out has dtype {out.dtype} and shape {tuple(out.shape)}, "
-                        f"expected {tensor.dtype} and {tuple(shape)}"
-                    )
-            except (TypeError, ValueError) as e:
-                bad = e
-            else:
-                if is_dense(out):
-                    return self._gatherv(fn, tensor, sizes, d, dst, out=out)
+        # an out that does not fit is found on dst only: the gather completes
+        # (into a temporary), then dst raises
+        bad = checks.gather_out(fn, out, tensor, d, self._world) if self._rank == dst else None
+        if out is not None and bad is None and self._rank == dst and is_dense(out):
+            return self._gatherv(fn, tensor, sizes, d, dst, out=out)
         res = self._gatherv(fn, tensor, sizes, d, dst)
         if self._rank != dst:
             return None
@@ -584,16 +505,11 @@ class Communicator:
         rank's ``input`` in rank order, flattened along dim 0.  Returns ``output``."""
         if _compiling():
             return custom_ops.all_gather_into_tensor(self, output, input)
-        fn = "all_gather_into_tensor"
-        shm = self._shm
         # the common case (plain tensors, output = world x input): one C call with
         # the general road's metadata; None: the general road, which checks all
-        if shm is not None:
-            status = shm.fast_all_gather(output, input)
-            if status is not None:
-                if status:
-                    shm.raise_status(status, fn)
-                return output
+        if self._fast.fast_all_gather(output, input):
+            return output
+        fn = "all_gather_into_tensor"
         self._check_open(fn)
         checks.tensor(fn, output, "output")
         checks.writable(fn, output, "output")
@@ -630,20 +546,10 @@ class Communicator:
         if root is not None:
             root = checks.rank(fn, "dst", root, self._world)
         mine = root is None or root == self._rank
-        n = tensor.numel()
         outs: list = [None] * self._world
         if mine:
             with self._own_checks():  # the root's alone in gather_into_list
-                outs = checks.tensor_list(fn, outputs, written=True)
-                if len(outs) != self._world:
-                    raise ValueError(
-                        f"{fn}: expected {self._world} output tensors, got {len(outs)}"
-                    )
-                for o in outs:
-                    if o.numel() != n:
-                        raise ValueError(
-                            f"{fn}: output tensors must have {n} elements each, got {o.numel()}"
-                        )
+                outs = checks.output_list(fn, outputs, self._world, tensor.numel())
         kind = "gather" if root is not None else "all_gather"
         path = self._path(fn, routing.Call(kind, rooted=root is not None))
         path.gather_list(fn, outs, tensor, root)
@@ -666,14 +572,9 @@ class Communicator:
         """Overwrite ``tensor`` with rank ``src``'s, in place; returns it."""
         if _compiling():
             return custom_ops.broadcast(self, tensor, src)
+        if self._fast.fast_broadcast(tensor, src):  # a plain tensor: one C call
+            return tensor
         fn = "broadcast"
-        shm = self._shm
-        if shm is not None:  # a plain tensor: one C call (None: the general road below)
-            status = shm.fast_broadcast(tensor, src)
-            if status is not None:
-                if status:
-                    shm.raise_status(status, fn)
-                return tensor
         self._check_open(fn)
         checks.tensor(fn, tensor)
         checks.writable(fn, tensor)
@@ -692,22 +593,8 @@ class Communicator:
         checks.writable(fn, tensor)
         src = checks.rank(fn, "src", src, self._world)
         if self._rank == src:
-            parts = checks.tensor_list(fn, parts)
-            if len(parts) != self._world:
-                raise ValueError(f"{fn}: expected {self._world} input tensors, got {len(parts)}")
-        path = self._path(fn, _PLAIN_CALLS["p2p"])
-        if self._rank == src:  # a message to every other rank, marked as a scatter's
-            for r in range(self._world):
-                if r != src:
-                    path.send(fn, r, [dense(parts[r].reshape(-1))], _SCATTER)
-            return tensor.copy_(parts[src].view(tensor.shape))
-        got, tag = path.recv(fn, src)
-        if tag != _SCATTER:
-            raise CommError(
-                f"{fn}: rank {src} sent this rank a point-to-point message that was "
-                f"not received yet; receive it before the scatter"
-            )
-        return tensor.copy_(got[0].view(tensor.shape))
+            parts = checks.input_list(fn, parts, self._world)
+        return self._path(fn, _PLAIN_CALLS["p2p"]).scatter(fn, tensor, parts, src)
 
     def all_to_all_single(
         self,
@@ -727,16 +614,11 @@ class Communicator:
         the communicator stays usable.  Any dtype; output and input share it and
         the shape of a row.  Returns ``output``.
         """
-        fn = "all_to_all_single"
-        shm = self._shm
         # the common case (plain tensors of one dtype, split sizes None or lists of
         # ints): one C call with the rounds and split table of the general road
-        if shm is not None:
-            status = shm.fast_all_to_all(output, input, output_split_sizes, input_split_sizes)
-            if status is not None:
-                if status:
-                    shm.raise_status(status, fn)
-                return output
+        if self._fast.fast_all_to_all(output, input, output_split_sizes, input_split_sizes):
+            return output
+        fn = "all_to_all_single"
         self._check_open(fn)
         checks.tensor(fn, output, "output")
         checks.writable(fn, output, "output")
@@ -763,15 +645,7 @@ class Communicator:
         """
         fn = "empty"
         self._check_open(fn)
-        if isinstance(shape, int):
-            shape = (shape,)
-        if not isinstance(shape, (tuple, list, torch.Size)) or any(
-            isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in shape
-        ):
-            raise ValueError(f"{fn}: shape must be non-negative ints, got {shape!r}")
-        if not isinstance(dtype, torch.dtype):
-            raise TypeError(f"{fn}: dtype must be a torch.dtype, got {type(dtype).__name__}")
-        shape = tuple(int(s) for s in shape)
+        shape = checks.shape(fn, shape, dtype)
         return self._path(fn, _PLAIN_CALLS[fn]).empty(fn, shape, dtype)
 
     def peer_buffers(self, tensor: _Tensor) -> list[_Tensor]:
@@ -783,9 +657,7 @@ class Communicator:
         fn = "peer_buffers"
         self._check_open(fn)
         checks.tensor(fn, tensor)
-        if self._shm is None:
-            return [tensor.reshape(-1).view(torch.uint8)]
-        return self._shm.peer_buffers(tensor)
+        return self._fast.peer_buffers(fn, tensor)
 
     # -- point to point -----------------------------------------------------------
 
@@ -798,13 +670,8 @@ class Communicator:
         chunks holding 2 x slot bytes / world size, at least 128 KiB; a message takes
         at least one chunk) with messages ``dst`` has not received yet.
         """
-        shm = self._shm
-        if shm is not None:  # plain tensors: one C call (None: the general road below)
-            status = shm.fast_send(dst, tensors)
-            if status is not None:
-                if status:
-                    shm.raise_status(status, "send")
-                return
+        if self._fast.fast_send(dst, tensors):  # plain tensors: one C call
+            return
         fn = "send"
         self._check_open(fn)
         tensors = checks.tensor_list(fn, tensors)
@@ -821,26 +688,15 @@ class Communicator:
                 A message that does not match is received and then raises
                 ``ValueError``.
         """
-        shm = self._shm
-        if shm is not None:  # into new tensors, one C call; with out=, see recv_left
-            new = shm.fast_recv(src) if out is None else None
-            if type(new) is list:
-                return new
-            got = shm.recv_left(src, out, new)
-            if got is not None:
-                return got
         fn = "recv"
+        got = self._fast.fast_recv(src, out)  # one C call: new tensors, or into out
+        if type(got) is list:
+            return got
+        if got is not None:  # a header the C call left to Python (pickled, or not out's)
+            return self._fast.recv_rest(fn, src, out, got)
         self._check_open(fn)
         src = checks.rank(fn, "src", src, self._world, not_rank=self._rank)
-        if out is not None:
-            out = checks.tensor_list(fn, out, written=True)
-            for i, o in enumerate(out):
-                if not is_dense(o):
-                    raise ValueError(
-                        f"{fn}: out tensors must be dense (contiguous, not a conj/neg view); "
-                        f"tensors[{i}] is not dense: shape {tuple(o.shape)}, strides "
-                        f"{o.stride()}; nothing was received"
-                    )
+        out = checks.recv_out(fn, out)
         return self._path(fn, _PLAIN_CALLS["p2p"]).recv(fn, src, out)[0]
 
     def recv_any(self, out: Optional[Sequence[_Tensor]] = None) -> tuple[int, list[_Tensor]]:
@@ -853,15 +709,8 @@ class Communicator:
         """
         fn = "recv_any"
         self._check_open(fn)
-        if self._world == 1:
-            raise ValueError(f"{fn}: there is no other rank to receive from (world size 1)")
-        if self._shm is None:
-            raise CommError(
-                f"{fn}: receiving from any rank needs shared memory (the ranks span "
-                f"hosts); name the source rank"
-            )
-        src = self._shm.wait_any(fn)
-        return src, self.recv(src, out)
+        out = checks.recv_out(fn, out)
+        return self._path(fn, _PLAIN_CALLS["p2p"]).recv_any(fn, out)
 
     def sendrecv(
         self,
@@ -884,15 +733,11 @@ class Communicator:
             The received tensors (``out``'s when given).
         """
         fn = "sendrecv"
-        shm = self._shm
-        if shm is not None:  # plain tensors: one C call (see send)
-            got = shm.fast_sendrecv(dst, tensors, src, out)
-            if type(got) is int:
-                if got:
-                    shm.raise_status(got, fn)
-                return list(out)  # type: ignore[arg-type]
-            if got is not None:  # no out, or it did not match: received aside
-                return shm.sendrecv_rest(fn, src, out, *got)
+        got = self._fast.fast_sendrecv(dst, tensors, src, out)  # plain tensors: one C call
+        if type(got) is list:
+            return got
+        if got is not None:  # no out, or it did not match: received aside
+            return self._fast.sendrecv_rest(fn, src, out, *got)
         self._check_open(fn)
         tensors = checks.tensor_list(fn, tensors)
         dst = checks.rank(fn, "dst", dst, self._world, not_rank=self._rank)
@@ -908,11 +753,7 @@ class Communicator:
         shared memory only; anything else is never sent here."""
         fn = "try_send"
         self._check_open(fn)
-        if self._shm is None:
-            return False
-        tensors = checks.tensor_list(fn, tensors)
-        dst = checks.rank(fn, "dst", dst, self._world, not_rank=self._rank)
-        return self._shm.try_send(fn, dst, tensors)
+        return self._path(fn, _PLAIN_CALLS["p2p"]).try_send(fn, dst, tensors)
 
     def batch_isend_irecv(self, ops: Sequence[tuple]) -> list:
         """Sends and receives progressed together, so that no order of them can
@@ -928,49 +769,20 @@ class Communicator:
         """
         fn = "batch_isend_irecv"
         self._check_open(fn)
-        checked = []
-        for i, op in enumerate(ops):
-            if not (isinstance(op, tuple) and len(op) == 3 and op[0] in ("send", "recv")):
-                raise TypeError(f"{fn}: ops[{i}] must be ('send' | 'recv', tensors, peer)")
-            what, tensors, peer = op
-            tensors = checks.tensor_list(fn, tensors, written=what == "recv")
-            name = "dst" if what == "send" else "src"
-            checked.append(
-                (what, tensors, checks.rank(fn, name, peer, self._world, not_rank=self._rank))
-            )
+        checked = checks.p2p_ops(fn, ops, self._world, self._rank)
         return self._path(fn, _PLAIN_CALLS["p2p"]).batch(fn, checked)
 
     def send_tensor_dict(self, data: dict, dst: int) -> None:
         """Send a dict whose values are tensors or any picklable Python values."""
         fn = "send_tensor_dict"
         self._check_open(fn)
-        if not isinstance(data, dict):
-            raise TypeError(f"{fn}: data must be a dict, got {type(data).__name__}")
+        checks.tensor_dict(fn, data)
         dst = checks.rank(fn, "dst", dst, self._world, not_rank=self._rank)
-        tensors, layout = [], []
-        for key, value in data.items():
-            if isinstance(value, _Tensor):
-                checks.tensor(fn, value, f"data[{key!r}]")
-                layout.append((key, len(tensors), None))
-                tensors.append(value)
-            else:
-                layout.append((key, None, value))
-        try:
-            self._path(fn, _PLAIN_CALLS["p2p"]).send(fn, dst, tensors, layout)
-        except (pickle.PicklingError, TypeError, AttributeError) as e:
-            raise TypeError(f"{fn}: a non-tensor value cannot be pickled: {e}") from None
+        self._path(fn, _PLAIN_CALLS["p2p"]).send_dict(fn, dst, data)
 
     def recv_tensor_dict(self, src: int) -> dict:
         """Receive the next dict sent with send_tensor_dict by rank ``src``."""
         fn = "recv_tensor_dict"
         self._check_open(fn)
         src = checks.rank(fn, "src", src, self._world, not_rank=self._rank)
-        tensors, layout = self._path(fn, _PLAIN_CALLS["p2p"]).recv(fn, src)
-        if not isinstance(layout, list):
-            raise CommError(f"{fn}: rank {src} sent a tensor list, not a dict (use recv)")
-        return {key: tensors[i] if i is not None else value for key, i, value in layout}
-
-    def _raise(self, status: int, fn: str) -> None:
-        if self._shm is None:
-            self._check_open(fn)
-        self._shm.raise_status(status, fn)
+        return self._path(fn, _PLAIN_CALLS["p2p"]).recv_dict(fn, src)

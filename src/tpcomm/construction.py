@@ -24,10 +24,12 @@ from .cuda.path import CudaPath
 from .dist_path import DistPath, private_gloo, private_nccl
 from .errors import CommError
 from .hierarchical import Hierarchy
+from .paths import Path
 from .shm.engine import ShmEngine
 from .shm.path import ShmPath
+from .shm.setup import open_engine
 
-__all__ = ["Setup", "build", "env_setup", "group_setup"]
+__all__ = ["Setup", "build", "engine_of", "env_setup", "group_setup"]
 
 # Communicators created on the same ranks get the same sequence number on
 # every rank because every rank creates them in the same order (a collective
@@ -64,6 +66,20 @@ class Paths:
     dist: Optional[DistPath] = None
     cuda: Optional[CudaPath] = None
     watch: Optional[Watch] = None
+
+    @property
+    def fast(self) -> Path:
+        """The path whose one-call entries the Communicator tries first:
+        shared memory's, or the first path (whose entries decline)."""
+        return self.shm if self.shm is not None else self.order[0]
+
+
+def engine_of(comm: Any) -> Optional[ShmEngine]:
+    """The shared-memory engine build() gave a Communicator (None: world size
+    1, across hosts, closed): how tpcomm tune and tpcomm perf reach its
+    settings and plans (ShmEngine's public methods)."""
+    shm = getattr(comm, "_shm", None)
+    return None if shm is None else shm.engine
 
 
 def group_setup(group: Any, seconds: float) -> Setup:
@@ -198,13 +214,14 @@ def build(
     watch.known.update((r, v.rpartition("\n")[2]) for r, v in enumerate(both))
     if len(set(hosts)) != 1:
 
-        def local(r: int, w: int, p: str, members: list) -> Any:
-            return make_local(r, w, p, members, watch)
+        def local(r: int, w: int, p: str, members: list) -> tuple:
+            comm = make_local(r, w, p, members, watch)
+            return comm, comm._fast  # the host's Communicator, and its engine's path
 
         hier = Hierarchy(local, s.store, s.prefix, s.rank, s.world, hosts, s.timeout)
         order = routing.order(s.world, cuda, hier, dist)
         return Paths(order, hier=hier, dist=dist, cuda=cuda, watch=watch)
-    engine = ShmEngine(s.store, s.rank, s.world, s.prefix, s.tag, s.timeout, watch)
+    engine = open_engine(s.store, s.rank, s.world, s.prefix, s.tag, s.timeout, watch)
     shm = ShmPath(engine, all_reduce_fallback)
     order = routing.order(s.world, cuda, shm, dist)
     return Paths(order, shm=shm, dist=dist, cuda=cuda, watch=watch)

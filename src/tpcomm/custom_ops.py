@@ -20,7 +20,7 @@ import importlib.util
 import itertools
 import sys
 import weakref
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -35,19 +35,21 @@ _engines: dict[int, str] = {}  # id(native engine) -> name, for the polyfill
 _ids = itertools.count()
 
 
-def register(comm: Any) -> str:
-    """Give ``comm`` a name the ops can find it by."""
+def register(comm: Any, ident: Optional[int]) -> str:
+    """Give ``comm`` a name the ops can find it by (``ident``: its native
+    engine's identity, which a traced fast all_reduce carries; None: none)."""
     name = f"c{next(_ids)}"
     _comms[name] = weakref.ref(comm)
-    if comm._shm is not None:
-        _engines[comm._shm.engine.ident] = name
+    if ident is not None:
+        _engines[ident] = name
     return name
 
 
 def unregister(comm: Any) -> None:
-    _comms.pop(getattr(comm, "_op_name", ""), None)
-    if comm._shm is not None:
-        _engines.pop(comm._shm.engine.ident, None)
+    name = getattr(comm, "_op_name", "")
+    _comms.pop(name, None)
+    for ident in [i for i, n in _engines.items() if n == name]:
+        del _engines[ident]
 
 
 def _comm(name: str) -> Any:

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _env
+from . import _env, routing
 from .communicator import Communicator
 from .dist_path import DistPath, private_gloo, private_nccl
 from .dist_work import _WAITING as _WAITING
@@ -128,18 +128,19 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
             )
         return self._nccl
 
-    def _gpu(self, tensors: Any) -> Any:
+    def _gpu(self, kind: str, tensors: Any) -> Any:
         """The prologue of every call but allreduce, send and recv: run the
-        deferred sends and receives of every group, then say where the call goes:
-        the private NCCL group for CUDA tensors, None for CPU tensors (this
-        group's own code)."""
+        deferred sends and receives of every group, then say where the call goes
+        (routing.backend_way): the private NCCL group, or None (this group's
+        own code)."""
         if _WAITING:
             flush_waiting()
+        cuda = False
         for t in tensors:
-            if isinstance(t, (list, tuple)):
-                return self._cuda() if any(x.is_cuda for x in t) else None
-            return self._cuda() if t.is_cuda else None
-        return None
+            cuda = any(x.is_cuda for x in t) if isinstance(t, (list, tuple)) else t.is_cuda
+            break
+        way = routing.backend_way(routing.Call(kind, cuda=cuda))
+        return self._cuda() if way == "nccl" else None
 
     # -- reductions -----------------------------------------------------------
 
@@ -161,7 +162,7 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
         return Done(tensors)
 
     def allreduce_coalesced(self, tensors: list, opts: Any = None) -> Any:
-        if (g := self._gpu(tensors)) is not None:
+        if (g := self._gpu("allreduce_coalesced", tensors)) is not None:
             return g.allreduce_coalesced(tensors, opts)
         op = _op(opts.reduceOp) if opts is not None else ReduceOp.SUM
         by_dtype: dict = {}
@@ -175,7 +176,7 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
         return Done(tensors)
 
     def reduce(self, tensors: list, opts: Any) -> Any:
-        if (g := self._gpu(tensors)) is not None:
+        if (g := self._gpu("reduce", tensors)) is not None:
             return g.reduce(tensors, opts)
         op = _op(opts.reduceOp)
         for t in tensors:
@@ -184,7 +185,7 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
         return Done(tensors)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Any:
-        if (g := self._gpu([input])) is not None:
+        if (g := self._gpu("reduce_scatter_single", [input])) is not None:
             return g._reduce_scatter_base(output, input, opts)
         self._comm.reduce_scatter_tensor(output, input, _op(opts.reduceOp))
         return Done([output])
@@ -192,7 +193,7 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter(self, outputs: list, input_lists: list, opts: Any) -> Any:
-        if (g := self._gpu(outputs)) is not None:
+        if (g := self._gpu("reduce_scatter", outputs)) is not None:
             return g.reduce_scatter(outputs, input_lists, opts)
         op = _op(opts.reduceOp)
         for out, inputs in zip(outputs, input_lists):
@@ -208,7 +209,7 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
         return Done(outputs)
 
     def reduce_scatter_tensor_coalesced(self, outputs: list, inputs: list, opts: Any) -> Any:
-        if (g := self._gpu(outputs)) is not None:
+        if (g := self._gpu("reduce_scatter_tensor_coalesced", outputs)) is not None:
             return g.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
         op = _op(opts.reduceOp)
         for out, inp in zip(outputs, inputs):
@@ -222,7 +223,7 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
     # -- gathers --------------------------------------------------------------
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
-        if (g := self._gpu([input])) is not None:
+        if (g := self._gpu("all_gather_single", [input])) is not None:
             return g._allgather_base(output, input, opts)
         self._comm.all_gather_into_tensor(output, input)
         # gloo's Work holds the output cut into the ranks' parts
@@ -231,7 +232,7 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
     _allgather_base = all_gather_single
 
     def allgather(self, output_lists: list, inputs: list, opts: Any = None) -> Any:
-        if (g := self._gpu(inputs)) is not None:
+        if (g := self._gpu("allgather", inputs)) is not None:
             return g.allgather(output_lists, inputs, opts)
         for outs, inp in zip(output_lists, inputs):
             if len(outs) != self._world:
@@ -249,14 +250,14 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
         return Done(output_lists[0] if len(output_lists) == 1 else output_lists)
 
     def allgather_coalesced(self, output_lists: list, inputs: list, opts: Any = None) -> Any:
-        if (g := self._gpu(inputs)) is not None:
+        if (g := self._gpu("allgather_coalesced", inputs)) is not None:
             return g.allgather_coalesced(output_lists, inputs, opts)
         for i, inp in enumerate(inputs):
             self._comm.all_gather_into_list([outs[i] for outs in output_lists], inp)
         return Done(output_lists)
 
     def allgather_into_tensor_coalesced(self, outputs: list, inputs: list, opts: Any = None) -> Any:
-        if (g := self._gpu(inputs)) is not None:
+        if (g := self._gpu("allgather_into_tensor_coalesced", inputs)) is not None:
             return g.allgather_into_tensor_coalesced(outputs, inputs, opts)
         for out, inp in zip(outputs, inputs):
             self._comm.all_gather_into_tensor(out, inp)
@@ -265,7 +266,7 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
     def gather(self, output_lists: list, inputs: list, opts: Any) -> Any:
-        if (g := self._gpu(inputs)) is not None:
+        if (g := self._gpu("gather", inputs)) is not None:
             return g.gather(output_lists, inputs, opts)
         root = opts.rootRank
         for i, inp in enumerate(inputs):
@@ -278,7 +279,7 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
     # -- one to all -----------------------------------------------------------
 
     def broadcast(self, tensors: list, opts: Any = None) -> Any:
-        if (g := self._gpu(tensors)) is not None:
+        if (g := self._gpu("broadcast", tensors)) is not None:
             return g.broadcast(tensors, opts)
         root = opts.rootRank if opts is not None else 0
         for t in tensors:
@@ -286,7 +287,7 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
         return Done(tensors)
 
     def scatter(self, outputs: list, input_lists: list, opts: Any) -> Any:
-        if (g := self._gpu(outputs)) is not None:
+        if (g := self._gpu("scatter", outputs)) is not None:
             return g.scatter(outputs, input_lists, opts)
         root = opts.rootRank
         for i, out in enumerate(outputs):
@@ -303,7 +304,7 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
         in_splits: list,
         opts: Any,
     ) -> Any:
-        if (g := self._gpu([input])) is not None:
+        if (g := self._gpu("alltoall_base", [input])) is not None:
             return g.alltoall_base(output, input, out_splits, in_splits, opts)
         self._comm.all_to_all_single(output, input, out_splits, in_splits)
         return Done([output])
@@ -311,10 +312,10 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
     all_to_all_single = alltoall_base  # the name torch 2.13 calls
 
     def alltoall(self, outputs: list, inputs: list, opts: Any) -> Any:
-        if (g := self._gpu(inputs)) is not None:
+        if (g := self._gpu("alltoall", inputs)) is not None:
             return g.alltoall(outputs, inputs, opts)
         shapes = {(t.shape, t.dtype) for t in (*inputs, *outputs)}
-        if len(shapes) != 1:
+        if routing.backend_way(routing.Call("all_to_all"), same_shapes=len(shapes) == 1) == "gloo":
             self._fallback.note("all_to_all", "tensors of different shapes")
             return self._private_gloo().alltoall(outputs, inputs, opts)
         flat = torch.cat([_flat(t) for t in inputs])
@@ -343,35 +344,35 @@ class ProcessGroupTpcomm(dist.ProcessGroup):
         return gloo.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
 
     def send(self, tensors: list, dst: int, tag: int = 0) -> Any:
-        if tag or self._cannot_defer(tensors):
+        if self._p2p_way(tensors, tag) != "comm":
             return self._p2p_now(True, tensors, dst, tag)
         if not self._deferred.sends_to(dst) and self._comm.try_send(tensors, dst):
             return Done(tensors)  # the channel's ring took it all at once
         return self._deferred.add("send", tensors, dst)  # see dist_work.Deferred
 
     def recv(self, tensors: list, src: int, tag: int = 0) -> Any:
-        if tag or self._cannot_defer(tensors):
+        if self._p2p_way(tensors, tag) != "comm":
             return self._p2p_now(False, tensors, src, tag)
         return self._deferred.add("recv", tensors, src)
 
-    def _cannot_defer(self, tensors: list) -> bool:
-        """A send or recv that cannot wait in the group: CUDA tensors, or a group
-        without shared memory (across hosts, one rank)."""
-        return any(t.is_cuda for t in tensors) or not self._comm.shared_memory
+    def _p2p_way(self, tensors: list, tag: int) -> str:
+        """Where a send or recv goes (routing.backend_way): "comm" waits in the
+        group (Deferred); the others do not."""
+        call = routing.Call("p2p", cuda=any(t.is_cuda for t in tensors))
+        return routing.backend_way(call, tag=tag, shared_memory=self._comm.shared_memory)
 
     def _p2p_now(self, send: bool, tensors: list, peer: int, tag: int) -> Any:
         """A send or recv that does not wait in the group, after whatever does:
-        CUDA tensors go to NCCL; a tag, or a group without shared memory (across
-        hosts), to gloo, whose Works are asynchronous (so batches cannot
+        to NCCL or gloo, whose Works are asynchronous (so batches cannot
         deadlock there either)."""
-        g = self._gpu(tensors) or self._private_gloo()
+        g = self._gpu("p2p", tensors) or self._private_gloo()
         return g.send(tensors, peer, tag) if send else g.recv(tensors, peer, tag)
 
     def recv_anysource(self, tensors: list, tag: int = 0) -> Any:
         """``dist.recv(t)`` / ``irecv(t)`` without a source: the first message to
         arrive from any rank, after every send and recv deferred before it; the
         Work says who sent it.  With a tag, or across hosts: gloo's."""
-        if tag or self._cannot_defer(tensors):
+        if self._p2p_way(tensors, tag) != "comm":
             return self._private_gloo().recv_anysource(tensors, tag)
         if _WAITING:
             flush_waiting()

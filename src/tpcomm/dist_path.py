@@ -135,6 +135,8 @@ class DistPath(DimFirst):
         return None
 
     def all_reduce(self, t: torch.Tensor, op: Any) -> torch.Tensor:
+        if t.is_sparse:  # routing sends sparse tensors here (engine_objection)
+            return self.all_reduce_sparse(t, op)
         work = dense(t)
         opts = c10d.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM if op is ReduceOp.AVG else _OPS.get(op, op)
@@ -151,7 +153,6 @@ class DistPath(DimFirst):
         """A sparse tensor summed in place by the group (gloo's sparse all-reduce)."""
         if op is not ReduceOp.SUM:
             raise ValueError(f"all_reduce: a sparse tensor is summed only (SUM), got {op}")
-        self.note("all_reduce", f"a sparse tensor ({t.layout})")
         opts = c10d.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
         self.group.allreduce([t], opts).wait()

@@ -26,8 +26,8 @@ from typing import Any, Callable, Optional
 from . import _env
 from .bootstrap import local_cpu_count
 from .shm import profile, segment
-from .shm.engine import settings_for
 from .shm.segment import space_message
+from .shm.settings import settings_for
 
 __all__ = ["add_arguments", "run", "stale_segments", "segment_owners", "Report"]
 

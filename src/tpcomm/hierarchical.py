@@ -53,9 +53,7 @@ def _guarded(method: _F) -> _F:
     @functools.wraps(method)
     def run(self: Hierarchy, *args: Any) -> Any:
         # the whole operation (local engine and gloo) is one thread's turn
-        eng = self._local_engine()
-        if eng is not None:
-            eng.hold(method.__name__)
+        self.local_path.hold(method.__name__)
         try:
             return method(self, *args)
         except (PeerFailedError, CommTimeoutError) as e:
@@ -63,7 +61,7 @@ def _guarded(method: _F) -> _F:
         except CommError:
             raise
         except RuntimeError as e:  # gloo between the leaders
-            self._abort_local()
+            self.local_path.abort()  # this host's ranks fail at once too
             raise PeerFailedError(
                 f"{method.__name__}: the gloo group between the host leaders failed ({e}); "
                 f"a rank on another host died or left, and this communicator can no "
@@ -71,8 +69,7 @@ def _guarded(method: _F) -> _F:
                 rank=-1,
             ) from e
         finally:
-            if eng is not None:
-                eng.release()
+            self.local_path.release()
 
     return run  # type: ignore[return-value]
 
@@ -107,7 +104,10 @@ class Hierarchy(DimFirst):
         self.host_of = [order.index(h) for h in hosts]
         mine = self.members[self.host]
         self.local_rank = mine.index(rank)
-        self.local = make_local(self.local_rank, len(mine), f"{prefix}/host{self.host}", mine)
+        # the host's Communicator, and its shared-memory path (hold, abort)
+        self.local, self.local_path = make_local(
+            self.local_rank, len(mine), f"{prefix}/host{self.host}", mine
+        )
         self.cross: Optional[DistPath] = None
         if self.local_rank == 0:
             pg = private_gloo(store, f"{prefix}/leaders", self.host, self.hosts, timeout)
@@ -147,15 +147,6 @@ class Hierarchy(DimFirst):
         out = type(e)(f"{e} (local rank {r} of host {self.host} is rank {g})", rank=g)
         out._translated = True  # type: ignore[attr-defined]
         return out
-
-    def _local_engine(self) -> Any:
-        shm = self.local._shm
-        return None if shm is None else shm.engine
-
-    def _abort_local(self) -> None:
-        eng = self._local_engine()
-        if eng is not None:
-            eng.abort()
 
     # -- collectives (arguments already checked by the Communicator) ----------
 
@@ -214,6 +205,10 @@ class Hierarchy(DimFirst):
         if work is not t:
             t.copy_(work)
         return t
+
+    def all_to_all(self, fn: str, output: Any, input: Any, outs: list, ins: list) -> None:
+        """Not served (should_use objects): the flat torch.distributed path's."""
+        raise AssertionError(f"{fn}: routing sends all_to_all across hosts to torch.distributed")
 
     @_guarded
     def barrier(self, fn: str = "barrier") -> None:

@@ -22,7 +22,7 @@ import time
 import traceback
 from typing import Any, Callable, Optional, Sequence
 
-from . import _env
+from . import _env, checks, construction
 from .bootstrap import master_store
 from .errors import LaunchError, PeerFailedError
 
@@ -120,7 +120,8 @@ def _worker(
                 is_master=False,
                 timeout=_env.timedelta(timeout or 300),
             )
-        comm = Communicator._from_store(store, rank, world, prefix, "launch", timeout)
+        seconds = checks.timeout_seconds("launch", timeout)
+        comm = Communicator._made(construction.Setup(store, rank, world, prefix, "launch", seconds))
         del store
     except BaseException as e:
         conn.send(("err", traceback.format_exc(), type(e).__name__))

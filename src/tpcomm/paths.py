@@ -17,6 +17,7 @@ local) move ``d`` first and back.
 
 from __future__ import annotations
 
+import pickle
 from typing import Any, Optional, Sequence
 
 import torch
@@ -25,19 +26,102 @@ from . import layout
 from .errors import CommError
 from .ops import any_code, dense
 
-__all__ = ["DimFirst", "LocalPath", "Path", "copy_in", "take_message"]
+__all__ = ["NOT_PLAIN", "SCATTER", "DimFirst", "LocalPath", "Path", "copy_in", "take_message"]
+
+# marks the messages of scatter (Path.scatter; take_message refuses them)
+SCATTER = "tpcomm.scatter"
+
+# Path.fast_gather_dim: not its case (the general road runs)
+NOT_PLAIN = object()
 
 
 class Path:
     """The methods every path has (the interface; the paths subclass it).
 
-    ``name`` names the path in routing and ``tpcomm doctor``.
+    ``name`` names the path in routing and ``tpcomm doctor``; ``rank`` and
+    ``world`` are this rank's and the group's.
     """
+
+    rank = 0
+    world = 1
 
     name = "path"
 
     def should_use(self, call: Any) -> Optional[str]:
         """None when this path serves ``call`` (a ``routing.Call``), else why not."""
+        raise NotImplementedError
+
+    # -- state and lifecycle (a path without shared memory: nothing to say) ---
+
+    failed = False  # the path can no longer be used (a peer died)
+    single_copy = False  # large gathers read the peers' memory directly
+    ident = None  # the engine's identity (custom_ops finds a traced call's by it)
+
+    def close(self) -> None:
+        """Free what this path holds (Communicator.close); idempotent."""
+
+    def record(self, reset: bool = False, stamp: Optional[bool] = None) -> Optional[dict]:
+        """The record of rounds and waits (Communicator.stats); None: none kept."""
+        return None
+
+    def refuse(self) -> None:
+        """Tell the peers this rank refused its arguments to the call they are in."""
+
+    def dup_round(self, fn: str) -> None:
+        """The round before a dup() (a mismatch shows at once, not in the store)."""
+
+    def hold(self, fn: str) -> None:
+        """Keep this rank's other threads out until release() (one operation of
+        several calls); CommError when one is inside."""
+
+    def release(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        """Tell the peers this rank is gone (they raise PeerFailedError)."""
+
+    # -- the one-call entries (shm/path.py: C; here: never the call's case) ---
+    # Each answers None when the call is not its case (the general road runs),
+    # else it did the call (an error raised).
+
+    def fast_all_gather(self, output: Any, input: Any, fn: str = "") -> Any:
+        return None
+
+    def fast_gather(self, tensor: Any, out: Any, dst: Any) -> Any:
+        return None
+
+    def fast_reduce_scatter(self, output: Any, input: Any, op: Any) -> Any:
+        return None
+
+    def fast_broadcast(self, tensor: Any, src: Any) -> Any:
+        return None
+
+    def fast_all_to_all(self, output: Any, input: Any, outs: Any, ins: Any) -> Any:
+        return None
+
+    def fast_send(self, dst: Any, tensors: Any) -> Any:
+        return None
+
+    def fast_recv(self, src: Any, out: Any) -> Any:
+        """The received tensors, or None."""
+        return None
+
+    def fast_sendrecv(self, dst: Any, tensors: Any, src: Any, out: Any) -> Any:
+        """The received tensors, or None."""
+        return None
+
+    def fast_gather_dim(self, fn: str, tensor: Any, dim: Any, root: Any, out: Any) -> Any:
+        """all_gather / gather of a plain tensor along any dim: the result,
+        NOT_PLAIN when not the case."""
+        return NOT_PLAIN
+
+    def recv_rest(self, fn: str, src: int, out: Any, header: bytes) -> list:
+        """The end of a receive whose header ``fast_recv`` read and left to
+        Python (only a path whose fast_recv answers with a header has one)."""
+        raise NotImplementedError
+
+    def sendrecv_rest(self, fn: str, src: int, out: Any, header: bytes, data: Any) -> list:
+        """The end of a sendrecv whose message ``fast_sendrecv`` received aside."""
         raise NotImplementedError
 
     # -- reductions --------------------------------------------------------
@@ -104,6 +188,30 @@ class Path:
         """A tensor the collectives on this path read in place (where they can)."""
         return torch.empty(shape, dtype=dtype)
 
+    def peer_buffers(self, fn: str, tensor: torch.Tensor) -> list:
+        """Every rank's copy of an ``empty()`` tensor's buffer that this process
+        maps: here only this rank's own memory."""
+        return [tensor.reshape(-1).view(torch.uint8)]
+
+    def scatter(
+        self, fn: str, tensor: torch.Tensor, parts: Optional[Sequence[torch.Tensor]], src: int
+    ) -> torch.Tensor:
+        """``tensor`` gets ``parts[rank]`` of ``src`` (checked there): a message
+        to every other rank, marked as a scatter's so that it is never taken for
+        a user's send, nor one of those for it (take_message)."""
+        if self.rank == src:
+            for r in range(self.world):
+                if r != src:
+                    self.send(fn, r, [dense(parts[r].reshape(-1))], SCATTER)  # type: ignore[index]
+            return tensor.copy_(parts[src].view(tensor.shape))  # type: ignore[index]
+        got, tag = self.recv(fn, src)
+        if tag != SCATTER:
+            raise CommError(
+                f"{fn}: rank {src} sent this rank a point-to-point message that was "
+                f"not received yet; receive it before the scatter"
+            )
+        return tensor.copy_(got[0].view(tensor.shape))
+
     # -- point to point ----------------------------------------------------
 
     def send(self, fn: str, dst: int, tensors: Sequence[torch.Tensor], extra: Any) -> None:
@@ -126,6 +234,38 @@ class Path:
     ) -> list:
         """Send to ``dst`` while receiving from ``src``, so no pattern deadlocks."""
         raise NotImplementedError
+
+    def recv_any(self, fn: str, out: Optional[Sequence[torch.Tensor]]) -> tuple[int, list]:
+        """The next message from whichever rank's arrives first: (src, tensors)."""
+        raise CommError(
+            f"{fn}: receiving from any rank needs shared memory (the ranks span "
+            f"hosts); name the source rank"
+        )
+
+    def try_send(self, fn: str, dst: int, tensors: Sequence[torch.Tensor]) -> bool:
+        """Send only if that takes no waiting: True when sent (here: never)."""
+        return False
+
+    def send_dict(self, fn: str, dst: int, data: dict) -> None:
+        """A dict of tensors and picklable values (checked): the tensors as a
+        message's tensors, the rest and the keys as its picklable extra."""
+        tensors, keys = [], []
+        for key, value in data.items():
+            if isinstance(value, torch.Tensor):
+                keys.append((key, len(tensors), None))
+                tensors.append(value)
+            else:
+                keys.append((key, None, value))
+        try:
+            self.send(fn, dst, tensors, keys)
+        except (pickle.PicklingError, TypeError, AttributeError) as e:
+            raise TypeError(f"{fn}: a non-tensor value cannot be pickled: {e}") from None
+
+    def recv_dict(self, fn: str, src: int) -> dict:
+        tensors, keys = self.recv(fn, src)
+        if not isinstance(keys, list):
+            raise CommError(f"{fn}: rank {src} sent a tensor list, not a dict (use recv)")
+        return {key: tensors[i] if i is not None else value for key, i, value in keys}
 
     def batch(self, fn: str, ops: list) -> list:
         """Checked ``(what, tensors, peer)`` sends and receives progressed
@@ -152,7 +292,7 @@ def copy_in(out: Sequence[torch.Tensor], got: Sequence[torch.Tensor]) -> list:
 def take_message(tensors: list, src: int, got: list, extra: Any) -> Optional[BaseException]:
     """Put a received message into a receive's tensors (count, and per tensor
     dtype and element count must agree; shapes may differ, as with gloo); the
-    error when it does not fit."""
+    error when it does not fit (a dict's or a scatter's message: Path.scatter)."""
     if extra is not None:
         return CommError(
             f"recv: rank {src} is in a scatter, not a send (the ranks called "
@@ -177,9 +317,6 @@ class DimFirst(Path):
     ``reduce_scatterv`` move ``d`` first (``gather0`` / ``reduce_scatter0``) and
     back; all_to_all is every rank's input gathered (after the split table,
     which every rank checks alike)."""
-
-    rank = 0
-    world = 1
 
     def gather0(
         self, moved: torch.Tensor, sizes: Sequence[int], root: Optional[int]
@@ -298,6 +435,9 @@ class LocalPath(DimFirst):
 
     def sendrecv(self, fn, tensors, dst, src, out) -> list:  # type: ignore[no-untyped-def]
         raise self._alone(fn)
+
+    def recv_any(self, fn: str, out: Any) -> tuple[int, list]:
+        raise ValueError(f"{fn}: there is no other rank to receive from (world size 1)")
 
 
 LOCAL = LocalPath()

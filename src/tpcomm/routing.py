@@ -30,7 +30,17 @@ import torch
 from .ops import DTYPE_CODES, ReduceOp
 from .paths import LOCAL
 
-__all__ = ["Call", "Route", "engine_objection", "hier_objection", "order", "plan", "route"]
+__all__ = [
+    "Call",
+    "Route",
+    "backend_way",
+    "cuda_objection",
+    "engine_objection",
+    "hier_objection",
+    "order",
+    "plan",
+    "route",
+]
 
 # the calls that reduce (the engine's dtypes and ops matter)
 REDUCING = frozenset({"all_reduce", "reduce_scatter"})
@@ -51,6 +61,7 @@ class Call(NamedTuple):
         op: the reduce op (a ReduceOp, or another torch.distributed op).
         rooted: a gather with a root.
         even: every rank contributes the same size (gathers).
+        sparse: the tensor is sparse (all_reduce: torch.distributed sums it).
     """
 
     kind: str
@@ -59,6 +70,7 @@ class Call(NamedTuple):
     op: Any = None
     rooted: bool = False
     even: bool = True
+    sparse: bool = False
 
 
 class Route(NamedTuple):
@@ -72,6 +84,8 @@ class Route(NamedTuple):
 
 def engine_objection(call: Call) -> Optional[str]:
     """Why the shared-memory engine does not do this call, or None."""
+    if call.sparse:
+        return "a sparse tensor (torch.distributed sums it)"
     if call.kind not in REDUCING:
         return None
     if call.dtype is not None and call.dtype not in DTYPE_CODES:
@@ -141,6 +155,32 @@ class _Dist:
     @staticmethod
     def should_use(call: Call) -> Optional[str]:
         return None
+
+
+def backend_way(
+    call: Call, *, tag: int = 0, shared_memory: bool = True, same_shapes: bool = True
+) -> str:
+    """Which of its three ways the tpcomm process group (dist_backend.py) gives
+    a torch.distributed call (``call.kind``: the group's method, or ``p2p``):
+
+    * ``"nccl"``, its private NCCL group: CUDA tensors of the calls the CUDA
+      path does not take (``cuda_objection``: all but all_reduce);
+    * ``"gloo"``, its private gloo group: what a Communicator cannot say or
+      keep waiting (a tagged send or recv; send and recv without shared
+      memory, across hosts, where gloo's Works are asynchronous; an
+      all_to_all of tensors of different shapes; monitored_barrier, which
+      names the ranks that did not arrive);
+    * ``"comm"``: its Communicator, which routes the call on (``route``).
+    """
+    if call.cuda:
+        return "comm" if cuda_objection(call) is None else "nccl"
+    if call.kind == "monitored_barrier":
+        return "gloo"
+    if call.kind == "p2p" and (tag or not shared_memory):
+        return "gloo"
+    if call.kind == "all_to_all" and not same_shapes:
+        return "gloo"
+    return "comm"
 
 
 def order(world: int, cuda: Any, middle: Any, dist: Any) -> list:

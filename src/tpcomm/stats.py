@@ -113,12 +113,12 @@ def describe(rec: dict, name: str = "") -> str:
     return "\n".join(lines)
 
 
-def start(comm: Any) -> None:
-    """A new Communicator: where TPCOMM_STATS is set, stamp its publishes and
+def start(comm: Any, path: Any) -> None:
+    """A new Communicator (``path``: the one whose record it reports,
+    ``paths.Path.record``): where TPCOMM_STATS is set, stamp its publishes and
     report it at close (or at exit)."""
-    if _env.stats() is None or comm._shm is None:
+    if _env.stats() is None or path.record(stamp=True) is None:
         return
-    comm._shm.record(stamp=True)
     comm._stats_id = next(_count)
     _live.add(comm)
 

@@ -31,11 +31,11 @@ from typing import Any
 import torch
 
 from . import _env
+from .construction import engine_of
 from .ops import ReduceOp
 from .perf.table import parse_size
 from .perf.timing import measured
 from .shm import profile
-from .shm.engine import engine_of
 
 __all__ = ["add_arguments", "main", "run", "switch_point", "wins_from"]
 
@@ -63,7 +63,7 @@ COPIES = (
     ("chunks", CHUNKS, torch.float32),
     ("zero_copy", ZERO_COPY, torch.float32),
 )
-# what a variant changes in the engine (ShmEngine.retune; all_gather: cma_init)
+# what a variant changes in the engine (ShmEngine.adjust; all_gather: agree_single_copy)
 VARIANTS = {
     "one-shot": {"twoshot_min": -1, "twoshot_min16": -1, "cma_ar_min": -1},
     "two-shot": {"twoshot_min": 0, "twoshot_min16": 0, "cma_ar_min": -1},
@@ -163,9 +163,9 @@ def _reference(comm: Any, cfg: dict) -> float:
 
 def _use(eng: Any, collective: str, variant: str) -> None:
     if collective == "all_gather":  # collective: every rank switches together
-        eng.cma_init(variant == "single-copy", 0)
+        eng.agree_single_copy(variant == "single-copy", 0)
     else:
-        eng.retune(**VARIANTS[variant])
+        eng.adjust(**VARIANTS[variant])
 
 
 def _time_variants(comm: Any, eng: Any, cfg: dict, plan: tuple, cma: bool) -> dict:
@@ -202,7 +202,7 @@ def _measure(comm: Any, cfg: dict) -> dict:
     torch.set_num_threads(1)
     eng = engine_of(comm)
     # single copy only where this machine lets the ranks read each other
-    cma = eng.cma_init(True, 0)[1]
+    cma = eng.agree_single_copy(True, 0)[1]
     try:
         return {"single_copy_possible": cma, **_time_variants(comm, eng, cfg, ALGORITHMS, cma)}
     finally:
@@ -219,20 +219,20 @@ def _measure_copies(comm: Any, cfg: dict, chosen: dict) -> dict:
     eng = engine_of(comm)
     threads = cfg["threads"] or eng.settings.threads
     ar_min = chosen.get("cma_allreduce_min_bytes", -1)
-    cma = eng.cma_init(ar_min >= 0, 0)[1]
+    cma = eng.agree_single_copy(ar_min >= 0, 0)[1]
     try:
-        eng.retune(**{_APPLIED[k]: v for k, v in chosen.items() if k in _APPLIED})
+        eng.adjust(**{_APPLIED[k]: v for k, v in chosen.items() if k in _APPLIED})
         res = _time_variants(comm, eng, cfg, COPIES[:1], cma)
         # with the stores just chosen (every rank has the same times)
         nt = _copy_settings(cfg["sizes"], res)["nt_min_bytes"]
         if threads > 1:
-            eng.retune(nt_min=nt, threads=threads)
+            eng.adjust(nt_min=nt, threads=threads)
             res.update(_time_variants(comm, eng, cfg, COPIES[1:2], cma))
         # the stores and threads as they will run from here (the stores chosen as
         # they run where the settings say so: fixed, the smaller chunks would
         # fall below nt_min and lose by the stores alone)
         s = eng.settings
-        eng.retune(nt_min=nt, nt_auto=s.nt_auto, threads=s.threads, threads_min=s.threads_min)
+        eng.adjust(nt_min=nt, nt_auto=s.nt_auto, threads=s.threads, threads_min=s.threads_min)
         chunk = eng.current.chunk_bytes
         big = {**cfg, "sizes": [n for n in cfg["sizes"] if n > chunk]}
         if chunk < eng.slot_bytes and big["sizes"]:  # rank 0's chunk: what a profile gives
@@ -240,7 +240,7 @@ def _measure_copies(comm: Any, cfg: dict, chosen: dict) -> dict:
         # zero copy against the copies with the chunks as they will run
         if "chunks" in res:
             points = _copy_settings(cfg["sizes"], {**res, "chunk_bytes": chunk})
-            eng.retune(chunk_min=points["chunk_min_bytes"])
+            eng.adjust(chunk_min=points["chunk_min_bytes"])
         res.update(_time_variants(comm, eng, cfg, COPIES[3:], cma))
     finally:
         eng.restore()

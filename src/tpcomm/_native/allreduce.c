@@ -167,6 +167,8 @@ static void store_spread(Engine *e)
 /* The chunk is done (rank 0: learn from it) */
 static void store_end(Engine *e, stores_t *sc, size_t bytes)
 {
+    if (sc->b >= 0) /* tests (fault_stores): one kind of store made slow */
+        spin_for_ns(e->fault.store_ns[sc->nt]);
     if (!sc->timed)
         return;
     store_pause(sc);
@@ -190,13 +192,6 @@ static int sync_untimed(Engine *e, stores_t *sc, uint32_t kind, int dtype, int o
     int st = round_sync(e, kind, (uint32_t)dtype, (uint32_t)op, count, arg, ts);
     store_resume(sc);
     return st;
-}
-
-/* tests: one kind of store made slow (fault_stores) */
-static void store_fault(const Engine *e, const stores_t *sc)
-{
-    if (sc->b >= 0)
-        spin_for_ns(e->fault.store_ns[sc->nt]);
 }
 
 /* Fault injection for tests: the copies of an all_reduce chunk whose stores
@@ -281,7 +276,6 @@ static int twoshot_chunk(Engine *e, char *src, size_t m, int dtype, int op, uint
     stores_t sc = store_begin(e, m * es, 1, 2);
     par_copy(e->pool, in, src, lo * es, store_nt(e, &sc, lo * es));
     par_copy(e->pool, in + hi * es, src + hi * es, (m - hi) * es, store_nt(e, &sc, (m - hi) * es));
-    store_fault(e, &sc);
     int st = sync_untimed(e, &sc, kind, dtype, op, count, arg, ts);
     if (st != ST_OK)
         return st;
@@ -311,7 +305,6 @@ static int oneshot_chunk(Engine *e, char *src, size_t m, int dtype, int op, uint
     const int p = (int)((e->round + 1) & 1);
     stores_t sc = store_begin(e, bytes, 0, 1);
     par_copy(e->pool, slot_of(e, e->rank, p), src, bytes, store_nt(e, &sc, bytes));
-    store_fault(e, &sc);
     int st = sync_untimed(e, &sc, kind, dtype, op, count, arg, ts);
     if (st != ST_OK)
         return st;
@@ -373,7 +366,6 @@ static int zero_copy_all_reduce(Engine *e, struct sym *sb, size_t off, size_t co
     }
     if (st != ST_OK)
         return st;
-    spin_for_ns(e->fault.zc_ns); /* tests: zero copy made slow */
     return round_sync(e, kind, (uint32_t)dtype, (uint32_t)op, count, arg, ts);
 }
 
@@ -679,8 +671,11 @@ int all_reduce_rounds(Engine *e, char *t, size_t count, int dtype, int op, uint3
             done += m;
         }
     }
-    if (sb && e->rank == 0 && st == ST_OK && (bits & ZC_ON))
+    if (sb && e->rank == 0 && st == ST_OK && (bits & ZC_ON)) {
+        if (!copied) /* tests (fault_zero_copy): zero copy made slow, as rank 0 times it */
+            spin_for_ns(e->fault.zc_ns);
         zc_after_call(e, bits, b, copied, ticks() - t0, bytes, dtype);
+    }
     e->zc.copied += (uint64_t)copied;
     *tsp = ts;
     return st;

@@ -146,6 +146,29 @@ static PyObject *eng_attach(Engine *e, PyObject *unused)
     return PyLong_FromUnsignedLong(n);
 }
 
+static PyObject *eng_reraise(Engine *e, PyObject *unused);
+
+static int attached_poll(Engine *e, waiter_t *w, PyThreadState **ts)
+{
+    (void)w, (void)ts;
+    return atomic_load(&HDR(e)->attached) >= (uint32_t)e->world ? WAIT_DONE : WAIT_IDLE;
+}
+
+/* The end of a wait of this process's own (wait_until, w->until): 1 done,
+ * 0 timed out, -1 with the exception of a signal handler that raised */
+static int own_wait(Engine *e, waiter_t *w)
+{
+    PyThreadState *ts = NULL;
+    int st = wait_until(e, w, &ts);
+    if (ts)
+        PyEval_RestoreThread(ts);
+    if (st == ST_INTERRUPTED) { /* the handler's exception (eng_reraise) */
+        Py_XDECREF(eng_reraise(e, NULL));
+        return -1;
+    }
+    return st == ST_OK;
+}
+
 /* wait_attached(timeout_s) -> True when every rank attached, False on timeout */
 static PyObject *eng_wait_attached(Engine *e, PyObject *arg)
 {
@@ -154,21 +177,9 @@ static PyObject *eng_wait_attached(Engine *e, PyObject *arg)
         return NULL;
     if (!e->base)
         return eng_closed_error();
-    uint64_t deadline = now_ns() + ns_of(timeout);
-    int ok = 0;
-    Py_BEGIN_ALLOW_THREADS
-    for (;;) {
-        if (atomic_load(&HDR(e)->attached) >= (uint32_t)e->world) {
-            ok = 1;
-            break;
-        }
-        if (now_ns() >= deadline)
-            break;
-        struct timespec s = {0, 200000};
-        nanosleep(&s, NULL);
-    }
-    Py_END_ALLOW_THREADS
-    return PyBool_FromLong(ok);
+    waiter_t w = {attached_poll, NULL, NULL, 200000, -1, now_ns() + ns_of(timeout)};
+    int ok = own_wait(e, &w);
+    return ok < 0 ? NULL : PyBool_FromLong(ok);
 }
 
 static PyObject *eng_peer_pids(Engine *e, PyObject *unused)
@@ -184,13 +195,15 @@ static PyObject *eng_peer_pids(Engine *e, PyObject *unused)
     return l;
 }
 
+/* abort(reason): fail this communicator and tell the peers this rank left
+ * (fail: the one way to fail, which records the rank) */
 static PyObject *eng_abort(Engine *e, PyObject *arg)
 {
     long reason = PyLong_AsLong(arg);
     if (reason == -1 && PyErr_Occurred())
         return NULL;
     if (e->base)
-        set_abort(e, (uint64_t)reason, e->rank);
+        fail(e, (int)reason, e->rank, e->rank);
     e->failed = 1;
     Py_RETURN_NONE;
 }
@@ -255,6 +268,12 @@ static void eng_unmap(Engine *e)
     }
 }
 
+static int left_poll(Engine *e, waiter_t *w, PyThreadState **ts)
+{
+    (void)w, (void)ts;
+    return other_thread(e) ? WAIT_IDLE : WAIT_DONE;
+}
+
 /* close(wait_s): unmap.  If another thread is inside a call, or holds the
  * engine between calls, the communicator is aborted first (reason ST_CLOSED:
  * that call returns at its next check, within ms, and the peers learn that
@@ -267,13 +286,9 @@ static PyObject *eng_close(Engine *e, PyObject *arg)
         return NULL;
     if (e->base && other_thread(e)) {
         set_abort(e, ST_CLOSED, e->rank);
-        uint64_t deadline = now_ns() + (uint64_t)(wait_s > 0 ? wait_s * 1e9 : 0);
-        while (other_thread(e) && now_ns() < deadline) {
-            Py_BEGIN_ALLOW_THREADS
-            struct timespec s = {0, 200000};
-            nanosleep(&s, NULL);
-            Py_END_ALLOW_THREADS
-        }
+        waiter_t w = {left_poll, NULL, NULL, 200000, -1, now_ns() + ns_of(wait_s > 0 ? wait_s : 0)};
+        if (own_wait(e, &w) < 0)
+            return NULL;
         if (other_thread(e)) {
             PyErr_Format(PyExc_RuntimeError,
                          "close: another thread is still inside a call on this Communicator "
@@ -285,26 +300,40 @@ static PyObject *eng_close(Engine *e, PyObject *arg)
     Py_RETURN_NONE;
 }
 
-/* hold() -> status: keep other threads out across the several calls of one
- * operation (0, or ST_BUSY when another thread is in); release() ends it.
- * Nested holds of one thread count. */
-static PyObject *eng_hold(Engine *e, PyObject *unused)
+/* The one way to hold the engine: keep other threads out across the several
+ * calls of one operation (hold() from Python; a received header until its
+ * body is read, p2p.c).  ST_OK, or ST_BUSY when another thread is in; nested
+ * holds of one thread count, and each eng_release ends one. */
+int eng_hold(Engine *e)
+{
+    if (other_thread(e))
+        return ST_BUSY;
+    e->held++;
+    e->holder = PyThread_get_thread_ident();
+    return ST_OK;
+}
+
+void eng_release(Engine *e)
+{
+    if (e->held > 0 && e->holder == PyThread_get_thread_ident())
+        e->held--;
+}
+
+/* hold() -> status; release(): eng_hold / eng_release for Python (a hold of
+ * a received header is not Python's to release: rx_release) */
+static PyObject *py_hold(Engine *e, PyObject *unused)
 {
     (void)unused;
     if (!e->base)
         return eng_closed_error();
-    if (other_thread(e))
-        return PyLong_FromLong(ST_BUSY);
-    e->held++;
-    e->holder = PyThread_get_thread_ident();
-    return PyLong_FromLong(ST_OK);
+    return PyLong_FromLong(eng_hold(e));
 }
 
-static PyObject *eng_release(Engine *e, PyObject *unused)
+static PyObject *py_release(Engine *e, PyObject *unused)
 {
     (void)unused;
-    if (e->held > e->rx.held && e->holder == PyThread_get_thread_ident())
-        e->held--;
+    if (e->held > e->rx.held)
+        eng_release(e);
     Py_RETURN_NONE;
 }
 
@@ -342,6 +371,104 @@ static PyObject *eng_address(Engine *e, PyObject *unused)
     return PyLong_FromUnsignedLongLong((unsigned long long)(uintptr_t)e->base);
 }
 
+/* Map the segment (fd) and take rank's liveness lock on a descriptor of its
+ * own (*myfd): the mapping as a Mapping object, or NULL with an exception
+ * (nothing left open). */
+static Mapping *map_segment(int fd, size_t size, int rank, int *myfd_out)
+{
+    /* The liveness lock lives on an open file description of its own, which
+     * nothing but myfd refers to: a mapping holds a reference to the
+     * description it was made through, and a child made by fork() inherits
+     * the mapping, so a lock on the mapping's description would outlive this
+     * process as long as such a child lives (after_fork_child closes the
+     * child's copy of myfd).  Reopening /proc/self/fd/N makes a new
+     * description; without /proc, share fd's (as the fallback it is). */
+    char path[64];
+    snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
+    int myfd = open(path, O_RDWR | O_CLOEXEC);
+    if (myfd < 0)
+        myfd = fcntl(fd, F_DUPFD_CLOEXEC, 3);
+    if (myfd < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return NULL;
+    }
+    void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        close(myfd);
+        return NULL;
+    }
+    /* Every rank opened the file itself: OFD locks of different ranks conflict. */
+    struct flock fl = rank_lock(rank);
+    if (fcntl(myfd, F_OFD_SETLK, &fl) != 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        munmap(p, size);
+        close(myfd);
+        return NULL;
+    }
+    Mapping *mp = PyObject_New(Mapping, &MappingType);
+    if (!mp) {
+        munmap(p, size);
+        close(myfd);
+        return NULL;
+    }
+    mp->base = p;
+    mp->size = size;
+    *myfd_out = myfd;
+    return mp;
+}
+
+/* The engine's view of a mapped segment: where each part lies (tpcomm.h
+ * "Layout"), its waits, and every switch point off until Python sets them. */
+static void set_layout(Engine *e, void *p, size_t size, int rank, int world, uint64_t slot_bytes,
+                       double timeout, double spin_us, double yield_us)
+{
+    e->rx.src = -1;
+    e->base = p;
+    e->size = size;
+    e->rank = rank;
+    e->world = world;
+    e->slot_bytes = slot_bytes;
+    e->ctrl_bytes = (size_t)ctrl_size((uint32_t)world);
+    e->slot_off = PAGE + (size_t)world * e->ctrl_bytes;
+    e->p2p_bytes = (size_t)p2p_size((uint32_t)world, slot_bytes);
+    e->p2p_piece = 2 * e->p2p_bytes / P2P_RING; /* p2p_bytes: a multiple of 4 KiB, >= 64 KiB */
+    e->p2p_off = e->slot_off + (size_t)world * 2 * slot_bytes;
+    e->round = 0;
+    e->waits.timeout_ns = ns_of(timeout);
+    waits_set(e, spin_us, yield_us, YIELD_LOST_NS / 1e3);
+    e->busy = 0;
+    e->failed = 0;
+    e->twoshot_min = UINT64_MAX;
+    e->twoshot_min16 = UINT64_MAX;
+    e->zc_min = UINT64_MAX;
+    e->zc_max = UINT64_MAX;
+    e->chunk_min = UINT64_MAX;
+    e->chunk_bytes = 0;
+    e->cma_ar_min = UINT64_MAX;
+    e->nt_min = UINT64_MAX;
+}
+
+/* Rank 0 writes the header of the segment it created; the magic last,
+ * after a release fence: a rank that sees it sees the rest. */
+static void write_header(Engine *e, uint64_t need)
+{
+    hdr_t *h = HDR(e);
+    h->version = VERSION;
+    h->world = (uint32_t)e->world;
+    h->slot_bytes = e->slot_bytes;
+    h->total_bytes = need;
+    h->ctrl_off = PAGE;
+    h->slot_off = e->slot_off;
+    h->nchan = NCHAN;
+    h->p2p_bytes = e->p2p_bytes;
+    atomic_store(&h->attached, 0);
+    atomic_store(&h->sleepers, 0);
+    atomic_store(&h->abort_word, 0);
+    atomic_thread_fence(memory_order_release);
+    h->magic = MAGIC;
+}
+
 /*
  * Engine(fd, size, rank, world, slot_bytes, create, timeout_s, spin_us, yield_us)
  * Maps the segment (fd stays owned by the engine: it carries the liveness
@@ -372,44 +499,10 @@ static int eng_init(Engine *e, PyObject *args, PyObject *kw)
                      (unsigned long long)need);
         return -1;
     }
-    /* The liveness lock lives on an open file description of its own, which
-     * nothing but myfd refers to: a mapping holds a reference to the
-     * description it was made through, and a child made by fork() inherits
-     * the mapping, so a lock on the mapping's description would outlive this
-     * process as long as such a child lives (after_fork_child closes the
-     * child's copy of myfd).  Reopening /proc/self/fd/N makes a new
-     * description; without /proc, share fd's (as the fallback it is). */
-    char path[64];
-    snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
-    int myfd = open(path, O_RDWR | O_CLOEXEC);
-    if (myfd < 0)
-        myfd = fcntl(fd, F_DUPFD_CLOEXEC, 3);
-    if (myfd < 0) {
-        PyErr_SetFromErrno(PyExc_OSError);
+    int myfd;
+    Mapping *mp = map_segment(fd, (size_t)size, rank, &myfd);
+    if (!mp)
         return -1;
-    }
-    void *p = mmap(NULL, (size_t)size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (p == MAP_FAILED) {
-        PyErr_SetFromErrno(PyExc_OSError);
-        close(myfd);
-        return -1;
-    }
-    /* Every rank opened the file itself: OFD locks of different ranks conflict. */
-    struct flock fl = rank_lock(rank);
-    if (fcntl(myfd, F_OFD_SETLK, &fl) != 0) {
-        PyErr_SetFromErrno(PyExc_OSError);
-        munmap(p, (size_t)size);
-        close(myfd);
-        return -1;
-    }
-    Mapping *mp = PyObject_New(Mapping, &MappingType);
-    if (!mp) {
-        munmap(p, (size_t)size);
-        close(myfd);
-        return -1;
-    }
-    mp->base = p;
-    mp->size = (size_t)size;
     eng_unmap(e);
     PyMem_Free(e->srcs);
     e->srcs = PyMem_Calloc((size_t)world, sizeof(void *));
@@ -427,52 +520,11 @@ static int eng_init(Engine *e, PyObject *args, PyObject *kw)
         return -1;
     }
     e->p2p_recvd = e->p2p_sent + world;
-    e->rx.src = -1;
-    e->base = p;
-    e->size = (size_t)size;
     e->fd = myfd;
     live_add(e);
-    e->rank = rank;
-    e->world = world;
-    e->slot_bytes = slot_bytes;
-    e->ctrl_bytes = (size_t)ctrl_size((uint32_t)world);
-    e->slot_off = PAGE + (size_t)world * e->ctrl_bytes;
-    e->p2p_bytes = (size_t)p2p_size((uint32_t)world, slot_bytes);
-    e->p2p_piece = 2 * e->p2p_bytes / P2P_RING; /* p2p_bytes: a multiple of 4 KiB, >= 64 KiB */
-    e->p2p_off = e->slot_off + (size_t)world * 2 * slot_bytes;
-    e->round = 0;
-    e->waits.timeout_ns = ns_of(timeout);
-    /* spinning holds the GIL and checks nothing: at most one liveness period
-     * (2 ms), whatever the setting; the waits after it check every 2 ms */
-    e->waits.spin_ns = ns_of(spin_us * 1e-6) < 2000000ull ? ns_of(spin_us * 1e-6) : 2000000ull;
-    e->waits.yield_ns = ns_of(yield_us * 1e-6);
-    e->waits.lost_ns = YIELD_LOST_NS;
-    e->busy = 0;
-    e->failed = 0;
-    e->twoshot_min = UINT64_MAX;
-    e->twoshot_min16 = UINT64_MAX;
-    e->zc_min = UINT64_MAX;
-    e->zc_max = UINT64_MAX;
-    e->chunk_min = UINT64_MAX;
-    e->chunk_bytes = 0;
-    e->cma_ar_min = UINT64_MAX;
-    e->nt_min = UINT64_MAX;
-    if (create) {
-        hdr_t *h = HDR(e);
-        h->version = VERSION;
-        h->world = (uint32_t)world;
-        h->slot_bytes = slot_bytes;
-        h->total_bytes = need;
-        h->ctrl_off = PAGE;
-        h->slot_off = e->slot_off;
-        h->nchan = NCHAN;
-        h->p2p_bytes = e->p2p_bytes;
-        atomic_store(&h->attached, 0);
-        atomic_store(&h->sleepers, 0);
-        atomic_store(&h->abort_word, 0);
-        atomic_thread_fence(memory_order_release);
-        h->magic = MAGIC;
-    }
+    set_layout(e, mp->base, (size_t)size, rank, world, slot_bytes, timeout, spin_us, yield_us);
+    if (create)
+        write_header(e, need);
     /* who maps it, for `tpcomm doctor` to tell stale segments from live ones,
      * and where the word is that peers read to check single-copy reads work */
     e->cma_word = cma_tag((uint64_t)getpid(), rank);
@@ -759,12 +811,12 @@ static PyMethodDef eng_methods[] = {
     {"cma_init", (PyCFunction)eng_cma_init, METH_VARARGS,
      "cma_init(kind, want, min, twoshot) -> (status, on): agree on single copy"},
     {"set_fast_path", (PyCFunction)eng_set_fast_path, METH_VARARGS,
-     "set_fast_path(tensor type, ops, dtypes, kind, fallback)"},
+     "set_fast_path(tensor type, ops, dtypes, kind, fallback, raiser)"},
     {"set_p2p_dtypes", (PyCFunction)eng_set_p2p_dtypes, METH_VARARGS,
      "set_p2p_dtypes(dtypes, sizes, empty): the message dtypes"},
-    {"hold", (PyCFunction)eng_hold, METH_NOARGS,
+    {"hold", (PyCFunction)py_hold, METH_NOARGS,
      "hold() -> status: keep other threads out across several calls"},
-    {"release", (PyCFunction)eng_release, METH_NOARGS,
+    {"release", (PyCFunction)py_release, METH_NOARGS,
      "release(): the end of hold()"},
     {"abort", (PyCFunction)eng_abort, METH_O,
      "abort(reason): fail, and tell the peers"},
@@ -780,15 +832,15 @@ static PyMethodDef eng_methods[] = {
     {"fast_all_reduce", (PyCFunction)(void (*)(void))eng_fast_all_reduce, METH_FASTCALL | METH_KEYWORDS,
      "fast_all_reduce(tensor, op=SUM) -> tensor: all_reduce in one call"},
     {"fast_all_gather", (PyCFunction)(void (*)(void))eng_fast_all_gather, METH_FASTCALL,
-     "fast_all_gather(output, input) -> status | None"},
+     "fast_all_gather(output, input[, fn]) -> True | None"},
     {"fast_gather", (PyCFunction)(void (*)(void))eng_fast_gather, METH_FASTCALL,
-     "fast_gather(input, out | None, dst) -> status | None"},
+     "fast_gather(input, out | None, dst) -> True | None"},
     {"fast_reduce_scatter", (PyCFunction)(void (*)(void))eng_fast_reduce_scatter, METH_FASTCALL,
-     "fast_reduce_scatter(output, input, op) -> status | None"},
+     "fast_reduce_scatter(output, input, op) -> True | None"},
     {"fast_broadcast", (PyCFunction)(void (*)(void))eng_fast_broadcast, METH_FASTCALL,
-     "fast_broadcast(tensor, src) -> status | None"},
+     "fast_broadcast(tensor, src) -> True | None"},
     {"fast_all_to_all", (PyCFunction)(void (*)(void))eng_fast_all_to_all, METH_FASTCALL,
-     "fast_all_to_all(output, input, out_splits, in_splits) -> status | None"},
+     "fast_all_to_all(output, input, out_splits, in_splits) -> True | None"},
     {"plain", (PyCFunction)eng_plain, METH_O,
      "plain(tensor) -> (dtype code, address, numel) | None"},
     /* -- collectives: rounds by address (shm/path.py) */
@@ -814,13 +866,11 @@ static PyMethodDef eng_methods[] = {
      "nsymmetric() -> int: the empty() buffers listed"},
     /* -- point to point (shm/messages.py, shm/path.py) */
     {"p2p_send_tensors", (PyCFunction)(void (*)(void))eng_p2p_send_tensors, METH_FASTCALL,
-     "p2p_send_tensors(dst, tensors) -> status | None: send in one call"},
-    {"p2p_recv_new", (PyCFunction)eng_p2p_recv_new, METH_O,
-     "p2p_recv_new(src) -> list | status | header | None: recv in one call"},
-    {"p2p_recv_into", (PyCFunction)(void (*)(void))eng_p2p_recv_into, METH_FASTCALL,
-     "p2p_recv_into(src, out) -> status | header | None"},
+     "p2p_send_tensors(dst, tensors) -> True | None: send in one call"},
+    {"p2p_recv", (PyCFunction)(void (*)(void))eng_p2p_recv, METH_FASTCALL,
+     "p2p_recv(src, out=None) -> list | header | None: recv in one call"},
     {"p2p_sendrecv", (PyCFunction)(void (*)(void))eng_p2p_sendrecv, METH_FASTCALL,
-     "p2p_sendrecv(dst, tensors, src, out) -> status | (header, data) | None"},
+     "p2p_sendrecv(dst, tensors, src, out) -> list | (header, data) | None"},
     {"p2p_send", (PyCFunction)eng_p2p_send, METH_VARARGS,
      "p2p_send(dst, pieces, if_room=False) -> status | None"},
     {"p2p_recv_head", (PyCFunction)eng_p2p_recv_head, METH_O,

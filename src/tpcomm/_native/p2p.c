@@ -348,13 +348,11 @@ PyObject *recv_head(Engine *e, int src, int *st)
     }
     *st = rx_copy(e, PyBytes_AS_STRING(hdr), (size_t)hl, &ts);
     call_end(e, *st, ts);
-    if (*st == ST_OK && !e->rx.held) {
-        /* until the body is read (recv_body, or rx_release when Python gives
-         * up on it), the channel is mid-message: no other thread may come in */
+    /* until the body is read (recv_body, or rx_release when Python gives up
+     * on it), the channel is mid-message: no other thread may come in (this
+     * thread was in, so the hold is granted) */
+    if (*st == ST_OK && !e->rx.held && eng_hold(e) == ST_OK)
         e->rx.held = 1;
-        e->held++;
-        e->holder = PyThread_get_thread_ident();
-    }
     return hdr;
 }
 
@@ -441,7 +439,7 @@ void rx_release(Engine *e)
 {
     if (e->rx.held) {
         e->rx.held = 0;
-        e->held--;
+        eng_release(e);
     }
 }
 

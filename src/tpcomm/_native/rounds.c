@@ -10,6 +10,38 @@ static int gather_rounds(Engine *e, uint32_t kind, const char *mine, const size_
                          size_t outer);
 
 /*
+ * The per-round loop every collective of this file shares: for each of
+ * j->rounds rounds, put this rank's part k into its slot of the round's
+ * parity, one round_sync with the call's metadata, then take part k from the
+ * slots of that parity.  j->bytes: what the call moves (call_enter: whether
+ * it runs without the GIL).  A status, or -1 with an exception.
+ */
+typedef struct job job_t;
+struct job {
+    void (*put)(Engine *e, job_t *j, size_t k, char *slot);
+    void (*take)(Engine *e, job_t *j, size_t k, int p);
+    size_t rounds, bytes;
+    uint32_t kind, dtype, op;
+    uint64_t count, arg;
+};
+
+static int run_rounds(Engine *e, job_t *j)
+{
+    PyThreadState *ts = NULL;
+    int st = call_enter(e, j->bytes, &ts);
+    if (st != 0)
+        return st;
+    for (size_t k = 0; k < j->rounds && st == ST_OK; k++) {
+        int p = (int)((e->round + 1) & 1);
+        j->put(e, j, k, slot_of(e, e->rank, p));
+        st = round_sync(e, j->kind, j->dtype, j->op, j->count, j->arg, &ts);
+        if (st == ST_OK)
+            j->take(e, j, k, p);
+    }
+    return call_end(e, st, ts);
+}
+
+/*
  * sync(kind, dtype, op, count, arg) -> status: one collective round with no
  * data of its own (barrier, dup, a refusal, empty()'s exchange): publish this
  * rank's metadata, wait for every peer, compare.  The caller
@@ -196,17 +228,17 @@ uint64_t flat_key(uint64_t kind, uint64_t n, uint64_t world)
  * `code` at `mine`, in rank order, at out (NULL: this rank receives nothing),
  * keyed flat_key(kind + tag, n, w) as keys.gather_key keys a flat, even
  * layout (tag: 0 without a root, (root + 1) << 32 with one) */
-PyObject *flat_gather(Engine *e, uint32_t kind, uint64_t tag, const char *mine, int code,
-                      long long n, size_t nbytes, char *out)
+int flat_gather(Engine *e, uint32_t kind, uint64_t tag, const char *mine, int code, long long n,
+                size_t nbytes, char *out)
 {
     size_t *cnt = even_sizes(e, nbytes);
     if (!cnt)
-        return NULL;
+        return -1;
     uint64_t key = flat_key((uint64_t)kind + tag, (uint64_t)n, (uint64_t)e->world);
     int st = gather_rounds(e, kind, mine, cnt, out, NULL, (uint32_t)code,
                            (uint64_t)n * (uint64_t)e->world, key, 1);
     PyMem_Free(cnt);
-    return status_result(st);
+    return st;
 }
 
 /* The rounds of a gather: -1 with an exception, or a status.
@@ -215,6 +247,44 @@ PyObject *flat_gather(Engine *e, uint32_t kind, uint64_t tag, const char *mine, 
  * whose own entry is the input) skips copying it.  A result that overlaps the
  * input anywhere else would overwrite the input before it is all sent: the
  * input is copied aside first, so the result is as if nothing overlapped. */
+typedef struct {
+    job_t j;
+    const char *mine;
+    const size_t *cnt;
+    char *out;
+    char *const *dsts;
+    size_t cap, total, outer;
+    int in_place;
+} gather_job_t;
+
+static void gather_put(Engine *e, job_t *j, size_t k, char *slot)
+{
+    gather_job_t *g = (gather_job_t *)j;
+    size_t lo = k * g->cap, n = part_of(g->cnt[e->rank], lo, g->cap);
+    if (n)
+        copy_slot(slot, g->mine + lo, n, slot_stores_nt(e, n));
+}
+
+static void gather_take(Engine *e, job_t *j, size_t k, int p)
+{
+    gather_job_t *g = (gather_job_t *)j;
+    if (!(g->out || g->dsts))
+        return;
+    const int me = e->rank;
+    size_t lo = k * g->cap, off = 0;
+    for (int r = 0; r < e->world; r++) {
+        size_t n = part_of(g->cnt[r], lo, g->cap);
+        const char *from = r == me ? g->mine + lo : slot_of(e, r, p);
+        if (r == me && g->in_place)
+            ; /* already there */
+        else if (n && g->dsts)
+            memcpy(g->dsts[r] + lo, from, n);
+        else if (n)
+            put_blocks(g->out, from, lo, n, g->cnt[r] / g->outer, g->total / g->outer, off);
+        off += g->cnt[r] / g->outer;
+    }
+}
+
 static int gather_rounds(Engine *e, uint32_t kind, const char *mine, const size_t *cnt, char *out,
                          char *const *dsts, uint32_t dtype, uint64_t numel, uint64_t arg,
                          size_t outer)
@@ -260,59 +330,46 @@ static int gather_rounds(Engine *e, uint32_t kind, const char *mine, const size_
         PyMem_RawFree(aside);
         return st;
     }
-    PyThreadState *ts = NULL;
-    int st = call_enter(e, total, &ts);
-    if (st != 0) {
-        PyMem_RawFree(aside);
-        return st;
-    }
-    for (size_t k = 0; k < rounds && st == ST_OK; k++) {
-        size_t lo = k * cap, n = part_of(cnt[me], lo, cap);
-        int p = (int)((e->round + 1) & 1);
-        if (n)
-            copy_slot(slot_of(e, me, p), mine + lo, n, slot_stores_nt(e, n));
-        st = round_sync(e, kind, dtype, 0, numel, arg, &ts);
-        if (st != ST_OK || !(out || dsts))
-            continue;
-        size_t off = 0;
-        for (int r = 0; r < w; r++) {
-            n = part_of(cnt[r], lo, cap);
-            const char *from = r == me ? mine + lo : slot_of(e, r, p);
-            if (r == me && in_place)
-                ; /* already there */
-            else if (n && dsts)
-                memcpy(dsts[r] + lo, from, n);
-            else if (n)
-                put_blocks(out, from, lo, n, cnt[r] / outer, total / outer, off);
-            off += cnt[r] / outer;
-        }
-    }
-    st = call_end(e, st, ts);
+    gather_job_t g = {{gather_put, gather_take, rounds, total, kind, dtype, 0, numel, arg},
+                      mine, cnt, out, dsts, cap, total, outer, in_place};
+    int st = run_rounds(e, &g.j);
     PyMem_RawFree(aside);
     return st;
 }
 
 /* The rounds of a broadcast of `total` bytes at data from rank src: -1 with
  * an exception, or a status */
+typedef struct {
+    job_t j;
+    char *data;
+    size_t total, cap;
+    int src;
+} bcast_job_t;
+
+static void bcast_put(Engine *e, job_t *j, size_t k, char *slot)
+{
+    bcast_job_t *b = (bcast_job_t *)j;
+    size_t lo = k * b->cap, n = part_of(b->total, lo, b->cap);
+    if (e->rank == b->src && n)
+        copy_slot(slot, b->data + lo, n, slot_stores_nt(e, n));
+}
+
+static void bcast_take(Engine *e, job_t *j, size_t k, int p)
+{
+    bcast_job_t *b = (bcast_job_t *)j;
+    size_t lo = k * b->cap, n = part_of(b->total, lo, b->cap);
+    if (e->rank != b->src && n)
+        memcpy(b->data + lo, slot_of(e, b->src, p), n);
+}
+
 int broadcast_rounds(Engine *e, uint32_t kind, char *data, size_t total, int src,
                         uint32_t dtype, uint64_t numel)
 {
     const size_t cap = e->slot_bytes;
     size_t rounds = total ? (total + cap - 1) / cap : 1;
-    PyThreadState *ts = NULL;
-    int st = call_enter(e, total, &ts);
-    if (st != 0)
-        return st;
-    for (size_t k = 0; k < rounds && st == ST_OK; k++) {
-        size_t lo = k * cap, n = part_of(total, lo, cap);
-        int p = (int)((e->round + 1) & 1);
-        if (e->rank == src && n)
-            copy_slot(slot_of(e, e->rank, p), data + lo, n, slot_stores_nt(e, n));
-        st = round_sync(e, kind, dtype, 0, numel, (uint64_t)src, &ts);
-        if (st == ST_OK && e->rank != src && n)
-            memcpy(data + lo, slot_of(e, src, p), n);
-    }
-    return call_end(e, st, ts);
+    bcast_job_t b = {{bcast_put, bcast_take, rounds, total, kind, dtype, 0, numel, (uint64_t)src},
+                     data, total, cap, src};
+    return run_rounds(e, &b.j);
 }
 
 /* broadcast(kind, data, nbytes, src, dtype, numel) -> status: src's bytes everywhere */
@@ -355,6 +412,53 @@ PyObject *eng_reduce_scatterv(Engine *e, PyObject *const *args, Py_ssize_t nargs
 }
 
 /* The rounds of a reduce-scatter: -1 with an exception, or a status */
+typedef struct {
+    job_t j;
+    const char *x;
+    const size_t *sizes, *offs;
+    char *out;
+    void **srcs;
+    size_t per, es, row, outer;
+    int dtype, op;
+} rs_job_t;
+
+/* shard j's part of round k to its place in the slot (take_blocks) */
+static void rs_put(Engine *e, job_t *j, size_t k, char *slot)
+{
+    rs_job_t *r = (rs_job_t *)j;
+    const int w = e->world, me = e->rank;
+    const size_t lo = k * r->per, es = r->es;
+    size_t in = 0; /* this round's bytes into the slot */
+    for (int q = 0; q < w; q++)
+        in += q == me ? 0 : part_of(r->outer * r->sizes[q], lo, r->per) * es;
+    const int nt = slot_stores_nt(e, in);
+    for (int q = 0; q < w; q++) {
+        size_t n = part_of(r->outer * r->sizes[q], lo, r->per);
+        if (n && q != me)
+            take_blocks(slot + (size_t)q * r->per * es, r->x, lo * es, n * es, r->sizes[q] * es,
+                        r->row, r->offs[q] * es, nt);
+    }
+}
+
+/* this rank's own part is read where it is: one reduction per piece of a
+ * row's block (one piece in all without rows) */
+static void rs_take(Engine *e, job_t *j, size_t k, int p)
+{
+    rs_job_t *r = (rs_job_t *)j;
+    const int w = e->world, me = e->rank;
+    const size_t lo = k * r->per, es = r->es, mine = r->sizes[me];
+    size_t n = part_of(r->outer * mine, lo, r->per);
+    for (size_t q = lo, end = lo + n; q < end;) {
+        size_t a = q / mine, in = q % mine;
+        size_t m = mine - in < end - q ? mine - in : end - q;
+        for (int s = 0; s < w; s++)
+            r->srcs[s] = s == me ? (void *)(r->x + a * r->row + (r->offs[me] + in) * es)
+                                 : (void *)(slot_of(e, s, p) + ((size_t)me * r->per + q - lo) * es);
+        par_reduce(e->pool, r->dtype, r->op, r->out + q * es, r->srcs, w, m);
+        q += m;
+    }
+}
+
 int reduce_scatter_rounds(Engine *e, uint32_t kind, const char *x, int dtype, const size_t *sizes,
                      char *out, int op, uint64_t arg, size_t outer)
 {
@@ -395,50 +499,14 @@ int reduce_scatter_rounds(Engine *e, uint32_t kind, const char *x, int dtype, co
         }
         out = aside;
     }
-    PyThreadState *ts = NULL;
-    int st = call_enter(e, numel * es, &ts);
-    if (st != 0) {
-        PyMem_Free(offs);
-        PyMem_Free(srcs);
-        PyMem_RawFree(aside);
-        return st;
-    }
-    for (size_t k = 0; k < rounds && st == ST_OK; k++) {
-        size_t lo = k * per;
-        int p = (int)((e->round + 1) & 1);
-        char *base = slot_of(e, me, p);
-        size_t in = 0; /* this round's bytes into the slot */
-        for (int j = 0; j < w; j++)
-            in += j == me ? 0 : part_of(outer * sizes[j], lo, per) * es;
-        const int nt = slot_stores_nt(e, in);
-        /* shard j's part of this round to its place in the slot (take_blocks) */
-        for (int j = 0; j < w; j++) {
-            size_t n = part_of(outer * sizes[j], lo, per);
-            if (n && j != me)
-                take_blocks(base + (size_t)j * per * es, x, lo * es, n * es, sizes[j] * es, row,
-                            offs[j] * es, nt);
-        }
-        st = round_sync(e, kind, (uint32_t)dtype, (uint32_t)op, numel, arg, &ts);
-        size_t n = part_of(outer * sizes[me], lo, per);
-        if (st != ST_OK || !n)
-            continue;
-        /* this rank's own part is read where it is: one reduction per piece
-         * of a row's block (one piece in all without rows) */
-        for (size_t q = lo, end = lo + n; q < end;) {
-            size_t a = q / sizes[me], in = q % sizes[me];
-            size_t m = sizes[me] - in < end - q ? sizes[me] - in : end - q;
-            for (int r = 0; r < w; r++)
-                srcs[r] = r == me ? (void *)(x + a * row + (offs[me] + in) * es)
-                                  : (void *)(slot_of(e, r, p) + ((size_t)me * per + q - lo) * es);
-            par_reduce(e->pool, dtype, op, out + q * es, srcs, w, m);
-            q += m;
-        }
-    }
+    rs_job_t r = {{rs_put, rs_take, rounds, numel * es, kind, (uint32_t)dtype, (uint32_t)op, numel,
+                   arg},
+                  x, sizes, offs, out, srcs, per, es, row, outer, dtype, op};
+    int st = run_rounds(e, &r.j);
     if (aside && st == ST_OK)
         memcpy(dest, aside, mine);
     PyMem_Free(offs);
     PyMem_Free(srcs);
-    st = call_end(e, st, ts);
     PyMem_RawFree(aside);
     return st;
 }
@@ -453,6 +521,47 @@ int reduce_scatter_rounds(Engine *e, uint32_t kind, const char *x, int dtype, co
  * sends (every rank must pass the same: it sets the number of rounds).  x and
  * out must not overlap.  A status, or -1 with an exception set.
  */
+typedef struct {
+    job_t j;
+    const char *x;
+    const size_t *sc, *so;
+    char *out;
+    const size_t *rc, *ro;
+    size_t per;
+} a2a_job_t;
+
+/* part k of this rank's block for each rank j into segment j of its slot */
+static void a2a_put(Engine *e, job_t *j, size_t k, char *slot)
+{
+    a2a_job_t *a = (a2a_job_t *)j;
+    const int w = e->world, me = e->rank;
+    const size_t lo = k * a->per;
+    size_t in = 0; /* this round's bytes into the slot */
+    for (int q = 0; q < w; q++)
+        in += q == me ? 0 : part_of(a->sc[q], lo, a->per);
+    const int nt = slot_stores_nt(e, in);
+    for (int q = 0; q < w; q++) {
+        size_t n = part_of(a->sc[q], lo, a->per);
+        if (n && q != me)
+            copy_slot(slot + (size_t)q * a->per, a->x + a->so[q] + lo, n, nt);
+    }
+}
+
+/* part k of segment `rank` of every peer's slot (its own block: from x) to
+ * its place in out */
+static void a2a_take(Engine *e, job_t *j, size_t k, int p)
+{
+    a2a_job_t *a = (a2a_job_t *)j;
+    const int me = e->rank;
+    const size_t lo = k * a->per;
+    for (int r = 0; r < e->world; r++) {
+        size_t n = part_of(a->rc[r], lo, a->per);
+        if (n)
+            memcpy(a->out + a->ro[r] + lo,
+                   r == me ? a->x + a->so[me] + lo : slot_of(e, r, p) + (size_t)me * a->per, n);
+    }
+}
+
 static int alltoallv_rounds(Engine *e, uint32_t kind, const char *x, const size_t *sc,
                          const size_t *so, char *out, const size_t *rc, const size_t *ro,
                          uint64_t most, uint32_t dtype, uint64_t count, uint64_t arg)
@@ -484,32 +593,9 @@ static int alltoallv_rounds(Engine *e, uint32_t kind, const char *x, const size_
         }
         return cma_rounds(e, kind, dtype, count, arg, total, x, offs, x + so[me], dst, rc, rc, rc);
     }
-    PyThreadState *ts = NULL;
-    int st = call_enter(e, total, &ts);
-    if (st != 0)
-        return st;
-    for (size_t k = 0; k < rounds && st == ST_OK; k++) {
-        size_t lo = k * per;
-        int p = (int)((e->round + 1) & 1);
-        char *base = slot_of(e, me, p);
-        size_t in = 0; /* this round's bytes into the slot */
-        for (int j = 0; j < w; j++)
-            in += j == me ? 0 : part_of(sc[j], lo, per);
-        const int nt = slot_stores_nt(e, in);
-        for (int j = 0; j < w; j++) {
-            size_t n = part_of(sc[j], lo, per);
-            if (n && j != me)
-                copy_slot(base + (size_t)j * per, x + so[j] + lo, n, nt);
-        }
-        st = round_sync(e, kind, dtype, 0, count, arg, &ts);
-        for (int r = 0; st == ST_OK && r < w; r++) {
-            size_t n = part_of(rc[r], lo, per);
-            if (n)
-                memcpy(out + ro[r] + lo,
-                       r == me ? x + so[me] + lo : slot_of(e, r, p) + (size_t)me * per, n);
-        }
-    }
-    return call_end(e, st, ts);
+    a2a_job_t a = {{a2a_put, a2a_take, rounds, total, kind, dtype, 0, count, arg},
+                   x, sc, so, out, rc, ro, per};
+    return run_rounds(e, &a.j);
 }
 
 /*

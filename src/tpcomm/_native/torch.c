@@ -15,7 +15,8 @@
  * collective.  Anything unusual (a subclass, another device, a view that is
  * not contiguous, an unknown dtype or op, keywords, an error) goes to the
  * Python fallback set with set_fast_path(), which does the full checks and
- * raises the proper exceptions: fallback(tensor, op, status).
+ * raises the proper exceptions: fallback(tensor, op); a failed call raises
+ * through fast_done.
  */
 #define MAX_ANY 32 /* dtypes a point-to-point message may carry */
 /* the binary header of n tensors, with the two lengths before it (plain_message) */
@@ -28,6 +29,7 @@ struct tview {
     PyObject *ops[OP_COUNT];
     PyObject *dtypes[DT_COUNT];
     PyObject *fallback; /* a weakref.WeakMethod to Python's general path */
+    PyObject *raiser;   /* one to ShmEngine.raise_status(status, fn) */
     PyObject *d_dtype, *d_is_cpu, *d_is_contiguous, *d_data_ptr, *d_numel, *d_is_neg;
     PyObject *d_is_conj, *d_shape;
     /* point-to-point fast path: every dtype a message may carry, by code */
@@ -41,6 +43,9 @@ struct tview {
 
 static PyObject *S_dtype, *S_is_cpu, *S_is_contiguous, *S_data_ptr, *S_numel, *S_is_neg;
 static PyObject *S_is_conj, *S_shape;
+/* the public calls the entries serve, as their errors name them */
+static PyObject *F_all_reduce, *F_all_gather, *F_gather, *F_broadcast, *F_reduce_scatter, *F_all_to_all, *F_send,
+    *F_recv, *F_sendrecv;
 
 /* The attribute names, interned once (module init): 0, or -1 with an exception. */
 int torch_init(void)
@@ -53,8 +58,18 @@ int torch_init(void)
     S_is_neg = PyUnicode_InternFromString("is_neg");
     S_is_conj = PyUnicode_InternFromString("is_conj");
     S_shape = PyUnicode_InternFromString("shape");
+    F_all_reduce = PyUnicode_InternFromString("all_reduce");
+    F_all_gather = PyUnicode_InternFromString("all_gather_into_tensor");
+    F_gather = PyUnicode_InternFromString("gather");
+    F_broadcast = PyUnicode_InternFromString("broadcast");
+    F_reduce_scatter = PyUnicode_InternFromString("reduce_scatter_tensor");
+    F_all_to_all = PyUnicode_InternFromString("all_to_all_single");
+    F_send = PyUnicode_InternFromString("send");
+    F_recv = PyUnicode_InternFromString("recv");
+    F_sendrecv = PyUnicode_InternFromString("sendrecv");
     return S_dtype && S_is_cpu && S_is_contiguous && S_data_ptr && S_numel && S_is_neg &&
-                   S_is_conj && S_shape
+                   S_is_conj && S_shape && F_all_reduce && F_all_gather && F_gather && F_broadcast &&
+                   F_reduce_scatter && F_all_to_all && F_send && F_recv && F_sendrecv
                ? 0
                : -1;
 }
@@ -74,6 +89,7 @@ void tview_free(Engine *e)
         return;
     Py_CLEAR(v->tensor_type);
     Py_CLEAR(v->fallback);
+    Py_CLEAR(v->raiser);
     Py_CLEAR(v->d_dtype);
     Py_CLEAR(v->d_is_cpu);
     Py_CLEAR(v->d_is_contiguous);
@@ -108,25 +124,73 @@ static inline PyObject *descr_call(PyObject *descr, PyObject *t)
     return PyObject_Vectorcall(descr, &t, 1, NULL);
 }
 
-static PyObject *call_fallback(Engine *e, PyObject *t, PyObject *op, int status)
+/* The object a weakref.WeakMethod set by Python points at (a new reference),
+ * or NULL with RuntimeError when it is gone or was never set. */
+static PyObject *weak_target(PyObject *wm)
 {
-    if (!e->tv->fallback) {
-        PyErr_SetString(PyExc_RuntimeError, "tpcomm: the fast path has no fallback");
+    if (!wm) {
+        PyErr_SetString(PyExc_RuntimeError, "tpcomm: the fast path is not armed");
         return NULL;
     }
-    PyObject *target = PyObject_CallNoArgs(e->tv->fallback); /* a weakref.WeakMethod */
-    if (!target)
-        return NULL;
+    PyObject *target = PyObject_CallNoArgs(wm);
     if (target == Py_None) {
         Py_DECREF(target);
         PyErr_SetString(PyExc_RuntimeError, "tpcomm: the Communicator is gone");
         return NULL;
     }
-    PyObject *st = PyLong_FromLong(status);
-    PyObject *res = st ? PyObject_CallFunctionObjArgs(target, t, op, st, NULL) : NULL;
-    Py_XDECREF(st);
+    return target;
+}
+
+/* Python's general all_reduce, fallback(tensor, op): every call the one-call
+ * entry does not take */
+static PyObject *call_fallback(Engine *e, PyObject *t, PyObject *op)
+{
+    PyObject *target = weak_target(e->tv->fallback);
+    if (!target)
+        return NULL;
+    PyObject *res = PyObject_CallFunctionObjArgs(target, t, op, NULL);
     Py_DECREF(target);
     return res;
+}
+
+/*
+ * The one check every one-call entry makes first: may it take the call?  The
+ * engine open, this thread's turn (no other thread inside a call or holding
+ * the engine, no receive of its own half done), not failed nor aborted by a
+ * peer (take_abort records who), and the torch view armed (set_fast_path,
+ * set_p2p_dtypes).  No: the general road runs, which checks the same states
+ * and reports them (call_check).
+ */
+static inline int fast_ready(Engine *e)
+{
+    return e->base && !other_thread(e) && !e->failed && e->rx.src < 0 && e->tv->n_any &&
+           e->tv->d_shape && !take_abort(e);
+}
+
+/*
+ * The one way an entry ends: Py_True when status st says the call is done;
+ * else NULL with the exception the engine's raise_status makes for a call of
+ * fn (the same words as the general road's); st < 0: the exception already
+ * set.
+ */
+static PyObject *fast_done(Engine *e, int st, PyObject *fn)
+{
+    if (st == ST_OK)
+        Py_RETURN_TRUE;
+    if (st < 0)
+        return NULL;
+    PyObject *target = weak_target(e->tv->raiser);
+    if (!target)
+        return NULL;
+    PyObject *code = PyLong_FromLong(st);
+    PyObject *res = code ? PyObject_CallFunctionObjArgs(target, code, fn, NULL) : NULL;
+    Py_XDECREF(code);
+    Py_DECREF(target);
+    if (res) { /* raise_status always raises */
+        Py_DECREF(res);
+        PyErr_Format(PyExc_RuntimeError, "tpcomm: status %d raised nothing", st);
+    }
+    return NULL;
 }
 
 /* Is t.<descr> (called when `call`) the object `want` (Py_True or Py_False)?
@@ -172,8 +236,8 @@ PyObject *eng_fast_all_reduce(Engine *e, PyObject *const *args, Py_ssize_t nargs
     if (!op)
         op = e->tv->ops[OP_SUM];
     int opc = -1, dtc = -1;
-    if (!e->base || other_thread(e) || e->failed || Py_TYPE(t) != e->tv->tensor_type)
-        return call_fallback(e, t, op, 0);
+    if (!fast_ready(e) || Py_TYPE(t) != e->tv->tensor_type)
+        return call_fallback(e, t, op);
     for (int i = 0; i < OP_COUNT; i++)
         if (op == e->tv->ops[i])
             opc = i;
@@ -189,7 +253,7 @@ PyObject *eng_fast_all_reduce(Engine *e, PyObject *const *args, Py_ssize_t nargs
     if (opc < 0 || dtc < 0 || (opc == OP_AVG && dtc >= DT_I32) ||
         !attr_is(t, e->tv->d_is_cpu, 0, Py_True) || !attr_is(t, e->tv->d_is_contiguous, 1, Py_True) ||
         !attr_is(t, e->tv->d_is_neg, 1, Py_False))
-        return call_fallback(e, t, op, 0);
+        return call_fallback(e, t, op);
     PyObject *pv = descr_call(e->tv->d_data_ptr, t);
     if (!pv)
         return NULL;
@@ -204,25 +268,24 @@ PyObject *eng_fast_all_reduce(Engine *e, PyObject *const *args, Py_ssize_t nargs
     Py_DECREF(nv);
     if (PyErr_Occurred())
         return NULL;
-    if (take_abort(e))
-        return call_fallback(e, t, op, ST_ABORTED);
     PyThreadState *ts = NULL;
     call_begin(e, (size_t)count * dt_size[dtc], &ts); /* checked above, as call_check does */
     int st = all_reduce_rounds(e, (char *)addr, (size_t)count, dtc, opc, e->tv->kind_all_reduce, &ts);
     st = call_end(e, st, ts);
     if (st != ST_OK)
-        return call_fallback(e, t, op, st);
+        return fast_done(e, st, F_all_reduce);
     Py_INCREF(t);
     return t;
 }
 
-/* set_fast_path(tensor_type, (ops...), (dtypes...), kind, fallback) */
+/* set_fast_path(tensor_type, (ops...), (dtypes...), kind, fallback, raiser):
+ * fallback and raiser are weakref.WeakMethods (call_fallback, fast_done) */
 PyObject *eng_set_fast_path(Engine *e, PyObject *args)
 {
-    PyObject *tt, *ops, *dts, *fb;
+    PyObject *tt, *ops, *dts, *fb, *raiser;
     unsigned int kind;
-    if (!PyArg_ParseTuple(args, "O!O!O!IO", &PyType_Type, &tt, &PyTuple_Type, &ops, &PyTuple_Type,
-                          &dts, &kind, &fb))
+    if (!PyArg_ParseTuple(args, "O!O!O!IOO", &PyType_Type, &tt, &PyTuple_Type, &ops, &PyTuple_Type,
+                          &dts, &kind, &fb, &raiser))
         return NULL;
     if (PyTuple_GET_SIZE(ops) != OP_COUNT || PyTuple_GET_SIZE(dts) != DT_COUNT) {
         PyErr_SetString(PyExc_ValueError, "set_fast_path: wrong number of ops or dtypes");
@@ -240,6 +303,8 @@ PyObject *eng_set_fast_path(Engine *e, PyObject *args)
     }
     Py_INCREF(fb);
     Py_XSETREF(e->tv->fallback, fb);
+    Py_INCREF(raiser);
+    Py_XSETREF(e->tv->raiser, raiser);
     /* Resolve the tensor type's accessors once; only C descriptors qualify
      * (a Python override would need the ordinary lookup). */
     PyObject *names[8] = {S_dtype, S_is_cpu, S_is_contiguous, S_data_ptr,
@@ -275,15 +340,19 @@ static int flat_pair(Engine *e, PyObject *big, PyObject *small, int *code, char 
 }
 
 /*
- * fast_all_gather(output, input) -> status, or None: the torch-style
+ * Every entry below answers True when it did the call, None when the call is
+ * not its case (the general road runs, which checks and reports), or raises
+ * (fast_done).  Each starts with fast_ready.
+ *
+ * fast_all_gather(output, input[, fn]): the torch-style
  * all_gather_into_tensor's common case in one call (plain tensors of one
- * dtype, output = world x input elements); None sends the caller down the
- * general path.  The metadata is the general path's (its layout key is
- * keys.flat_key for this layout).
+ * dtype, output = world x input elements); errors name fn (default
+ * all_gather_into_tensor).  The metadata is the general path's (its layout
+ * key is keys.flat_key for this layout).
  */
 PyObject *eng_fast_all_gather(Engine *e, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 2 || !e->base || e->failed || !e->tv->n_any || !e->tv->d_numel)
+    if (nargs < 2 || nargs > 3 || !fast_ready(e))
         Py_RETURN_NONE;
     int ci;
     char *ai, *ao;
@@ -292,11 +361,12 @@ PyObject *eng_fast_all_gather(Engine *e, PyObject *const *args, Py_ssize_t nargs
         PyErr_Clear();
         Py_RETURN_NONE;
     }
-    return flat_gather(e, KIND_ALL_GATHER, 0, ai, ci, ni, (size_t)ni * e->tv->any_size[ci], ao);
+    int st = flat_gather(e, KIND_ALL_GATHER, 0, ai, ci, ni, (size_t)ni * e->tv->any_size[ci], ao);
+    return fast_done(e, st, nargs == 3 ? args[2] : F_all_gather);
 }
 
 /*
- * fast_gather(input, out | None, dst) -> status, or None: gather's
+ * fast_gather(input, out | None, dst): gather's
  * common case in one call (a plain 1-d input; on dst a plain out of the same
  * dtype with world x its elements; the caller checks the dims).  None: the
  * general path.  The key is keys.gather_key's for a flat, even layout with
@@ -304,8 +374,7 @@ PyObject *eng_fast_all_gather(Engine *e, PyObject *const *args, Py_ssize_t nargs
  */
 PyObject *eng_fast_gather(Engine *e, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 3 || !e->base || e->failed || !e->tv->n_any || !e->tv->d_numel ||
-        !PyLong_CheckExact(args[2]))
+    if (nargs != 3 || !fast_ready(e) || !PyLong_CheckExact(args[2]))
         Py_RETURN_NONE;
     long dst = PyLong_AsLong(args[2]);
     int ci, co;
@@ -317,21 +386,18 @@ PyObject *eng_fast_gather(Engine *e, PyObject *const *args, Py_ssize_t nargs)
         PyErr_Clear();
         Py_RETURN_NONE;
     }
-    return flat_gather(e, KIND_GATHER, (uint64_t)(dst + 1) << 32, ai, ci, ni,
-                       (size_t)ni * e->tv->any_size[ci],
-                       dst == e->rank ? ao : NULL);
+    int st = flat_gather(e, KIND_GATHER, (uint64_t)(dst + 1) << 32, ai, ci, ni,
+                         (size_t)ni * e->tv->any_size[ci], dst == e->rank ? ao : NULL);
+    return fast_done(e, st, F_gather);
 }
 
 /*
- * fast_broadcast(t, src) -> status, or None: Communicator.broadcast's
- * common case in one call (a plain tensor, an exact int src in range); None
- * sends the caller down the general Python path, which checks and reports.
- * The metadata is the general path's (dtype code, element count, src).
+ * fast_broadcast(t, src): Communicator.broadcast's common case in one call
+ * (a plain tensor, an exact int src in range).  The metadata is the general path's (dtype code, element count, src).
  */
 PyObject *eng_fast_broadcast(Engine *e, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 2 || !e->base || e->failed || !e->tv->n_any || !e->tv->d_numel ||
-        !PyLong_CheckExact(args[1]))
+    if (nargs != 2 || !fast_ready(e) || !PyLong_CheckExact(args[1]))
         Py_RETURN_NONE;
     long src = PyLong_AsLong(args[1]);
     if (PyErr_Occurred()) {
@@ -345,20 +411,22 @@ PyObject *eng_fast_broadcast(Engine *e, PyObject *const *args, Py_ssize_t nargs)
     long long n;
     if (plain_info(e, args[0], &code, &a, &n) < 0)
         Py_RETURN_NONE;
-    return status_result(broadcast_rounds(e, KIND_BROADCAST, a, (size_t)n * e->tv->any_size[code],
-                                      (int)src, (uint32_t)code, (uint64_t)n));
+    return fast_done(e,
+                     broadcast_rounds(e, KIND_BROADCAST, a, (size_t)n * e->tv->any_size[code],
+                                      (int)src, (uint32_t)code, (uint64_t)n),
+                     F_broadcast);
 }
 
 /*
- * fast_reduce_scatter(output, input, op) -> status, or None: the
- * torch-style reduce_scatter_tensor's common case in one call (plain tensors
- * of one reducible dtype, input = world x output elements, a ReduceOp the
- * engine does, AVG on floats only); None: the general path.  The metadata is
+ * fast_reduce_scatter(output, input, op): the torch-style
+ * reduce_scatter_tensor's common case in one call (plain tensors of one
+ * reducible dtype, input = world x output elements, a ReduceOp the engine
+ * does, AVG on floats only).  The metadata is
  * the general path's (flat_key(RS_FLAT, n, w) for this layout).
  */
 PyObject *eng_fast_reduce_scatter(Engine *e, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 3 || !e->base || e->failed || !e->tv->n_any || !e->tv->d_numel)
+    if (nargs != 3 || !fast_ready(e))
         Py_RETURN_NONE;
     int opc = -1, dtc = -1, ci;
     for (int i = 0; i < OP_COUNT; i++)
@@ -381,7 +449,7 @@ PyObject *eng_fast_reduce_scatter(Engine *e, PyObject *const *args, Py_ssize_t n
     int st = reduce_scatter_rounds(e, KIND_REDUCE_SCATTER, ai, dtc, sizes, ao, opc,
                        flat_key(RS_FLAT, (uint64_t)no, (uint64_t)e->world), 1);
     PyMem_Free(sizes);
-    return status_result(st);
+    return fast_done(e, st, F_reduce_scatter);
 }
 
 /* t.shape into dims (at most max of them): the number of dims, or -1 (no
@@ -421,18 +489,16 @@ static int rows_of(Engine *e, PyObject *t, size_t es, uint64_t *rows, uint64_t *
 }
 
 /*
- * fast_all_to_all(output, input, output_split_sizes, input_split_sizes)
- * -> status, or None: all_to_all_single's common case in one call (plain
- * tensors of one dtype that share no memory; split sizes None, [] or lists of
- * ints); None: the general path, which checks and reports.  Without split
+ * fast_all_to_all(output, input, output_split_sizes, input_split_sizes):
+ * all_to_all_single's common case in one call (plain tensors of one dtype
+ * that share no memory; split sizes None, [] or lists of ints).  Without split
  * sizes the general path's even rounds (the block size in the metadata,
  * alltoall_even_rounds), else its split table and rounds (alltoall_splits_rounds):
  * ranks on either path meet the same rounds.
  */
 PyObject *eng_fast_all_to_all(Engine *e, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 4 || !e->base || e->failed || !e->tv->n_any || !e->tv->d_numel ||
-        !e->tv->d_shape)
+    if (nargs != 4 || !fast_ready(e))
         Py_RETURN_NONE;
     PyObject *outs, *ins;
     int co, ci;
@@ -454,10 +520,13 @@ PyObject *eng_fast_all_to_all(Engine *e, PyObject *const *args, Py_ssize_t nargs
         const uint64_t w = (uint64_t)e->world;
         if (f[0] % w || f[1] != f[0] || f[3] != f[2]) /* the general path's ValueError */
             goto general;
-        return status_result(alltoall_even_rounds(e, KIND_ALL_TO_ALL, ai, ao, (size_t)(f[0] / w * f[2]),
-                                               (uint32_t)ci));
+        return fast_done(e,
+                         alltoall_even_rounds(e, KIND_ALL_TO_ALL, ai, ao, (size_t)(f[0] / w * f[2]),
+                                              (uint32_t)ci),
+                         F_all_to_all);
     }
-    return status_result(alltoall_splits_rounds(e, KIND_ALL_TO_ALL, ai, ins, ao, outs, f));
+    return fast_done(e, alltoall_splits_rounds(e, KIND_ALL_TO_ALL, ai, ins, ao, outs, f),
+                     F_all_to_all);
 general:
     PyErr_Clear();
     Py_RETURN_NONE;
@@ -535,13 +604,14 @@ static int peer_arg(Engine *e, PyObject *v)
     return r >= 0 && r < e->world && r != e->rank ? (int)r : -1;
 }
 
-/* The (peer, tensors) arguments of the point-to-point fast paths: the
- * tensors' items (and *peer, *n), or NULL when the call is not for them
- * (nothing is set as an error: the general path checks and reports). */
+/* The (peer, tensors) arguments of the point-to-point fast paths (the
+ * caller asked fast_ready): the tensors' items (and *peer, *n), or NULL when
+ * the call is not for them (nothing is set as an error: the general path
+ * checks and reports). */
 static PyObject **p2p_args(Engine *e, PyObject *const *args, Py_ssize_t nargs, int *peer,
                            Py_ssize_t *n)
 {
-    if (nargs != 2 || !e->base || other_thread(e) || e->failed || !e->tv->n_any || !e->tv->d_shape)
+    if (nargs != 2)
         return NULL;
     *peer = peer_arg(e, args[0]);
     PyObject *seq = args[1];
@@ -554,12 +624,12 @@ static PyObject **p2p_args(Engine *e, PyObject *const *args, Py_ssize_t nargs, i
 }
 
 /*
- * p2p_send_tensors(dst, tensors) -> status, or None: Communicator.send's
- * common case in one C call (the Python steps cost ~5 us per message on the
- * development VM).  It builds the binary header p2p.c defines.
- * None means nothing was sent and the general path in Python must run: an
- * argument it would reject or report, more than 255 tensors or 8 dims, a
- * tensor that is not plain (see plain_code), a closed or failed engine.
+ * p2p_send_tensors(dst, tensors): Communicator.send's common case in one C
+ * call (the Python steps cost ~5 us per message on the development VM).  It
+ * builds the binary header p2p.c defines.  None means nothing was sent and
+ * the general path in Python must run: an argument it would reject or
+ * report, more than 255 tensors or 8 dims, a tensor that is not plain (see
+ * plain_code), a closed or failed engine.
  */
 
 /* The binary header of n plain tensors into h (p2p.c header_*), and each
@@ -615,7 +685,7 @@ PyObject *eng_p2p_send_tensors(Engine *e, PyObject *const *args, Py_ssize_t narg
 {
     int dst;
     Py_ssize_t n, np;
-    PyObject **items = p2p_args(e, args, nargs, &dst, &n);
+    PyObject **items = fast_ready(e) ? p2p_args(e, args, nargs, &dst, &n) : NULL;
     if (!items)
         Py_RETURN_NONE;
     char head[P2P_HEAD_BYTES];
@@ -623,10 +693,8 @@ PyObject *eng_p2p_send_tensors(Engine *e, PyObject *const *args, Py_ssize_t narg
     size_t len[P2P_MAX_TENSORS + 1];
     if (plain_message(e, items, n, head, addr, len, &np) < 0)
         Py_RETURN_NONE;
-    if (take_abort(e))
-        Py_RETURN_NONE; /* the general path reports it */
     pieces_t pc = {addr, len, np};
-    return PyLong_FromLong(send_pieces(e, dst, &pc));
+    return fast_done(e, send_pieces(e, dst, &pc), F_send);
 }
 
 /*
@@ -640,7 +708,7 @@ PyObject *eng_plain(Engine *e, PyObject *t)
     int code;
     char *a;
     long long n;
-    if (!e->base || e->failed || !e->tv->n_any || !e->tv->d_numel || plain_info(e, t, &code, &a, &n) < 0)
+    if (!fast_ready(e) || plain_info(e, t, &code, &a, &n) < 0)
         Py_RETURN_NONE;
     return Py_BuildValue("(iKL)", code, (unsigned long long)(uintptr_t)a, n);
 }
@@ -688,7 +756,7 @@ PyObject *eng_set_p2p_dtypes(Engine *e, PyObject *args)
 
 /* The next message's header from src, for the one-call receives: the header
  * bytes (*h, *hl: their bytes and length); or NULL, *res being what the call
- * returns (the status, or NULL with an exception). */
+ * returns (NULL with an exception: fast_done's for a status). */
 static PyObject *fast_head(Engine *e, int src, PyObject **res, const unsigned char **h,
                            size_t *hl)
 {
@@ -699,27 +767,27 @@ static PyObject *fast_head(Engine *e, int src, PyObject **res, const unsigned ch
         *hl = (size_t)PyBytes_GET_SIZE(hdr);
         return hdr;
     }
-    *res = hdr ? PyLong_FromLong(st) : NULL;
     Py_XDECREF(hdr);
+    *res = hdr ? fast_done(e, st, F_recv) : NULL;
     return NULL;
 }
 
 /*
- * p2p_recv_into(src, out) -> status | header bytes | None: Communicator.recv
- * with out= in one C call.  None: nothing was received (an argument the
- * general path must check or report, a closed or failed engine).  Otherwise
- * the next message's header is consumed; when it is binary and describes
- * exactly `out`'s plain tensors (same count, dtypes and shapes), the body
- * lands in them and the status comes back; else the header bytes come back
- * and shm/messages.py recv_rest finishes the receive (it reports the mismatch).
+ * recv with out= (the caller asked fast_ready; src checked): the next
+ * message's header is consumed; when it is binary and describes exactly
+ * out's plain tensors (same count, dtypes and shapes), the body lands in them
+ * and the answer is list(out); else the header bytes, and
+ * shm/messages.py recv_rest finishes the receive (it reports the mismatch).
+ * None: nothing was received (out is not plain: the general path checks it).
  */
-PyObject *eng_p2p_recv_into(Engine *e, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *recv_into(Engine *e, int src, PyObject *out)
 {
-    int src;
-    Py_ssize_t n, np;
-    PyObject **items = p2p_args(e, args, nargs, &src, &n);
-    if (!items)
+    if (!(PyList_CheckExact(out) || PyTuple_CheckExact(out)))
         Py_RETURN_NONE;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(out), np;
+    if (n > P2P_MAX_TENSORS)
+        Py_RETURN_NONE;
+    PyObject **items = PySequence_Fast_ITEMS(out);
     /* the header a message for exactly these tensors has (as sendrecv and
      * p2p_batch match it), and where their bytes go */
     char want[P2P_HEAD_BYTES];
@@ -727,8 +795,6 @@ PyObject *eng_p2p_recv_into(Engine *e, PyObject *const *args, Py_ssize_t nargs)
     size_t len[P2P_MAX_TENSORS + 1];
     if (plain_message(e, items, n, want, addr, len, &np) < 0)
         Py_RETURN_NONE; /* the general path checks these before receiving */
-    if (take_abort(e))
-        Py_RETURN_NONE;
     const unsigned char *h;
     size_t hl;
     PyObject *res, *hdr = fast_head(e, src, &res, &h, &hl);
@@ -743,7 +809,7 @@ PyObject *eng_p2p_recv_into(Engine *e, PyObject *const *args, Py_ssize_t nargs)
         return hdr;
     }
     Py_DECREF(hdr);
-    return PyLong_FromLong(st);
+    return st == ST_OK ? PySequence_List(out) : fast_done(e, st, F_recv);
 }
 
 /* message_header(tensors) -> bytes | None: the binary header a message of
@@ -761,20 +827,22 @@ PyObject *eng_message_header(Engine *e, PyObject *seq)
 }
 
 /*
- * p2p_recv_new(src) -> [tensors] | status | header bytes | None:
- * Communicator.recv without out= in one C call (its Python steps cost ~17 us
- * per message on the development VM).  The next message's binary header is
- * read, a tensor of each dtype and shape it names is made (torch.empty), and
- * the body lands in them.  None: nothing was received (an argument the
- * general path must check, a closed or failed engine); header bytes: a
- * header this path leaves to shm/messages.py recv_rest (pickled: a dict's values).
+ * p2p_recv(src, out=None) -> [tensors] | header bytes | None:
+ * Communicator.recv in one C call (its Python steps cost ~17 us per message
+ * on the development VM).  With out, recv_into.  Without, the next message's
+ * binary header is read, a tensor of each dtype and shape it names is made
+ * (torch.empty), and the body lands in them.  None: nothing was received (an
+ * argument the general path must check, a closed or failed engine); header
+ * bytes: a header this path leaves to shm/messages.py recv_rest (pickled: a
+ * dict's values, or one that does not match out).
  */
-PyObject *eng_p2p_recv_new(Engine *e, PyObject *arg)
+PyObject *eng_p2p_recv(Engine *e, PyObject *const *args, Py_ssize_t nargs)
 {
-    int src = peer_arg(e, arg);
-    if (src < 0 || !e->base || other_thread(e) || e->failed || !e->tv->n_any || !e->tv->empty_fn ||
-        e->rx.src >= 0 || take_abort(e))
+    int src = nargs >= 1 && nargs <= 2 && fast_ready(e) ? peer_arg(e, args[0]) : -1;
+    if (src < 0 || !e->tv->empty_fn)
         Py_RETURN_NONE;
+    if (nargs == 2 && args[1] != Py_None)
+        return recv_into(e, src, args[1]);
     const unsigned char *h;
     size_t hl, at = 2;
     PyObject *res, *hdr = fast_head(e, src, &res, &h, &hl);
@@ -829,13 +897,13 @@ PyObject *eng_p2p_recv_new(Engine *e, PyObject *arg)
     st = recv_body(e, &pc);
     if (st != ST_OK) {
         Py_DECREF(list);
-        return st < 0 ? NULL : PyLong_FromLong(st);
+        return fast_done(e, st, F_recv);
     }
     return list;
 }
 
 /*
- * p2p_sendrecv(dst, tensors, src, out) -> status | (header, data) | None:
+ * p2p_sendrecv(dst, tensors, src, out) -> list(out) | (header, data) | None:
  * Communicator.sendrecv with plain tensors in one C call (its Python steps
  * cost ~30 us per call on the development VM, ten times the exchange).  With
  * out=None the message is received whole into a bytearray, as p2p_batch does
@@ -850,11 +918,11 @@ PyObject *eng_p2p_sendrecv(Engine *e, PyObject *const *args, Py_ssize_t nargs)
 {
     int dst, src;
     Py_ssize_t ns, nr, nps, npr;
-    if (nargs != 4)
+    if (nargs != 4 || !fast_ready(e))
         Py_RETURN_NONE;
     PyObject **sitems = p2p_args(e, args, 2, &dst, &ns), **ritems = NULL;
     int into = args[3] != Py_None; /* else new tensors: the message lands in a bytearray */
-    if (!sitems || e->rx.src >= 0)
+    if (!sitems)
         Py_RETURN_NONE;
     if (into ? !(ritems = p2p_args(e, args + 2, 2, &src, &nr)) : (src = peer_arg(e, args[2])) < 0)
         Py_RETURN_NONE;
@@ -872,8 +940,6 @@ PyObject *eng_p2p_sendrecv(Engine *e, PyObject *const *args, Py_ssize_t nargs)
         for (Py_ssize_t j = 1; j < npr; j++)
             if (overlap(saddr[i], slen[i], raddr[j], rlen[j]))
                 Py_RETURN_NONE;
-    if (take_abort(e))
-        Py_RETURN_NONE;
     bop_t ops[2];
     memset(ops, 0, sizeof ops);
     ops[0].send = 1;
@@ -891,8 +957,10 @@ PyObject *eng_p2p_sendrecv(Engine *e, PyObject *const *args, Py_ssize_t nargs)
         res = PyErr_NoMemory();
     else if (st == ST_OK && ops[1].drop)
         res = Py_BuildValue("(y#O)", ops[1].hdr, (Py_ssize_t)ops[1].hl, ops[1].scratch_obj);
+    else if (st == ST_OK)
+        res = PySequence_List(args[3]);
     else
-        res = PyLong_FromLong(st);
+        res = fast_done(e, st, F_sendrecv);
     PyMem_RawFree(ops[0].rbuf);
     PyMem_RawFree(ops[1].hdr);
     Py_XDECREF(ops[1].scratch_obj);

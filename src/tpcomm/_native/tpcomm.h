@@ -337,7 +337,7 @@ typedef struct {
      * user switches on with TPCOMM_STATS to see where a call's time goes.  The
      * counters always run (a few increments a wait); stamp adds a clock read
      * to every publish so that a waiter can tell how late it saw a peer. */
-    struct {
+    struct rec {
         uint64_t rounds[KIND_LAST + 1]; /* collective rounds by kind */
         uint64_t instant;  /* waits whose peer was there already */
         uint64_t waits;    /* waits that had to wait */
@@ -596,8 +596,16 @@ struct waiter {
     _Atomic uint64_t *(*sleep_on)(Engine *e, waiter_t *w, uint64_t *want);
     uint64_t sleep_ns; /* the longest sleep (< 1 s) */
     int peer;          /* the rank waited for: a timeout names it */
+    /* 0: a wait for a peer.  Else a wait of this process's own (the ranks
+     * attaching at set-up, another thread leaving at close): it ends at this
+     * time (now_ns) with ST_TIMEOUT and fails nothing; no abort word, no
+     * verdict, not in the record (rec) */
+    uint64_t until;
 };
 int wait_until(Engine *e, waiter_t *w, PyThreadState **ts);
+void waits_set(Engine *e, double spin_us, double yield_us, double lost_us);
+int eng_hold(Engine *e);
+void eng_release(Engine *e);
 int fail(Engine *e, int st, int err_rank, int blame);
 int peer_alive(Engine *e, int r);
 void set_abort(Engine *e, uint64_t reason, int rank);
@@ -647,7 +655,7 @@ void put_blocks(char *out, const char *src, size_t q, size_t n, size_t blk, size
 size_t *even_sizes(Engine *e, size_t v);
 PyObject *eng_gatherv(Engine *e, PyObject *const *args, Py_ssize_t nargs);
 uint64_t flat_key(uint64_t kind, uint64_t n, uint64_t world);
-PyObject *flat_gather(Engine *e, uint32_t kind, uint64_t tag, const char *mine, int code, long long n, size_t nbytes, char *out);
+int flat_gather(Engine *e, uint32_t kind, uint64_t tag, const char *mine, int code, long long n, size_t nbytes, char *out);
 int broadcast_rounds(Engine *e, uint32_t kind, char *data, size_t total, int src, uint32_t dtype, uint64_t numel);
 PyObject *eng_broadcast(Engine *e, PyObject *const *args, Py_ssize_t nargs);
 PyObject *eng_reduce_scatterv(Engine *e, PyObject *const *args, Py_ssize_t nargs);
@@ -708,8 +716,7 @@ PyObject *eng_fast_all_to_all(Engine *e, PyObject *const *args, Py_ssize_t nargs
 PyObject *eng_p2p_send_tensors(Engine *e, PyObject *const *args, Py_ssize_t nargs);
 PyObject *eng_plain(Engine *e, PyObject *t);
 PyObject *eng_set_p2p_dtypes(Engine *e, PyObject *args);
-PyObject *eng_p2p_recv_into(Engine *e, PyObject *const *args, Py_ssize_t nargs);
-PyObject *eng_p2p_recv_new(Engine *e, PyObject *arg);
+PyObject *eng_p2p_recv(Engine *e, PyObject *const *args, Py_ssize_t nargs);
 PyObject *eng_message_header(Engine *e, PyObject *seq);
 PyObject *eng_p2p_sendrecv(Engine *e, PyObject *const *args, Py_ssize_t nargs);
 

@@ -126,6 +126,16 @@ static int wait_loop(Engine *e, waiter_t *w, PyThreadState **ts, uint64_t start)
 
 int wait_until(Engine *e, waiter_t *w, PyThreadState **ts)
 {
+    if (w->until) { /* this process's own wait: what it does is not the record's */
+        struct rec was = e->rec;
+        uint64_t crowded = e->waits.crowded_until;
+        int st = w->poll(e, w, ts);
+        if (st == WAIT_IDLE || st == WAIT_MOVED)
+            st = wait_loop(e, w, ts, now_ns());
+        e->rec = was;
+        e->waits.crowded_until = crowded;
+        return st == WAIT_DONE ? ST_OK : st;
+    }
     int st = w->poll(e, w, ts);
     if (st == WAIT_DONE) {
         e->rec.instant++;
@@ -176,7 +186,16 @@ static int wait_loop(Engine *e, waiter_t *w, PyThreadState **ts, uint64_t start)
             return st;
         if (t - last < e->waits.spin_ns)
             continue;
-        if (t >= next_check || recheck) {
+        if (w->until && t >= w->until)
+            return ST_TIMEOUT;
+        if ((t >= next_check || recheck) && w->until) { /* own wait: signals only */
+            next_check = t + CHECK_NS;
+            if (t >= next_signal) {
+                next_signal = t + SIGNAL_NS;
+                if (signal_raised(e, ts))
+                    return ST_INTERRUPTED;
+            }
+        } else if (t >= next_check || recheck) {
             next_check = t + CHECK_NS;
             if (take_abort(e))
                 return ST_ABORTED;
@@ -344,8 +363,21 @@ fail:
     return NULL;
 }
 
-/* set_waits(spin_us, yield_us): how this rank's waits wait from now on (a
- * rank's own: the peers need not agree) */
+/* How this rank's waits wait from now on (eng_init, set_waits): spin for
+ * spin_us (capped: spinning holds the GIL and checks nothing, so at most one
+ * liveness period, 2 ms), yield until yield_us, then sleep; a yield longer
+ * than lost_us lost the core (0: never counted so). */
+void waits_set(Engine *e, double spin_us, double yield_us, double lost_us)
+{
+    uint64_t spin = ns_of(spin_us * 1e-6);
+    e->waits.spin_ns = spin < CHECK_NS ? spin : CHECK_NS;
+    e->waits.yield_ns = ns_of(yield_us * 1e-6);
+    e->waits.lost_ns = lost_us > 0 ? ns_of(lost_us * 1e-6) : 0;
+    e->waits.crowded_until = 0;
+}
+
+/* set_waits(spin_us, yield_us, lost_us=200): waits_set from Python (a rank's
+ * own: the peers need not agree) */
 PyObject *eng_set_waits(Engine *e, PyObject *args)
 {
     double spin_us, yield_us, lost_us = YIELD_LOST_NS / 1e3;
@@ -357,10 +389,7 @@ PyObject *eng_set_waits(Engine *e, PyObject *args)
                      spin_us, yield_us);
         return NULL;
     }
-    e->waits.spin_ns = (uint64_t)(spin_us * 1e3);
-    e->waits.yield_ns = (uint64_t)(yield_us * 1e3);
-    e->waits.lost_ns = lost_us > 0 ? (uint64_t)(lost_us * 1e3) : 0;
-    e->waits.crowded_until = 0;
+    waits_set(e, spin_us, yield_us, lost_us);
     Py_RETURN_NONE;
 }
 

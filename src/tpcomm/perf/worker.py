@@ -9,8 +9,9 @@ from typing import Any
 
 import torch
 
+from ..construction import engine_of
 from ..ops import ReduceOp
-from ..shm.engine import engine_of, time_memcpy
+from ..shm.engine import time_memcpy
 from .peers import Peer
 from .table import COLLECTIVES, GROUP, dist_op, in_place, torch_dist
 from .timing import agree, fresh_timed, measured, timed

@@ -8,11 +8,10 @@ up and turns the core's status codes into tpcomm's exceptions.
 from __future__ import annotations
 
 import os
-import time
-from typing import Any, NamedTuple, Optional
+import weakref
+from typing import Any, Optional
 
 from .. import _env, _native, layout
-from ..bootstrap import Watch, broadcast_from_rank0, death_explains, local_cpu_count
 from ..errors import CommError, CommTimeoutError, PeerFailedError
 from ..ops import (
     ALL_DTYPES,
@@ -22,7 +21,7 @@ from ..ops import (
     ReduceOp,
     dense,
 )  # fmt: skip
-from . import profile, segment
+from .settings import NEVER, Settings
 
 __all__ = [
     "KIND_ALL_REDUCE",
@@ -30,9 +29,7 @@ __all__ = [
     "KIND_NAMES",
     "MAGIC",
     "NativeEngine",
-    "Settings",
     "ShmEngine",
-    "engine_of",
     "isa_variants",
     "kernel_isa",
     "reduce_kernel",
@@ -42,9 +39,28 @@ __all__ = [
     "touch",
 ]
 
-# The core's engine type (custom_ops.py traces its fast_all_reduce) and segment magic.
+# The core's engine type (custom_ops.py traces its fast_all_reduce), and what
+# the other modules of the package use of the core: this module is its only
+# caller (segment.py: the segment's header; keys.py: the layout keys of the
+# one-call paths; messages.py: the message header; symmetric.py: how many
+# buffers may live).
 NativeEngine = _native.Engine
 MAGIC = _native.MAGIC
+VERSION = _native.VERSION
+MAX_WORLD = _native.MAX_WORLD
+MAX_SYM = _native.MAX_SYM
+RS_FLAT = _native.RS_FLAT  # flat_key's kind for reduce_scatter layouts
+flat_key = _native.flat_key
+segment_size = _native.segment_size
+
+
+def parse_header(header: bytes) -> list:
+    """The (dtype code, shape) of each tensor a binary message header names."""
+    return _native.parse_header(header, len(ANY_CODE_DTYPES))
+
+
+def copy(dst: int, src: int, nbytes: int) -> None:
+    _native.copy(dst, src, nbytes)
 
 
 def select_kernels() -> None:
@@ -169,252 +185,175 @@ def _describe_call(kind: int, dtype: int, op: int, count: int, arg: int | None =
     return f"{text}, layout #{arg:016x})"
 
 
-_NEVER = (1 << 64) - 1  # a switch point of -1 (never), as the core compares it
-
-
-def _published_slot(text: str) -> int:
-    """The slot size rank 0 published, checked (the store is not trusted)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if not (4096 <= value <= _env.MAX_SLOT_BYTES and value % 4096 == 0):
-        raise CommError(
-            f"tpcomm: rank 0 published slot size {text!r}: refused (not a multiple of "
-            f"4096 in [4096, {_env.MAX_SLOT_BYTES}])"
-        )
-    return value
-
-
-def _settings_differ(info: dict, rank: int) -> str:
-    """The ValueError of ranks whose switch points differ (cma_init's round)."""
-
-    def show(v: int) -> str:
-        return "never" if v == _NEVER else f"{v} bytes"
-
-    peer, parts = info["rank"], []
-    if info["my_count"] != info["count"]:
-        parts.append(
-            f"two-shot all_reduce from {show(info['my_count'])} on rank {rank} but from "
-            f"{show(info['count'])} on rank {peer} (TPCOMM_ALLREDUCE_ALGO)"
-        )
-    if info["my_arg"] != info["arg"]:
-        parts.append(
-            f"single-copy reads from {show(info['my_arg'])} on rank {rank} but from "
-            f"{show(info['arg'])} on rank {peer} (TPCOMM_CMA_MIN_BYTES, TPCOMM_CMA)"
-        )
+def _mismatch(fn: str, info: dict, me: int) -> str:
+    """The ValueError of ranks that called different collectives: both calls."""
+    mine = (info["my_kind"], info["my_dtype"], info["my_op"], info["my_count"])
+    them = (info["kind"], info["dtype"], info["op"], info["count"])
+    a, b = _describe_call(*mine), _describe_call(*them)
+    if a == b:  # they differ in the algorithm, root or layout: say so
+        a, b = _describe_call(*mine, info["my_arg"]), _describe_call(*them, info["arg"])
     return (
-        "Communicator: the ranks' settings differ where they must agree: "
-        + "; ".join(parts)
-        + "; set them alike on every rank (nothing was made)"
+        f"{fn}: mismatched collective: rank {me} called {a} but rank {info['rank']} "
+        f"called {b}; every rank must call the same collective with the same dtype, op, "
+        f"element count, shape and root"
     )
 
 
-def engine_of(comm: Any) -> Optional[ShmEngine]:
-    """The shared-memory engine of a Communicator (None: world size 1, across
-    hosts, closed): how tpcomm tune, tpcomm perf and the tests reach it."""
-    shm = getattr(comm, "_shm", None)
-    return None if shm is None else shm.engine
+_GONE = "this communicator can no longer be used"
 
-
-class Settings(NamedTuple):
-    """The engine's settings (settings_for)."""
-
-    nt_min: int  # copies into a slot of this many bytes use non-temporal stores (-1: never)
-    nt_auto: bool  # all_reduce chunks of 4 KiB and more choose their stores as they run
-    yield_us: float  # how long a wait yields before it sleeps
-    threads: int  # threads per rank
-    threads_min: int  # the smallest job they share (-1: never)
-    twoshot_min: int  # all_reduce two-shot from (float32 and the integers)
-    twoshot_min16: int  # the same for bfloat16 and float16
-    cma_ar_min: int  # all_reduce single-copy from (-1: never)
-    cma_min: int  # all_gather (and all_to_all) single-copy from (-1: never)
-    cma: bool  # single-copy reads allowed at all (TPCOMM_CMA)
-    zc_min: int  # all_reduce of a comm.empty tensor: zero-copy from (-1: never)
-    zc_max: int  # up to (-1: no limit)
-    chunk_min: int  # all_reduce through the slots chunk_bytes at a time from (-1: never)
-    chunk_bytes: int  # that chunk (the others go a slot at a time)
-    zc_auto: bool = True  # rank 0 chooses zero copy or the copies as calls run
-
-    @property
-    def cma_plan(self) -> tuple:
-        """cma_init's arguments: (single-copy reads wanted, all_gather's switch
-        point); wanted where some collective would use them."""
-        want = self.cma and (self.cma_min >= 0 or self.cma_ar_min >= 0)
-        return want, self.cma_min if self.cma_min >= 0 else _NEVER
-
-
-def settings_for(world: int, slot: int, tuned: Optional[dict] = None) -> Settings:
-    """The engine's settings, each checked.  ``tuned``: rank 0's profile
-    (shm/profile.py), used where this rank's environment does not set it."""
-    tuned = tuned or {}
-
-    def pick(key: str, default: int) -> int:
-        env = profile.SETTINGS[key]
-        return default if key not in tuned or _env.explicit(env) else tuned[key]
-
-    two = pick("twoshot_min_bytes", _env.twoshot_min_bytes(world))
-    chunk = pick("chunk_bytes", _env.chunk_bytes(slot)) // 4096 * 4096  # a profile's too
-    return Settings(
-        nt_min=pick("nt_min_bytes", _env.nt_min_bytes()),
-        nt_auto=_env.nt_auto(),
-        yield_us=_env.yield_us(),
-        threads=_env.threads(world),
-        threads_min=pick("threads_min_bytes", _env.threads_min_bytes()),
-        twoshot_min=two,
-        twoshot_min16=pick("twoshot_min_bytes_16bit", two),  # 16-bit: as the rest by default
-        cma_ar_min=pick("cma_allreduce_min_bytes", _env.cma_allreduce_min_bytes()),
-        cma_min=pick("cma_min_bytes", _env.cma_min_bytes(world)),
-        cma=_env.cma(),
-        zc_min=pick("zero_copy_min_bytes", _env.zero_copy_min_bytes()),
-        zc_max=pick("zero_copy_max_bytes", _env.zero_copy_max_bytes()),
-        chunk_min=pick("chunk_min_bytes", _env.chunk_min_bytes()),
-        chunk_bytes=min(max(4096, chunk), slot),
-    )
+# The exception of each status (raise_status): by status, or for an abort
+# (ST_ABORTED) by (status, the reason the failing rank recorded, whether that
+# rank is this one).  {me}: this rank; {peer}: the rank the core recorded (the
+# one waited for, or the one that failed); {err}: the errno of a failed read.
+_ERRORS: dict = {
+    ST_SPLITS: (ValueError, "{text}"),
+    ST_BUSY: (
+        CommError,
+        "another thread of rank {me} is inside a call on this Communicator; a "
+        "Communicator serves one thread at a time (serialize the calls, or give each "
+        "thread its own: comm.dup()); nothing was done and the Communicator is still usable",
+    ),
+    ST_MISMATCH: (  # KIND_REFUSED: the other mismatches name both calls (_mismatch)
+        ValueError,
+        "rank {peer} refused its own arguments to this call (its error says why) and "
+        "told the others; nothing was done and the communicator is still usable",
+    ),
+    ST_PEER_DEAD: (
+        PeerFailedError,
+        "rank {peer} died or closed its communicator while rank {me} was waiting for it; " + _GONE,
+    ),
+    "timeout, any": (  # recv_any: nobody in particular
+        CommTimeoutError,
+        "Timed out after {timeout:g}s: rank {me} waited for a message from any rank and none came",
+    ),
+    ST_TIMEOUT: (
+        CommTimeoutError,
+        "Timed out after {timeout:g}s: rank {me} waited for rank {peer}, which is alive "
+        "but never joined the collective (raise TPCOMM_TIMEOUT or the timeout= argument "
+        "if that is expected)",
+    ),
+    ST_CROSSED: (
+        CommError,
+        "rank {me} waited for rank {peer} in a point-to-point send/recv while rank {peer} "
+        "waited for this rank in a collective: the calls crossed and neither could go "
+        "on; " + _GONE + " (every rank must call the collectives in the same order, and "
+        "a recv needs a matching send)",
+    ),
+    ST_CMA: (
+        CommError,
+        "rank {me} could not read rank {peer}'s input from its memory (process_vm_readv: "
+        "{err}), although it could when the communicator was created; "
+        + _GONE
+        + " (TPCOMM_CMA=0 makes all_gather, all_to_all and large sendrecv messages copy "
+        "through shared memory)",
+    ),
+    ST_PROTO: (
+        CommError,
+        "rank {peer} sent rank {me} a point-to-point message whose lengths cannot be "
+        "right (header or data size past the limits); nothing was read, and " + _GONE,
+    ),
+    (ST_ABORTED, ST_INTERRUPTED, False): (
+        PeerFailedError,
+        "rank {peer} was interrupted (a signal handler raised) during a collective of "
+        "this communicator; it can no longer be used",
+    ),
+    (ST_ABORTED, ST_CROSSED, False): (
+        CommError,
+        "rank {peer} was waiting for this rank in a point-to-point send/recv while this "
+        "rank waited in a collective: the calls crossed; " + _GONE,
+    ),
+    (ST_ABORTED, ST_CLOSED, True): (
+        CommError,
+        "another thread closed this Communicator (rank {me}) while the call was running",
+    ),
+    (ST_ABORTED, ST_CLOSED, False): (
+        PeerFailedError,
+        "rank {peer} closed its communicator while a call of it was running; " + _GONE,
+    ),
+    (ST_ABORTED, ST_CMA, False): (
+        CommError,
+        "rank {peer} could not read a peer's input from its memory (process_vm_readv) "
+        "during an all_gather, all_to_all or sendrecv; " + _GONE + " (TPCOMM_CMA=0 avoids "
+        "these reads)",
+    ),
+    (ST_ABORTED, ST_PROTO, False): (
+        CommError,
+        "rank {peer} sent a point-to-point message whose lengths cannot be right, and "
+        "its receiver refused it; " + _GONE,
+    ),
+    (ST_ABORTED, ST_TIMEOUT, False): (
+        CommTimeoutError,
+        "rank {peer} timed out in a collective of this communicator; it can no longer be used",
+    ),
+    (ST_ABORTED, None, False): (
+        PeerFailedError,
+        "rank {peer} died or left during a collective of this communicator; it can no "
+        "longer be used",
+    ),
+}
 
 
 class ShmEngine:
-    """One communicator's segment and the native engine that drives it."""
+    """One communicator's segment and the native engine that drives it (made
+    by ``setup.open_engine``)."""
 
-    def __init__(
-        self,
-        store: Any,
-        rank: int,
-        world: int,
-        prefix: str,
-        group_tag: str,
-        timeout: float,
-        watch: Optional[Watch] = None,
-    ):
+    def __init__(self, rank: int, world: int, timeout: float):
         self.rank = rank
         self.world = world
         self.timeout = timeout
-        # Every setting is read (and checked) before anything exists: a bad value
-        # raises the same error on every rank at once, none waits for another.
-        slot_bytes = _env.slot_bytes()
-        select_kernels()
-        tuning = settings_for(world, slot_bytes)
-        # rank 0's tuned profile (tpcomm tune), sent to the others with the segment
-        self.tuned = profile.settings(world) if rank == 0 else {}
-        # Ranks that outnumber the cores gain nothing by spinning: the peer they
-        # wait for needs the core.  (Pinned ranks see one CPU; count the host's.)
-        oversubscribed = world > max(local_cpu_count(), os.cpu_count() or 1)
-        spin = 0.0 if oversubscribed else _env.spin_us()
-        # nor can rank 0 time its copies there: the cores' other ranks preempt
-        # them, so the stores stay as TPCOMM_NT_MIN_BYTES says (docs/DECISIONS.md)
-        fixed_stores = oversubscribed
-        # Every rank must agree on the layout: rank 0 decides it, writes the
-        # header, and only then publishes the path (with the slot size).
         self.path = ""
-        self._native = None
+        self._native: Any = None
         # Communicator.empty buffers by this rank's address (symmetric.py), how many
         # empty() calls there were (their ids), and those whose tensors are gone
         # but that the engine still lists (another thread was inside a call)
         self.symmetric: dict = {}
         self.sym_count = 0
         self._sym_dropped: list = []
-        fd = -1
-        try:
-            if rank == 0:
-                try:
-                    tuning = settings_for(world, slot_bytes, self.tuned)
-                    self.path, fd = segment.create(world, slot_bytes, group_tag)
-                    self._map(fd, world, slot_bytes, spin, timeout, tuning, fixed_stores)
-                except CommError as e:
-                    broadcast_from_rank0(store, prefix, 0, "segment", "!" + str(e), timeout, watch)
-                    raise
-                # the slot size and the name's random token only: the peers
-                # derive the path themselves (the store is not trusted)
-                token = segment.token_of(self.path)
-                told = f"{slot_bytes}:{token}:{profile.encode(self.tuned)}"
-                broadcast_from_rank0(store, prefix, 0, "segment", told, timeout, watch)
-            else:
-                value = broadcast_from_rank0(store, prefix, rank, "segment", None, timeout, watch)
-                try:
-                    slot_text, _, rest = value.partition(":")
-                    token, _, tuned_text = rest.partition(":")
-                    slot_bytes = _published_slot(slot_text)
-                    try:
-                        self.tuned = profile.decode(tuned_text)
-                    except ValueError as e:
-                        raise CommError(str(e)) from None
-                    tuning = settings_for(world, slot_bytes, self.tuned)
-                    path = segment.derive(group_tag, token)
-                    fd = segment.open_existing(path, world, slot_bytes)
-                except CommError as e:  # tell the others, who wait for this rank to attach
-                    store.set(f"{prefix}/attach-failed", f"rank {rank}: {e}")
-                    raise
-                self.path = path  # checked: from here on, this rank may unlink it
-                self._map(fd, world, slot_bytes, spin, timeout, tuning, fixed_stores)
-            os.close(fd)
-            fd = -1
-            self._native.attach()
-            ok = self._wait_attached(store, prefix, timeout, watch)
-        except BaseException:
-            if fd >= 0:
-                os.close(fd)
-            if self.path:
-                segment.unlink_quietly(self.path)
-            self.close()
-            raise
-        # All ranks mapped it (or the wait gave up): nobody needs the name now.
-        segment.unlink_quietly(self.path)
-        if not ok:
-            self.close()
-            raise CommTimeoutError(
-                f"tpcomm: only some of the {world} ranks attached to the segment within "
-                f"{timeout:g}s; the others are missing or were started with a different world size"
-            )
+        self.cma, self.cma_min = False, 0
+        self.tuned: dict = {}
+
+    # -- set-up (setup.py) -------------------------------------------------------
+
+    def map(
+        self, fd: int, slot_bytes: int, spin: float, settings: Settings, fixed_stores: bool
+    ) -> None:
+        """Map the segment (``fd``) with these settings (agreed: ``current``
+        changes with adjust())."""
+        size = segment_size(self.world, slot_bytes)
+        self.settings = settings
+        if fixed_stores:  # nor the choice of zero copy: rank 0 times both as they run
+            self.settings = self.settings._replace(nt_auto=False, zc_auto=False)
+        self._native = _native.Engine(
+            fd, size, self.rank, self.world, slot_bytes, self.rank == 0, self.timeout, spin,
+            self.settings.yield_us,
+        )  # fmt: skip
+        # error details stay readable after close (a call another thread was
+        # running when close() aborted it reports from here)
+        self._errors = self._native
+        self._validate(slot_bytes, size)
+        self._apply(self.settings)
+
+    def attach(self) -> None:
+        self._native.attach()
+
+    def attached(self, wait_s: float) -> bool:
+        """Whether every rank mapped the segment, waiting up to ``wait_s``."""
+        return self._native.wait_attached(wait_s)
+
+    def ready(self, slot_bytes: int, tuned: dict) -> None:
+        """Every rank mapped the segment: read its layout, bind the calls."""
         self.slot_bytes = slot_bytes
+        self.tuned = tuned  # rank 0's profile, as every rank applied it
         lay = self._native.layout()
         self._base = self._native.address()
         self._slot_off = lay["slot_off"]
         self.p2p_bytes = lay["p2p_bytes"]
         self.p2p_ring = lay["p2p_ring"]  # chunks per point-to-point channel
         self._bind()
-        # exchange nothing more through the store: drop the reference
-        del store
-        # single-copy all_gather: on when every rank can read every other one
-        self.cma, self.cma_min = False, 0
-        if world > 1:
-            status, _ = self.cma_init(*tuning.cma_plan)
-            if status == ST_MISMATCH:  # the ranks' settings differ: say which, on every rank
-                info = self._errors.error_info()
-                self.close()
-                raise ValueError(_settings_differ(info, rank))
-            if status:
-                self.close()
-                self.raise_status(status, "Communicator")
 
-    def _wait_attached(
-        self, store: Any, prefix: str, timeout: float, watch: Optional[Watch] = None
-    ) -> bool:
-        """Wait until every rank mapped the segment; a rank that could not (it
-        runs as another user, the file failed its checks) says so in the store,
-        and then every rank raises its CommError at once instead of timing out."""
-        key = f"{prefix}/attach-failed"
-        deadline = time.monotonic() + timeout
-        while True:
-            if self._native.wait_attached(min(0.05, max(deadline - time.monotonic(), 0.0))):
-                return True
-            try:
-                failed = store.check([key])
-            except Exception as e:  # the store is gone (the rank hosting it died?)
-                if watch is not None:
-                    death_explains(watch, "every rank to attach to the segment")
-                raise CommError(
-                    f"tpcomm: the set-up store failed while ranks attached: {e}"
-                ) from None
-            if failed:
-                why = store.get(key).decode()
-                raise CommError(
-                    f"tpcomm: {why} (this is rank {self.rank}, uid {os.getuid()}: every rank "
-                    f"must run as the same user and see the same {_env.shm_dir()})"
-                )
-            if watch is not None:
-                watch.check("every rank to attach to the segment")
-            if time.monotonic() >= deadline:
-                return False
+    def error_info(self) -> dict:
+        """What the core recorded when a call failed (the peer, both calls)."""
+        return self._errors.error_info()
 
     def _bind(self) -> None:
         """Bind the core's calls the callers make per collective: bound C methods,
@@ -431,7 +370,7 @@ class ShmEngine:
         self.plain = n.plain
         self.sync = n.sync
         self.p2p_send_tensors = n.p2p_send_tensors
-        self.p2p_recv_new = n.p2p_recv_new
+        self.p2p_recv = n.p2p_recv
         self.p2p_sendrecv = n.p2p_sendrecv
         self.p2p_wait_any = n.p2p_wait_any
         self.alltoall_splits = n.alltoall_splits
@@ -440,6 +379,11 @@ class ShmEngine:
         self.reduce_scatterv = n.reduce_scatterv
         self.broadcast = n.broadcast
         self.message_header = n.message_header
+        self.p2p_send = n.p2p_send
+        self.p2p_batch = n.p2p_batch
+        self.p2p_recv_head = n.p2p_recv_head
+        self.p2p_recv_body = n.p2p_recv_body
+        self.add_symmetric = n.add_symmetric
 
     def all_reduce(self, tensor: Any, op: ReduceOp) -> Any:
         """``tensor`` (checked: a CPU tensor of a dtype and op the engine does)
@@ -455,8 +399,9 @@ class ShmEngine:
         return tensor
 
     def install_fast_paths(self, fallback: Any) -> None:
-        """Arm the one-call paths: the torch types they accept, and Python's general
-        path (``fallback(tensor, op, status)``, a WeakMethod) for the rest."""
+        """Arm the one-call paths: the torch types they accept, Python's general
+        path (``fallback(tensor, op, status)``, a WeakMethod) for the rest of
+        all_reduce, and raise_status for the others' errors."""
         import torch
 
         self._native.set_fast_path(
@@ -465,16 +410,9 @@ class ShmEngine:
             tuple(CODE_DTYPES[i] for i in range(len(CODE_DTYPES))),
             KIND_ALL_REDUCE,
             fallback,
+            weakref.WeakMethod(self.raise_status),
         )
         self._native.set_p2p_dtypes(tuple(ALL_DTYPES), layout.ANY_SIZE, torch.empty)
-
-    def cma_init(self, want: bool, min_bytes: int) -> tuple[int, bool]:
-        """Agree, collectively, whether single-copy reads are on: every rank can
-        read every peer and wants them.  (status, on)."""
-        two = self.twoshot_min if self.twoshot_min >= 0 else _NEVER
-        status, self.cma = self._native.cma_init(KIND_BARRIER, want, min_bytes, two)
-        self.cma_min = min_bytes
-        return status, self.cma
 
     def send_if_room(self, dst: int, pieces: list) -> Optional[int]:
         """Stream a message to dst only if the channel's ring takes it whole now:
@@ -485,6 +423,11 @@ class ShmEngine:
         """Tell the peers this rank is gone (they raise PeerFailedError)."""
         if self._native is not None and not self.failed:
             self._native.abort(ST_PEER_DEAD)
+
+    def rx_release(self) -> None:
+        """Give up a received header whose body will not be read (no-op once read)."""
+        if self._native is not None:
+            self._native.rx_release()
 
     def algorithm(
         self, collective: str, nbytes: int, dtype: Any = None, symmetric: bool = False
@@ -523,17 +466,13 @@ class ShmEngine:
         names beside the algorithm."""
         return self.all_reduce_plan(nbytes, dtype)[2]
 
-    # -- knobs and views for tests (tpcomm._testing) -------------------------
-
-    @property
-    def round(self) -> int:
-        return self._native.round if self._native is not None else 0
+    # -- the settings in force (tpcomm tune times one algorithm against
+    # -- another with these; the agreed ones are ``settings``) ----------------
 
     @property
     def threads(self) -> int:
         return self._native.threads
 
-    # the switch points in force (retune changes them; settings: as agreed)
     @property
     def twoshot_min(self) -> int:
         return self.current.twoshot_min
@@ -546,18 +485,35 @@ class ShmEngine:
     def cma_ar_min(self) -> int:
         return self.current.cma_ar_min
 
-    def retune(self, **changes: Any) -> None:
+    def adjust(self, **changes: Any) -> None:
         """Change this rank's settings (``Settings`` fields but cma_plan) until
-        restore(): how tpcomm tune times one algorithm against another, and
-        tests force one.  Ranks whose switch points differ get a mismatch
-        error from the next call that they decide."""
+        restore(): how tpcomm tune times one algorithm against another.  Ranks
+        whose switch points differ get a mismatch error from the next call
+        that they decide."""
         self._apply(self.current._replace(**changes))
+
+    def agree_single_copy(self, want: bool, min_bytes: int) -> tuple[int, bool]:
+        """Agree, collectively, whether single-copy reads are on: every rank can
+        read every peer and wants them.  (status, on)."""
+        two = self.twoshot_min if self.twoshot_min >= 0 else NEVER
+        status, self.cma = self._native.cma_init(KIND_BARRIER, want, min_bytes, two)
+        self.cma_min = min_bytes
+        return status, self.cma
 
     def restore(self) -> None:
         """Back to the settings agreed at creation, single copy included
         (collective: every rank calls it together)."""
         self._apply(self.settings)
-        self.cma_init(*self.settings.cma_plan)
+        self.agree_single_copy(*self.settings.cma_plan)
+
+    # -- views for tests (tpcomm._testing) -------------------------------------
+
+    @property
+    def round(self) -> int:
+        return self._native.round if self._native is not None else 0
+
+    def nsymmetric(self) -> int:
+        return self._native.nsymmetric()
 
     def set_waits(self, spin_us: float, yield_us: float, lost_us: float = 200.0) -> None:
         """How this rank's waits wait from now on: spin this long, then yield
@@ -602,33 +558,9 @@ class ShmEngine:
     def send_raw(self, dst: int, stream: bytes) -> Optional[int]:
         return self._native.p2p_send(dst, [stream])
 
-    def _map(
-        self,
-        fd: int,
-        world: int,
-        slot_bytes: int,
-        spin: float,
-        timeout: float,
-        tuning: Optional[tuple] = None,
-        fixed_stores: bool = False,
-    ) -> None:
-        size = segment.segment_size(world, slot_bytes)
-        # as agreed (retune changes current)
-        self.settings = tuning or settings_for(world, slot_bytes)
-        if fixed_stores:  # nor the choice of zero copy: rank 0 times both as they run
-            self.settings = self.settings._replace(nt_auto=False, zc_auto=False)
-        self._native = _native.Engine(
-            fd, size, self.rank, world, slot_bytes, self.rank == 0, timeout, spin,
-            self.settings.yield_us,
-        )  # fmt: skip
-        # error details stay readable after close (a call another thread was
-        # running when close() aborted it reports from here)
-        self._errors = self._native
-        self._validate(slot_bytes, size)
-        self._apply(self.settings)
-
     def _apply(self, s: Settings) -> None:
-        """This rank's switch points and threads (not single copy: cma_init)."""
+        """This rank's switch points and threads (not single copy:
+        agree_single_copy)."""
         before = getattr(self, "current", None)
         self.current = s
         self._native.set_twoshot_min(s.twoshot_min)
@@ -665,131 +597,33 @@ class ShmEngine:
     # -- errors ---------------------------------------------------------------
 
     def raise_status(self, status: int, fn: str) -> None:
-        """Raise the exception for a non-zero status of the native core.  What
-        went wrong (the peer, both sides' calls on a mismatch, the errno of a
-        failed read) is what the core recorded when it failed (error_info)."""
+        """Raise the exception for a non-zero status of the native core (the
+        table _ERRORS; a mismatch names both sides' calls).  What went wrong
+        (the peer, both sides' calls, the errno of a failed read) is what the
+        core recorded when it failed (error_info)."""
         info = self._errors.error_info()
         peer = info.get("rank", -1)
-        if status == ST_SPLITS:  # every rank read the same table: the same verdict
-            raise ValueError(f"{fn}: {info['text']}")
-        if status == ST_BUSY:
-            raise CommError(
-                f"{fn}: another thread of rank {self.rank} is inside a call on this "
-                f"Communicator; a Communicator serves one thread at a time (serialize the "
-                f"calls, or give each thread its own: comm.dup()); nothing was done and "
-                f"the Communicator is still usable"
-            )
-        if status == ST_MISMATCH and info["kind"] == KIND_REFUSED:
-            raise ValueError(
-                f"{fn}: rank {peer} refused its own arguments to this call (its error says "
-                f"why) and told the others; nothing was done and the communicator is still "
-                f"usable"
-            )
-        if status == ST_MISMATCH:
-            me = (info["my_kind"], info["my_dtype"], info["my_op"], info["my_count"])
-            them = (info["kind"], info["dtype"], info["op"], info["count"])
-            mine, theirs = _describe_call(*me), _describe_call(*them)
-            if mine == theirs:  # they differ in the algorithm, root or layout: say so
-                mine = _describe_call(*me, info["my_arg"])
-                theirs = _describe_call(*them, info["arg"])
-            raise ValueError(
-                f"{fn}: mismatched collective: rank {self.rank} called {mine} but rank {peer} "
-                f"called {theirs}; every rank must call the same collective with the same "
-                f"dtype, op, element count, shape and root"
-            )
-        if status == ST_PEER_DEAD:
-            raise PeerFailedError(
-                f"{fn}: rank {peer} died or closed its communicator while rank {self.rank} "
-                f"was waiting for it; this communicator can no longer be used",
-                rank=peer,
-            )
-        if status == ST_TIMEOUT and peer == self.rank:  # recv_any: nobody in particular
-            raise CommTimeoutError(
-                f"{fn}: Timed out after {self.timeout:g}s: rank {self.rank} waited for a "
-                f"message from any rank and none came",
-                rank=peer,
-            )
-        if status == ST_TIMEOUT:
-            raise CommTimeoutError(
-                f"{fn}: Timed out after {self.timeout:g}s: rank {self.rank} waited for rank "
-                f"{peer}, which is alive but never joined the collective (raise "
-                f"TPCOMM_TIMEOUT or the timeout= argument if that is expected)",
-                rank=peer,
-            )
-        if status == ST_CROSSED:
-            raise CommError(
-                f"{fn}: rank {self.rank} waited for rank {peer} in a point-to-point "
-                f"send/recv while rank {peer} waited for this rank in a collective: the "
-                f"calls crossed and neither could go on; this communicator can no longer "
-                f"be used (every rank must call the collectives in the same order, and a "
-                f"recv needs a matching send)"
-            )
-        if status == ST_CMA:
-            raise CommError(
-                f"{fn}: rank {self.rank} could not read rank {peer}'s input from its memory "
-                f"(process_vm_readv: {os.strerror(info['errno'])}), although it could when "
-                f"the communicator was created; this communicator can no longer be used "
-                f"(TPCOMM_CMA=0 makes all_gather, all_to_all and large sendrecv messages "
-                f"copy through shared memory)"
-            )
-        if status == ST_PROTO:
-            raise CommError(
-                f"{fn}: rank {peer} sent rank {self.rank} a point-to-point message whose "
-                f"lengths cannot be right (header or data size past the limits); nothing "
-                f"was read, and this communicator can no longer be used"
-            )
         if status == ST_INTERRUPTED:
             self._native.reraise()  # KeyboardInterrupt or whatever the handler raised
-        if status == ST_ABORTED:
-            reason = info.get("reason")
-            if reason == ST_INTERRUPTED:
-                raise PeerFailedError(
-                    f"{fn}: rank {peer} was interrupted (a signal handler raised) during a "
-                    f"collective of this communicator; it can no longer be used",
-                    rank=peer,
-                )
-            if reason == ST_CROSSED:
-                raise CommError(
-                    f"{fn}: rank {peer} was waiting for this rank in a point-to-point "
-                    f"send/recv while this rank waited in a collective: the calls crossed; "
-                    f"this communicator can no longer be used"
-                )
-            if reason == ST_CLOSED and peer == self.rank:
-                raise CommError(
-                    f"{fn}: another thread closed this Communicator (rank {self.rank}) "
-                    f"while the call was running"
-                )
-            if reason == ST_CLOSED:
-                raise PeerFailedError(
-                    f"{fn}: rank {peer} closed its communicator while a call of it was "
-                    f"running; this communicator can no longer be used",
-                    rank=peer,
-                )
-            if reason == ST_CMA:
-                raise CommError(
-                    f"{fn}: rank {peer} could not read a peer's input from its memory "
-                    f"(process_vm_readv) during an all_gather, all_to_all or sendrecv; "
-                    f"this communicator can no longer be used (TPCOMM_CMA=0 avoids these "
-                    f"reads)"
-                )
-            if reason == ST_PROTO:
-                raise CommError(
-                    f"{fn}: rank {peer} sent a point-to-point message whose lengths cannot "
-                    f"be right, and its receiver refused it; this communicator can no "
-                    f"longer be used"
-                )
-            if reason == ST_TIMEOUT:
-                raise CommTimeoutError(
-                    f"{fn}: rank {peer} timed out in a collective of this communicator; "
-                    f"it can no longer be used",
-                    rank=peer,
-                )
-            raise PeerFailedError(
-                f"{fn}: rank {peer} died or left during a collective of this communicator; "
-                f"it can no longer be used",
-                rank=peer,
-            )
-        raise CommError(f"{fn}: internal error, status {status}")
+        key: Any = status
+        if status == ST_MISMATCH and info["kind"] != KIND_REFUSED:
+            raise ValueError(_mismatch(fn, info, self.rank))
+        if status == ST_TIMEOUT and peer == self.rank:
+            key = "timeout, any"
+        elif status == ST_ABORTED:
+            key = (status, info.get("reason"), peer == self.rank)
+            if key not in _ERRORS:
+                key = (status, info.get("reason"), False)
+            if key not in _ERRORS:
+                key = (status, None, False)
+        cls, text = _ERRORS.get(key, (CommError, "internal error, status {status}"))
+        message = f"{fn}: " + text.format(
+            me=self.rank, peer=peer, timeout=self.timeout, status=status,
+            text=info.get("text", ""), err=os.strerror(info.get("errno") or 0),
+        )  # fmt: skip
+        if cls in (PeerFailedError, CommTimeoutError):
+            raise cls(message, rank=peer)
+        raise cls(message)
 
     # -- views of the segment --------------------------------------------------
 

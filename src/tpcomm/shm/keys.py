@@ -14,12 +14,9 @@ import functools
 import hashlib
 from typing import Any, Optional
 
-from .. import _native
-
 __all__ = ["empty_key", "flat_key", "gather_key", "reduce_scatter_key"]
 
-flat_key = _native.flat_key
-RS_FLAT = _native.RS_FLAT  # flat_key's kind for reduce_scatter layouts
+from .engine import RS_FLAT, flat_key  # the core's, which its one-call paths compute
 
 
 def _digest(parts: tuple) -> int:

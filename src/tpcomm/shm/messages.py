@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from .. import _native
 from ..errors import CommError
 from ..ops import ANY_CODE_DTYPES, dense, is_dense
+from .engine import copy, parse_header
 
 if TYPE_CHECKING:
     from .engine import ShmEngine
@@ -67,7 +67,7 @@ def message_pieces(eng: ShmEngine, datas: Sequence[torch.Tensor], extra: Any) ->
 def send(eng: ShmEngine, fn: str, dst: int, tensors: Sequence[torch.Tensor], extra: Any) -> None:
     """Stream the tensors (and a picklable ``extra``) to ``dst`` (the loop is C)."""
     datas = [dense(t) for t in tensors]  # alive until the send is done: pieces point in
-    status = eng._native.p2p_send(dst, message_pieces(eng, datas, extra))
+    status = eng.p2p_send(dst, message_pieces(eng, datas, extra))
     del datas
     if status:
         eng.raise_status(status, fn)
@@ -81,7 +81,7 @@ def expected_header(eng: ShmEngine, tensors: Sequence[torch.Tensor]) -> bytes | 
 
 def decode_header(header: bytes) -> tuple[list[tuple[torch.dtype, tuple]], Any]:
     """A message header as ([(dtype, shape), ...], extra)."""
-    specs = _native.parse_header(header, len(ANY_CODE_DTYPES))
+    specs = parse_header(header)
     if specs is not None:
         return [(ANY_CODE_DTYPES[code], shape) for code, shape in specs], None
     named, extra = pickle.loads(header)
@@ -104,7 +104,7 @@ def tensors_from_bytes(specs: Sequence[tuple[torch.dtype, tuple]], data: Any) ->
                 f"carried {len(data)}"
             )
         if n:
-            _native.copy(t.data_ptr(), base + at, n)
+            copy(t.data_ptr(), base + at, n)
         out.append(t)
         at += n
     return out
@@ -116,7 +116,7 @@ def batch(eng: ShmEngine, fn: str, ops: list) -> list:
     nbytes), ...])`` receives.  Returns ``(index, header, data)`` of each
     receive whose message did not match its header or size: received whole
     into ``data`` (a bytearray) instead, nothing written."""
-    status, odd = eng._native.p2p_batch(ops)
+    status, odd = eng.p2p_batch(ops)
     if status:
         eng.raise_status(status, fn)
     return odd
@@ -132,29 +132,10 @@ def recv(
     received whole (into new tensors, so the channel stays in step) and then
     raises ValueError.
     """
-    if out is not None:
-        got = recv_into(eng, fn, src, out)
-        if got is not None:
-            return got
-    status, header = eng._native.p2p_recv_head(src)
+    status, header = eng.p2p_recv_head(src)
     if status:
         eng.raise_status(status, fn)
     return recv_rest(eng, fn, src, out, header)
-
-
-def recv_into(
-    eng: ShmEngine, fn: str, src: int, out: Sequence[torch.Tensor]
-) -> tuple[list[torch.Tensor], Any] | None:
-    """``recv`` with ``out`` in one C call (_native/torch.c p2p_recv_into); None when
-    that call declined before receiving anything (the general path then runs)."""
-    got = eng._native.p2p_recv_into(src, out)
-    if got is None:
-        return None
-    if type(got) is int:
-        if got:
-            eng.raise_status(got, fn)
-        return list(out), None
-    return recv_rest(eng, fn, src, out, got)  # the header, when it did not describe `out`
 
 
 def recv_rest(
@@ -165,8 +146,7 @@ def recv_rest(
     try:
         return _recv_body(eng, fn, src, out, header)
     finally:
-        if eng._native is not None:
-            eng._native.rx_release()  # a no-op once the body is read
+        eng.rx_release()  # a no-op once the body is read
 
 
 def _recv_body(
@@ -187,7 +167,7 @@ def _recv_body(
     if tensors is None:
         tensors = [torch.empty(shape, dtype=dt) for dt, shape in specs]
     dests = [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors if t.numel()]
-    status = eng._native.p2p_recv_body(dests)
+    status = eng.p2p_recv_body(dests)
     if status:
         eng.raise_status(status, fn)
     if problem:

@@ -22,10 +22,10 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .. import layout, routing
+from .. import checks, layout, routing
 from ..errors import CommError
 from ..ops import DTYPE_CODES, any_code, dense, is_dense
-from ..paths import Path, copy_in, take_message
+from ..paths import NOT_PLAIN, Path, copy_in, take_message
 from . import messages, symmetric
 from .engine import (
     KIND_ALL_GATHER,
@@ -39,12 +39,9 @@ from .engine import (
 )
 from .keys import empty_key, flat_key, gather_key, reduce_scatter_key
 
-__all__ = ["NOT_PLAIN", "ShmPath"]
+__all__ = ["ShmPath"]
 
 _Tensor = torch.Tensor
-
-# plain_gather: not its case (the general road runs)
-NOT_PLAIN = object()
 
 
 class ShmPath(Path):
@@ -56,9 +53,11 @@ class ShmPath(Path):
         self.engine = engine
         self.rank = engine.rank
         self.world = engine.world
-        # send/recv's common case in C too (p2p_send_tensors, p2p_recv_into)
+        self.ident = engine.ident
         engine.install_fast_paths(all_reduce_fallback)
-        # the one-call entries, bound C methods (no Python frame in between)
+        # the one-call entries, bound C methods (no Python frame in between;
+        # _native/torch.c): each answers None (not its case), or did the call
+        # (its errors raised by the engine's raise_status)
         self.fast_all_reduce = engine.fast_all_reduce
         self.fast_all_gather = engine.fast_all_gather
         self.fast_gather = engine.fast_gather
@@ -66,9 +65,8 @@ class ShmPath(Path):
         self.fast_broadcast = engine.fast_broadcast
         self.fast_all_to_all = engine.fast_all_to_all
         self.fast_send = engine.p2p_send_tensors
-        self.fast_recv = engine.p2p_recv_new
+        self.fast_recv = engine.p2p_recv
         self.fast_sendrecv = engine.p2p_sendrecv
-        self.raise_status = engine.raise_status
 
     @staticmethod
     def should_use(call: routing.Call) -> Optional[str]:
@@ -91,6 +89,15 @@ class ShmPath(Path):
 
     def refuse(self) -> None:
         self.engine.refuse()
+
+    def hold(self, fn: str) -> None:
+        self.engine.hold(fn)
+
+    def release(self) -> None:
+        self.engine.release()
+
+    def abort(self) -> None:
+        self.engine.abort()
 
     def close(self) -> None:
         self.engine.close()
@@ -188,12 +195,16 @@ class ShmPath(Path):
         )  # fmt: skip
         return res
 
-    def plain_gather(self, fn: str, tensor: Any, dim: int, root: Optional[int], out: Any) -> Any:
+    def fast_gather_dim(self, fn: str, tensor: Any, dim: Any, root: Any, out: Any) -> Any:
         """all_gather / gather (root) of a plain tensor (``ShmEngine.plain``) along an
         int dim in range, into a fitting ``out`` or a new tensor: one C check and
         the rounds, with gatherv's rows and layout key.  NOT_PLAIN when the call
         is not that case (the general road then checks and reports)."""
         eng = self.engine
+        if type(dim) is not int or (
+            root is not None and not (type(root) is int and 0 <= root < self.world)
+        ):
+            return NOT_PLAIN
         a = eng.plain(tensor)
         if a is None:
             return NOT_PLAIN
@@ -337,7 +348,7 @@ class ShmPath(Path):
             self.engine, fn, shape, dtype, any_code(dtype), empty_key(shape, dtype)
         )
 
-    def peer_buffers(self, tensor: _Tensor) -> list:
+    def peer_buffers(self, fn: str, tensor: _Tensor) -> list:
         return symmetric.peer_views(self.engine, tensor)
 
     # -- point to point ------------------------------------------------------
@@ -348,30 +359,27 @@ class ShmPath(Path):
     def recv(self, fn: str, src: int, out: Optional[Sequence[_Tensor]] = None) -> tuple[list, Any]:
         return messages.recv(self.engine, fn, src, out)
 
-    def recv_left(self, src: Any, out: Any, new: Any) -> Optional[list]:
-        """What recv's one-call entries left (``fast_recv``'s answer ``new``, or,
-        with ``out``, the whole receive into it): a status raised, a pickled
-        header's message read, or None (nothing received: the general road)."""
-        fn = "recv"
-        eng = self.engine
-        if out is not None:
-            got = messages.recv_into(eng, fn, src, out)
-            return None if got is None else got[0]
-        if type(new) is int:
-            eng.raise_status(new, fn)
-        if new is not None:  # a header C leaves to Python (pickled)
-            return messages.recv_rest(eng, fn, src, None, new)[0]
-        return None
+    def recv_rest(self, fn: str, src: int, out: Any, header: bytes) -> list:
+        """The end of a receive whose header ``fast_recv`` read and left to
+        Python (pickled, or not ``out``'s)."""
+        return messages.recv_rest(self.engine, fn, src, out, header)[0]
 
-    def wait_any(self, fn: str) -> int:
-        """The rank whose message arrives first (recv_any)."""
+    def recv_any(self, fn: str, out: Optional[Sequence[_Tensor]]) -> tuple[int, list]:
         status, src = self.engine.p2p_wait_any()
         if status:
             self.engine.raise_status(status, fn)
-        return src
+        got = self.fast_recv(src, out)
+        if type(got) is list:
+            return src, got
+        if got is not None:
+            return src, self.recv_rest(fn, src, out, got)
+        return src, self.recv(fn, src, out)[0]
 
     def try_send(self, fn: str, dst: int, tensors: Sequence[_Tensor]) -> bool:
-        """Send only if the channel's ring takes the whole message now."""
+        """Send only if the channel's ring takes the whole message now (the
+        arguments are checked here: the paths that never send take any)."""
+        tensors = checks.tensor_list(fn, tensors)
+        dst = checks.rank(fn, "dst", dst, self.world, not_rank=self.rank)
         datas = [dense(t) for t in tensors]
         status = self.engine.send_if_room(dst, messages.message_pieces(self.engine, datas, None))
         if status:

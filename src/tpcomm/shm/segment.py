@@ -32,8 +32,9 @@ import struct
 import time
 from typing import Optional
 
-from .. import _env, _native
+from .. import _env
 from ..errors import CommError
+from . import engine
 
 __all__ = [
     "PREFIX",
@@ -59,7 +60,7 @@ _MAGIC_FMT = struct.Struct("<QII")  # magic, version, world: the start of the he
 
 def segment_size(world: int, slot_bytes: int) -> int:
     """Bytes of a segment for ``world`` ranks with ``slot_bytes`` per slot."""
-    return _native.segment_size(world, slot_bytes)
+    return engine.segment_size(world, slot_bytes)
 
 
 def host_tag() -> str:
@@ -155,7 +156,7 @@ def owners(path: str) -> Optional[tuple[int, int]]:
         world = 1
         if len(head) == _MAGIC_FMT.size:
             magic, _version, w = _MAGIC_FMT.unpack(head)
-            if magic == _native.MAGIC and 0 < w <= _native.MAX_WORLD:
+            if magic == engine.MAGIC and 0 < w <= engine.MAX_WORLD:
                 world = w
         if _lock_held(fd, CREATOR_BYTE):
             return world, 1
@@ -275,8 +276,8 @@ def open_existing(
             head = os.pread(fd, _HEADER.size, 0)
             magic, version, w, slot, total = _HEADER.unpack(head.ljust(_HEADER.size, b"\0"))
             if (magic, version, w, slot, total) != (
-                _native.MAGIC,
-                _native.VERSION,
+                engine.MAGIC,
+                engine.VERSION,
                 world,
                 slot_bytes,
                 need,
@@ -284,7 +285,7 @@ def open_existing(
                 problem = (
                     f"not a tpcomm segment of this layout (header: magic {magic:#x}, version "
                     f"{version}, world {w}, slot {slot}, size {total}; expected version "
-                    f"{_native.VERSION}, world {world}, slot {slot_bytes}, size {need})"
+                    f"{engine.VERSION}, world {world}, slot {slot_bytes}, size {need})"
                 )
     except BaseException:
         os.close(fd)

@@ -33,17 +33,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import _native
 from ..errors import CommError
 from . import segment
-from .engine import KIND_EMPTY
+from .engine import KIND_EMPTY, MAX_SYM
 
 if TYPE_CHECKING:
     from .engine import ShmEngine
 
 __all__ = ["allocate", "peer_views", "MAX_LIVE"]
 
-MAX_LIVE = _native.MAX_SYM
+MAX_LIVE = MAX_SYM
 _LEN = struct.Struct("<Q")
 _PAGE = mmap.PAGESIZE
 
@@ -123,7 +122,7 @@ def _allocate(
         if fd >= 0:
             os.close(fd)
     buf = Buffer(maps, own_addr)
-    eng._native.add_symmetric(own_addr, size, addrs, ident)
+    eng.add_symmetric(own_addr, size, addrs, ident)
     eng.symmetric[own_addr] = buf
     view = memoryview(own)
     # the tensors hold the memoryview; when the last goes, the buffer does
@@ -155,9 +154,9 @@ def _exchange(
         word = ("!" + problem if problem else segment.token_of(path)).encode()[
             : min(eng.slot_bytes, 4096) - _LEN.size
         ]
-        p = (eng._native.round + 1) & 1
+        p = (eng.round + 1) & 1
         ctypes.memmove(eng.slot_addr(me, p), _LEN.pack(len(word)) + word, _LEN.size + len(word))
-        status = eng._native.sync(KIND_EMPTY, dtype_code, 0, numel, key)
+        status = eng.sync(KIND_EMPTY, dtype_code, 0, numel, key)
         if status:
             eng.raise_status(status, fn)
         words = []
@@ -188,7 +187,7 @@ def _exchange(
                 os.close(pfd)
             maps.append(mm)
             addrs.append(addr)
-        status = eng._native.sync(KIND_EMPTY, dtype_code, 0, numel, key)
+        status = eng.sync(KIND_EMPTY, dtype_code, 0, numel, key)
         if status:
             eng.raise_status(status, fn)
     except _NotCreated as e:
@@ -201,8 +200,7 @@ def _exchange(
         raise
     except BaseException:
         segment.unlink_quietly(path)
-        if eng._native is not None and not eng.failed:
-            eng._native.abort(_native.ST_PEER_DEAD)  # the others must not wait for us
+        eng.abort()  # the others must not wait for us
         raise
     segment.unlink_quietly(path)
     return maps, addrs
