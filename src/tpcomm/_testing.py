@@ -145,7 +145,8 @@ def send_raw(comm: Any, dst: int, stream: bytes) -> Any:
 
 def peer_pids(comm_or_engine: Any) -> list:
     """Every rank's pid as written in the segment."""
-    eng = engine(comm_or_engine) if hasattr(comm_or_engine, "_shm") else comm_or_engine
+    is_engine = isinstance(comm_or_engine, _engine.ShmEngine)
+    eng = comm_or_engine if is_engine else engine(comm_or_engine)
     return eng.peer_pids()
 
 

@@ -25,6 +25,7 @@ import torch
 from . import layout
 from .errors import CommError
 from .ops import any_code, dense
+from .shm.engine import split_table_problem
 
 __all__ = ["NOT_PLAIN", "SCATTER", "DimFirst", "LocalPath", "Path", "copy_in", "take_message"]
 
@@ -361,8 +362,6 @@ class DimFirst(Path):
         of everyone's, so every rank reaches the same verdict (and raises the
         same ValueError together) and all run the same exchange.  Returns the
         row counts sends[q][j] from rank q to rank j."""
-        from .shm.engine import split_table_problem
-
         w = self.world
         rows_in, row = layout.rows(input)
         rows_out, out_row = layout.rows(output)

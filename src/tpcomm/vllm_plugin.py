@@ -54,7 +54,7 @@ KNOWN_VLLM = ((0, 32), (0, 33))
 
 # TPCOMM_SPIN_US inside vLLM's processes unless set: spin up to 2 ms (the
 # core's limit), which leaves no time to yield (TPCOMM_YIELD_US is 1 ms), then
-# sleep.  Ranks that outnumber the cores still never spin (shm/engine.py).
+# sleep.  Ranks that outnumber the cores still never spin (shm/setup.py).
 ENGINE_SPIN_US = "2000"
 
 # vLLM's own __init__ runs under this prefix on the name of a group the plugin

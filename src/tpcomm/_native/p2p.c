@@ -484,17 +484,18 @@ int recv_body(Engine *e, const pieces_t *pc)
 PyObject *eng_p2p_recv_body(Engine *e, PyObject *list)
 {
     pieces_t pc;
-    if (!e->base)
-        return eng_closed_error();
-    if (other_thread(e))
-        return PyLong_FromLong(ST_BUSY);
+    int st = call_check(e); /* the one way in (engine.c) */
+    if (st == ST_ABORTED) /* failed since the header: the message is given up */
+        rx_release(e);
+    if (st != 0)
+        return status_result(st);
     if (e->rx.src < 0) {
         PyErr_SetString(PyExc_RuntimeError, "p2p_recv_body without p2p_recv_head");
         return NULL;
     }
     if (parse_pieces(list, &pc) < 0)
         return NULL;
-    int st = recv_body(e, &pc);
+    st = recv_body(e, &pc);
     PyMem_Free(pc.addr);
     PyMem_Free(pc.len);
     return status_result(st);
