@@ -47,6 +47,20 @@ def test_healthy(shm_dir):
     assert "through the slots: a slot (1.0 MiB) at a time (TPCOMM_CHUNK_MIN_BYTES)" in text
 
 
+def test_doctor_names_the_windows(shm_dir, monkeypatch):
+    """Windows of sizes in the doctor's words: from, up to."""
+    monkeypatch.setenv("TPCOMM_PROFILE", "0")
+    monkeypatch.setenv("TPCOMM_CMA_ALLREDUCE_MIN_BYTES", str(1 << 20))
+    monkeypatch.setenv("TPCOMM_CMA_ALLREDUCE_MAX_BYTES", str(16 << 20))
+    monkeypatch.setenv("TPCOMM_NT_MIN_BYTES", "65536")
+    monkeypatch.setenv("TPCOMM_NT_MAX_BYTES", str(4 << 20))
+    rc, text = _doctor("-n", "2")
+    assert rc == 0, text
+    if "single-copy reads: on" in text or "single copy from" in text:
+        assert "single copy from 1.0 MiB up to 16.0 MiB" in text
+    assert "non-temporal stores into the slots: from 64.0 KiB up to 4.0 MiB" in text
+
+
 def test_doctor_names_the_chunks(shm_dir, monkeypatch):
     monkeypatch.setenv("TPCOMM_CHUNK_MIN_BYTES", str(8 << 20))
     monkeypatch.setenv("TPCOMM_CHUNK_BYTES", str(128 << 10))

@@ -377,3 +377,54 @@ def _platform_machine() -> str:
     import platform
 
     return platform.machine()
+
+
+def test_perf_decode_shaped(tmp_path):
+    """--gap-us / --skew-us: the same calls, work that evicts the caches before
+    each and a late rank in turn; the header says so, the JSON keeps both, the
+    results are still checked, and gloo is timed the same way beside."""
+    out = tmp_path / "r.json"
+    r = _perf(["-b", "1K", "-e", "4K", "-f", "4", "-n", "40", "-c", "1", "--gap-us", "20"]
+              + ["--skew-us", "5", "--compare", "gloo", "-J", str(out)], 600)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "decode-shaped (gap 20 us, skew 5 us)" in r.stdout
+    assert "rank i % 2 arrives 5 us late on call i" in r.stdout
+    data = json.loads(out.read_text())
+    assert data["gap_us"] == 20 and data["skew_us"] == 5
+    assert [row["size"] for row in data["results"]] == [1024, 4096]
+    for row in data["results"]:
+        assert row["wrong"] == 0 and row["time"] >= 0 and row["gloo_time"] >= 0
+    r = _perf(["--gap-us", "-1"], 120)
+    assert r.returncode == 2 and "--gap-us and --skew-us must be in [0, 1e6]" in r.stderr
+
+
+def test_decode_shaped_work_before_each_call():
+    """What comes before each call: --gap-us of work walking through more
+    memory than a core's caches, and on call i rank i % world spinning
+    --skew-us; each call of the loop gets it, and timing it alone leaves the
+    calls' own time (a call of known length comes out about that long)."""
+    import time
+
+    import torch
+
+    from tpcomm.perf import timing
+
+    st = {"x": torch.ones(256)}
+    cfg = {"gap_us": 0.0, "skew_us": 3000.0}
+    before = timing._before_calls(cfg, st, 1, 2)  # rank 1 of 2: late on calls 1, 3, ...
+    took = []
+    for _ in range(4):
+        t = time.perf_counter()
+        before()
+        took.append(time.perf_counter() - t)
+    assert took[1] >= 3e-3 and took[3] >= 3e-3
+    assert took[0] < 2e-3 and took[2] < 2e-3
+    walk = timing._before_calls({"gap_us": 500.0}, st, 0, 2)
+    t = time.perf_counter()
+    for _ in range(10):
+        walk()
+    assert time.perf_counter() - t >= 10 * 500e-6
+    # a call that sleeps 1 ms, after 200 us of work each time: about 1 ms a call
+    cfg = {"gap_us": 200.0, "skew_us": 0.0}
+    got = timing.loop_timed(lambda st: time.sleep(1e-3), st, 20, lambda: None, cfg, 0, 1)
+    assert 0.9e-3 <= got <= 5e-3, got

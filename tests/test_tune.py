@@ -17,7 +17,7 @@ import torch
 
 from tpcomm import _testing
 from tpcomm.shm import profile
-from tpcomm.tune import switch_point, wins_from
+from tpcomm.tune import switch_point, window, wins_from
 
 
 def test_switch_point():
@@ -40,6 +40,38 @@ def test_wins_from():
     assert wins_from(sizes, [1.0] * 8) == -1  # ties only: never
     # the run with the most wins: 3-5 (two) over 1 (one) and 7-8 (one)
     assert wins_from(sizes, [0.9, 1.1, 0.9, 0.9, 1.0, 1.2, 0.9, 1.0]) == 3
+
+
+def test_window():
+    """A window: of the runs of sizes where the variant never loses by more
+    than 3 %, the one where it wins (by 3 %) at the most sizes; from its
+    first win to the run's last size, no end where the run reaches the
+    largest size (single copy that wins at 4 and 16 MiB, loses at 64 MiB)."""
+    sizes = [1, 4, 16, 64]
+    assert window(sizes, [1.2, 0.8, 0.85, 1.19]) == (4, 16)
+    assert window(sizes, [1.1, 1.0, 0.9, 0.8]) == (16, -1)  # as switch_point, no end
+    assert window(sizes, [0.9] * 4) == (1, -1)
+    assert window(sizes, [1.0] * 4) == (-1, -1)  # ties only: never
+    assert window(sizes, [1.3] * 4) == (-1, -1)
+    assert window(sizes, [0.9, 1.02, 1.1, 1.0]) == (1, 4)  # a tie inside, the loss ends it
+    # two runs: the one with more wins; on a tie the larger sizes'
+    assert window([1, 2, 3, 4, 5, 6], [0.9, 1.1, 0.9, 0.9, 1.2, 0.5]) == (3, 4)
+    assert window([1, 2, 3, 4], [0.9, 1.1, 1.0, 0.9]) == (4, -1)
+
+
+def _window(sizes: list, rs: list) -> tuple:
+    """The rule again, written another way (the test's reference): every
+    stretch of sizes bounded by losses, scored by its wins."""
+    best = (0, -1, -1)
+    start = 0
+    for end in range(len(sizes) + 1):
+        if end == len(sizes) or rs[end] > 1.03:
+            wins = [i for i in range(start, end) if rs[i] <= 0.97]
+            if wins and len(wins) >= best[0]:
+                hi = -1 if end == len(sizes) else sizes[end - 1]
+                best = (len(wins), sizes[wins[0]], hi)
+            start = end + 1
+    return best[1:]
 
 
 def _profile(path, worlds, **machine) -> str:
@@ -72,7 +104,17 @@ def engines_under_profiles(comm, paths, explicit):
             half = eng.twoshot_min16
             s = eng.current
             copies = (s.nt_min, s.threads_min, s.chunk_min, s.chunk_bytes, s.zc_min, s.zc_max)
-            return eng.twoshot_min, eng.cma_ar_min, eng.cma_min, eng.tuned, half, rounds, copies
+            ends = (s.twoshot_max, s.twoshot_max16, s.cma_ar_max, s.nt_max)
+            return (
+                eng.twoshot_min,
+                eng.cma_ar_min,
+                eng.cma_min,
+                eng.tuned,
+                half,
+                rounds,
+                copies,
+                ends,
+            )
         finally:
             d.close()
     finally:
@@ -93,6 +135,10 @@ def test_every_rank_uses_rank_0s_profile(pools, tmp_path):
         "chunk_bytes": 128 << 10,
         "zero_copy_min_bytes": 8 << 20,
         "zero_copy_max_bytes": 9 << 20,
+        "twoshot_max_bytes": 11 << 20,
+        "twoshot_max_bytes_16bit": 12 << 20,
+        "cma_allreduce_max_bytes": 13 << 20,
+        "nt_max_bytes": 14 << 20,
     }
     other = {"twoshot_min_bytes": 0, "cma_allreduce_min_bytes": -1, "cma_min_bytes": -1}
     paths = [
@@ -107,6 +153,8 @@ def test_every_rank_uses_rank_0s_profile(pools, tmp_path):
     assert [r[4:6] for r in res] == [(4096, [2, 1])] * 2
     # the stores', threads' and chunks' points, rank 0's chunk, zero copy's window
     assert [r[6] for r in res] == [(2 << 20, 6 << 20, 7 << 20, 128 << 10, 8 << 20, 9 << 20)] * 2
+    # the windows' ends
+    assert [r[7] for r in res] == [(11 << 20, 12 << 20, 13 << 20, 14 << 20)] * 2
     # a profile for world 2 serves world 3 too (the largest world measured up to it)
     res = pools.run(3, engines_under_profiles, paths + paths[:1], {})
     assert [r[:2] for r in res] == [want[:2]] * 3
@@ -114,10 +162,13 @@ def test_every_rank_uses_rank_0s_profile(pools, tmp_path):
     env = {"TPCOMM_ALLREDUCE_ALGO": "one_shot", "TPCOMM_CMA_MIN_BYTES": "-1"}
     env.update(TPCOMM_NT_MIN_BYTES="-1", TPCOMM_THREADS_MIN_BYTES="4096")
     env.update(TPCOMM_CHUNK_MIN_BYTES="-1", TPCOMM_ZERO_COPY_MIN_BYTES="0")
+    env.update(TPCOMM_CMA_ALLREDUCE_MAX_BYTES="-1", TPCOMM_NT_MAX_BYTES=str(15 << 20))
     res = pools.run(2, engines_under_profiles, paths, env)
     assert [r[:2] for r in res] == [(-1, mine["cma_allreduce_min_bytes"])] * 2
     assert [r[4:6] for r in res] == [(-1, [1, 1])] * 2
     assert [r[6] for r in res] == [(-1, 4096, -1, 128 << 10, 0, 9 << 20)] * 2
+    # TPCOMM_ALLREDUCE_ALGO given: two-shot's window has no end either
+    assert [r[7] for r in res] == [(-1, -1, -1, 15 << 20)] * 2
 
 
 def test_a_profile_made_elsewhere_is_ignored_and_said_once(tmp_path, caplog, monkeypatch):
@@ -179,18 +230,19 @@ def test_tune_writes_the_switch_points_of_what_it_measured(tmp_path):
     for algos in (res["all_reduce"][str(s)] for s in sizes):
         assert all(len(v) == 3 and min(v) > 0 for v in algos.values())
     two = [ratio("all_reduce", s, "two-shot", "one-shot") for s in sizes]
-    assert got["twoshot_min_bytes"] == point(two)
+    assert (got["twoshot_min_bytes"], got["twoshot_max_bytes"]) == _window(sizes, two)
     two16 = [ratio("all_reduce_bf16", s, "two-shot", "one-shot") for s in sizes]
-    assert got["twoshot_min_bytes_16bit"] == point(two16)
+    assert (got["twoshot_min_bytes_16bit"], got["twoshot_max_bytes_16bit"]) == _window(sizes, two16)
     if res["single_copy_possible"]:
         sc = [ratio("all_reduce", s, "single-copy", "one-shot", "two-shot") for s in sizes]
-        assert got["cma_allreduce_min_bytes"] == point(sc)
+        cma_window = (got["cma_allreduce_min_bytes"], got["cma_allreduce_max_bytes"])
+        assert cma_window == _window(sizes, sc)
         ag = [ratio("all_gather", s, "single-copy", "copy") for s in sizes]
         assert got["cma_min_bytes"] == point(ag)
     else:
         assert "cma_allreduce_min_bytes" not in got
     nt = [ratio("nt_stores", s, "non-temporal", "cached") for s in sizes]
-    assert got["nt_min_bytes"] == point(nt)
+    assert (got["nt_min_bytes"], got["nt_max_bytes"]) == _window(sizes, nt)
     threads = [ratio("threads", s, "threads", "one thread") for s in sizes]
     assert got["threads_min_bytes"] == point(threads) and res["threads_per_rank"] == 2
     zc = [ratio("zero_copy", s, "zero-copy", "copies") for s in sizes]
@@ -275,3 +327,38 @@ def test_perf_names_the_algorithm_of_each_size(tmp_path):
 
 def _rows(text: str) -> list:
     return [line for line in text.splitlines() if line and not line.startswith("#")]
+
+
+def windows_in_force(comm):
+    """The windows as the engine runs them: all_reduce's plan per size, and
+    real all_reduces inside and outside a window (rounds: two-shot 2, one-shot 1)."""
+    d = comm.dup()
+    try:
+        eng = _testing.engine(d)
+        eng.adjust(twoshot_min=8192, twoshot_max=65536, chunk_min=-1)
+        sizes = (4096, 8192, 65536, 131072)
+        plans = [eng.all_reduce_plan(n)[0] for n in sizes]
+        rounds, sums = [], []
+        for n in sizes:
+            x = torch.full((n // 4,), float(d.rank + 1))
+            before = _testing.rounds(d)
+            d.all_reduce(x)
+            rounds.append(_testing.rounds(d) - before)
+            sums.append(bool((x == 3).all()))
+        single = None
+        if eng.agree_single_copy(True, 0)[1]:  # where the ranks may read each other
+            eng.adjust(cma_ar_min=1 << 20, cma_ar_max=2 << 20)
+            single = [eng.all_reduce_plan(n)[0] for n in (512 << 10, 1 << 20, 2 << 20, 4 << 20)]
+        eng.restore()
+        return plans, rounds, sums, single
+    finally:
+        d.close()
+
+
+def test_the_engine_runs_the_windows(pools):
+    for plans, rounds, sums, single in pools.run(2, windows_in_force):
+        assert plans == ["one-shot", "two-shot", "two-shot", "one-shot"]
+        assert rounds == [1, 2, 2, 1] and all(sums)
+        if single is not None:
+            assert single[1:3] == ["single-copy", "single-copy"]
+            assert "single-copy" not in (single[0], single[3])

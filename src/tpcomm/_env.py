@@ -197,6 +197,19 @@ def cma_allreduce_min_bytes() -> int:
     return _int("TPCOMM_CMA_ALLREDUCE_MIN_BYTES", -1, -1, MAX_BYTES, " (-1: never)")
 
 
+def cma_allreduce_max_bytes() -> int:
+    """TPCOMM_CMA_ALLREDUCE_MAX_BYTES: the largest all_reduce (bytes) done by
+    single copy, the end of its window (default -1: no end, unless a tuned
+    profile says otherwise)."""
+    return _int("TPCOMM_CMA_ALLREDUCE_MAX_BYTES", -1, -1, MAX_BYTES, " (-1: no end)")
+
+
+def nt_max_bytes() -> int:
+    """TPCOMM_NT_MAX_BYTES: where stores are fixed (TPCOMM_NT_MIN_BYTES set), the
+    largest copy into a slot that uses non-temporal stores (default -1: no end)."""
+    return _int("TPCOMM_NT_MAX_BYTES", -1, -1, MAX_BYTES, " (-1: no end)")
+
+
 def _algo(name: str) -> str:
     """An all-reduce algorithm setting: one_shot, two_shot or auto (default).
     The CPU and GPU settings take the same words; oneshot / twoshot (the CPU

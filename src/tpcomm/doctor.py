@@ -103,6 +103,11 @@ def _numa_nodes() -> list[str]:
     return nodes
 
 
+def _window(lo: int, hi: int) -> str:
+    """A window of sizes in words: from lo, up to hi (-1: no end)."""
+    return f"from {_human(lo)}" + (f" up to {_human(hi)}" if hi >= 0 else "")
+
+
 def _human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -333,20 +338,23 @@ def _check_paths(rep: Report, world: int) -> None:
 
     if two < 0:
         ar = "one-shot for every size"
-    elif two == 0:
+    elif two == 0 and s.twoshot_max < 0:
         ar = "two-shot for every size"
-    else:
+    elif s.twoshot_max < 0:
         ar = f"one-shot below {_human(two)}, two-shot from there"
+    else:
+        ar = f"two-shot {_window(two, s.twoshot_max)}, one-shot below and above"
     ar += f" ({source('twoshot_min_bytes')})"
-    if two16 != two:
+    if (two16, s.twoshot_max16) != (two, s.twoshot_max):
         ar += (
-            f"; bfloat16 and float16 two-shot from "
-            f"{_human(two16) if two16 >= 0 else 'never'} ({source('twoshot_min_bytes_16bit')})"
+            f"; bfloat16 and float16 two-shot "
+            f"{_window(two16, s.twoshot_max16) if two16 >= 0 else 'never'} "
+            f"({source('twoshot_min_bytes_16bit')})"
         )
     if single >= 0 and s.cma:
         ar += (
-            f"; single copy from {_human(single)} where the ranks may read each other "
-            f"({source('cma_allreduce_min_bytes')})"
+            f"; single copy {_window(single, s.cma_ar_max)} where the ranks may read each "
+            f"other ({source('cma_allreduce_min_bytes')})"
         )
     first = routing.route(paths, _route_samples()[0][1]).path
     rep.ok(f"all_reduce: {_PATH_WORDS[first]}, {ar}; {dts}; SUM/AVG/MAX/MIN")
@@ -358,7 +366,7 @@ def _check_paths(rep: Report, world: int) -> None:
         f"  threads per rank: {s.threads} (TPCOMM_THREADS), {shared} "
         f"({source('threads_min_bytes')})"
     )
-    nt = "never" if s.nt_min < 0 else f"from {_human(s.nt_min)}"
+    nt = "never" if s.nt_min < 0 else _window(s.nt_min, s.nt_max)
     if s.nt_auto and _native_nt():
         rep.info(
             "  stores into the slots: each all_reduce chunk chooses plain or non-temporal as "

@@ -8,10 +8,15 @@ is instead of copying it pay; write the switch points as a profile
 (:mod:`tpcomm.shm.profile`) that every Communicator made here then uses.
 
 Every variant runs on the same ranks and data, in turns (the order turning
-each repetition); the table's fastest is the lowest median time, and a
-switch point is the smallest measured size at which the other variant is
-faster by 3 % or more (the median of each repetition's own ratio) and at every
-larger size not slower by more than 3 % (-1: never).  Settings given in the
+each repetition); the table's fastest is the lowest median time.  Two-shot
+and single-copy all_reduce and non-temporal stores get a window of sizes
+(``window``): of the runs of sizes where the variant is never slower by more
+than 3 % (the median of each repetition's own ratio), the one where it is
+faster by 3 % or more at the most sizes, from its first win to the run's
+end (no end where the run reaches the largest size measured).  The other
+choices get a switch point: the smallest measured size at which the other
+variant wins by 3 % and at every larger size is not slower by more than
+3 % (-1: never).  Settings given in the
 environment still win over the profile.  A plain all_reduce timed before and
 after the measurements says whether the machine kept its speed meanwhile;
 where it did not, the world is measured again (``--tries``) and the
@@ -37,7 +42,7 @@ from .perf.table import parse_size
 from .perf.timing import measured
 from .shm import profile
 
-__all__ = ["add_arguments", "main", "run", "switch_point", "wins_from"]
+__all__ = ["add_arguments", "main", "run", "switch_point", "window", "wins_from"]
 
 ALL_REDUCE = ("one-shot", "two-shot", "single-copy")
 ALL_GATHER = ("copy", "single-copy")
@@ -64,12 +69,13 @@ COPIES = (
     ("zero_copy", ZERO_COPY, torch.float32),
 )
 # what a variant changes in the engine (ShmEngine.adjust; all_gather: agree_single_copy)
+_OPEN = {"twoshot_max": -1, "twoshot_max16": -1, "cma_ar_max": -1}  # windows with no end
 VARIANTS = {
-    "one-shot": {"twoshot_min": -1, "twoshot_min16": -1, "cma_ar_min": -1},
-    "two-shot": {"twoshot_min": 0, "twoshot_min16": 0, "cma_ar_min": -1},
-    "single-copy": {"twoshot_min": -1, "twoshot_min16": -1, "cma_ar_min": 0},
-    "cached": {"nt_min": -1, "nt_auto": False},
-    "non-temporal": {"nt_min": 0, "nt_auto": False},
+    "one-shot": {"twoshot_min": -1, "twoshot_min16": -1, "cma_ar_min": -1, **_OPEN},
+    "two-shot": {"twoshot_min": 0, "twoshot_min16": 0, "cma_ar_min": -1, **_OPEN},
+    "single-copy": {"twoshot_min": -1, "twoshot_min16": -1, "cma_ar_min": 0, **_OPEN},
+    "cached": {"nt_min": -1, "nt_max": -1, "nt_auto": False},
+    "non-temporal": {"nt_min": 0, "nt_max": -1, "nt_auto": False},
     "one thread": {"threads_min": -1},
     "threads": {"threads_min": 0},
     "slots": {"chunk_min": -1},
@@ -80,8 +86,11 @@ VARIANTS = {
 # a first-pass setting -> the engine setting it becomes in the second pass
 _APPLIED = {
     "twoshot_min_bytes": "twoshot_min",
+    "twoshot_max_bytes": "twoshot_max",
     "twoshot_min_bytes_16bit": "twoshot_min16",
+    "twoshot_max_bytes_16bit": "twoshot_max16",
     "cma_allreduce_min_bytes": "cma_ar_min",
+    "cma_allreduce_max_bytes": "cma_ar_max",
 }
 
 
@@ -124,6 +133,27 @@ def switch_point(sizes: list, ratios: list, margin: float = MARGIN) -> int:
         if ratio <= 1 - margin:
             point = size
     return point
+
+
+def window(sizes: list, ratios: list, margin: float = MARGIN) -> tuple[int, int]:
+    """Where the other algorithm wins, as a window (lo, hi) of bytes, both
+    included: of the runs of sizes where it is never slower by more than the
+    margin, the one where it wins (by the margin) at the most sizes (the
+    larger sizes' run on a tie); from its first win to the run's last size,
+    hi -1 where the run reaches the largest size measured (no end).
+    (-1, -1): it never wins.  switch_point's rule, with an end."""
+    best, best_wins = (-1, -1), 0
+    i = 0
+    while i < len(sizes):
+        j = i
+        while j < len(sizes) and ratios[j] <= 1 + margin:
+            j += 1
+        wins = [k for k in range(i, j) if ratios[k] <= 1 - margin]
+        if wins and len(wins) >= best_wins:
+            best_wins = len(wins)
+            best = (sizes[wins[0]], -1 if j == len(sizes) else sizes[j - 1])
+        i = j + 1
+    return best
 
 
 def wins_from(sizes: list, ratios: list, margin: float = MARGIN) -> int:
@@ -224,15 +254,19 @@ def _measure_copies(comm: Any, cfg: dict, chosen: dict) -> dict:
         eng.adjust(**{_APPLIED[k]: v for k, v in chosen.items() if k in _APPLIED})
         res = _time_variants(comm, eng, cfg, COPIES[:1], cma)
         # with the stores just chosen (every rank has the same times)
-        nt = _copy_settings(cfg["sizes"], res)["nt_min_bytes"]
+        stores = _copy_settings(cfg["sizes"], res)
+        nt, nt_max = stores["nt_min_bytes"], stores["nt_max_bytes"]
         if threads > 1:
-            eng.adjust(nt_min=nt, threads=threads)
+            eng.adjust(nt_min=nt, nt_max=nt_max, threads=threads)
             res.update(_time_variants(comm, eng, cfg, COPIES[1:2], cma))
         # the stores and threads as they will run from here (the stores chosen as
         # they run where the settings say so: fixed, the smaller chunks would
         # fall below nt_min and lose by the stores alone)
         s = eng.settings
-        eng.adjust(nt_min=nt, nt_auto=s.nt_auto, threads=s.threads, threads_min=s.threads_min)
+        eng.adjust(
+            nt_min=nt, nt_max=nt_max, nt_auto=s.nt_auto, threads=s.threads,
+            threads_min=s.threads_min,
+        )  # fmt: skip
         chunk = eng.current.chunk_bytes
         big = {**cfg, "sizes": [n for n in cfg["sizes"] if n > chunk]}
         if chunk < eng.slot_bytes and big["sizes"]:  # rank 0's chunk: what a profile gives
@@ -274,14 +308,17 @@ def _settings(sizes: list, res: dict) -> dict:
     def point(collective: str, variant: str, *base: str) -> int:
         return switch_point(sizes, _ratios(sizes, res, collective, variant, *base))
 
-    settings = {
-        "twoshot_min_bytes": point("all_reduce", "two-shot", "one-shot"),
-        "twoshot_min_bytes_16bit": point("all_reduce_bf16", "two-shot", "one-shot"),
-    }
+    def span(collective: str, variant: str, *base: str) -> tuple:
+        return window(sizes, _ratios(sizes, res, collective, variant, *base))
+
+    settings: dict = {}
+    two = span("all_reduce", "two-shot", "one-shot")
+    settings["twoshot_min_bytes"], settings["twoshot_max_bytes"] = two
+    two16 = span("all_reduce_bf16", "two-shot", "one-shot")
+    settings["twoshot_min_bytes_16bit"], settings["twoshot_max_bytes_16bit"] = two16
     if res["single_copy_possible"]:
-        settings["cma_allreduce_min_bytes"] = point(
-            "all_reduce", "single-copy", "one-shot", "two-shot"
-        )
+        one = span("all_reduce", "single-copy", "one-shot", "two-shot")
+        settings["cma_allreduce_min_bytes"], settings["cma_allreduce_max_bytes"] = one
         settings["cma_min_bytes"] = point("all_gather", "single-copy", "copy")
     return settings
 
@@ -289,7 +326,8 @@ def _settings(sizes: list, res: dict) -> dict:
 def _copy_settings(sizes: list, res: dict) -> dict:
     """The second pass's settings: the switch points of non-temporal stores,
     helper threads and chunks (and rank 0's chunk), where zero copy starts."""
-    out = {"nt_min_bytes": switch_point(sizes, _ratios(sizes, res, "nt_stores", *NT[::-1]))}
+    nt = window(sizes, _ratios(sizes, res, "nt_stores", *NT[::-1]))
+    out = {"nt_min_bytes": nt[0], "nt_max_bytes": nt[1]}
     if "threads" in res:
         out["threads_min_bytes"] = switch_point(
             sizes, _ratios(sizes, res, "threads", *THREADS[::-1])

@@ -60,6 +60,13 @@ static int store_choice(Engine *e, int b)
     return nt;
 }
 
+/* Where nothing chooses the stores as it runs: non-temporal inside the
+ * window nt_min..nt_max (bytes) */
+static inline int nt_window(const Engine *e, size_t n)
+{
+    return n >= e->nt_min && n <= e->nt_max;
+}
+
 /* A chunk of `bytes` by `algo` (0 one-shot, 1 two-shot: `rounds` rounds a
  * chunk) begins: its bucket, stores and whether it is timed. */
 /* The bucket of a chunk of `bytes` by `algo` (0 one-shot, 1 two-shot) whose
@@ -87,7 +94,7 @@ static stores_t store_begin(Engine *e, size_t bytes, int algo, unsigned rounds)
 /* the stores of a copy of n bytes into a slot */
 static int store_nt(const Engine *e, const stores_t *sc, size_t n)
 {
-    return sc->b >= 0 ? sc->nt : n >= e->nt_min;
+    return sc->b >= 0 ? sc->nt : nt_window(e, n);
 }
 
 /*
@@ -108,7 +115,7 @@ int slot_stores_nt(Engine *e, size_t n)
 {
     const int b = store_bucket(e, n, n >= e->twoshot_min);
     if (b < 0)
-        return n >= e->nt_min;
+        return nt_window(e, n);
     const int nt = stores_bit(e, b);
     e->stores.followed_nt += (uint64_t)nt;
     return nt;
@@ -577,14 +584,15 @@ ar_plan_t ar_plan(const Engine *e, size_t bytes, int dtype, int symmetric)
         pl.algo = AR_ZERO_COPY; /* each shard chunk_bytes at a time, or whole */
         pl.chunk = small ? e->chunk_bytes : 0;
         pl.arg = ARG_ZERO_COPY | ((pl.chunk >> 12) & 0xFFFF) << 16;
-    } else if (e->cma && e->world > 1 && bytes >= e->cma_ar_min) {
+    } else if (e->cma && e->world > 1 && bytes >= e->cma_ar_min && bytes <= e->cma_ar_max) {
         pl.algo = AR_SINGLE_COPY;
         pl.chunk = 0;
         pl.arg = ARG_SINGLE_COPY;
     } else {
-        const uint64_t two_min =
-            dtype == DT_BF16 || dtype == DT_F16 ? e->twoshot_min16 : e->twoshot_min;
-        pl.algo = bytes >= two_min ? AR_TWOSHOT : AR_ONESHOT;
+        const int wide = dtype == DT_BF16 || dtype == DT_F16;
+        const uint64_t two_min = wide ? e->twoshot_min16 : e->twoshot_min;
+        const uint64_t two_max = wide ? e->twoshot_max16 : e->twoshot_max;
+        pl.algo = bytes >= two_min && bytes <= two_max ? AR_TWOSHOT : AR_ONESHOT;
         pl.chunk = small ? e->chunk_bytes : e->slot_bytes;
         pl.arg = (pl.algo == AR_TWOSHOT ? 2u : 1u) | (small ? (e->chunk_bytes >> 12) << 8 : 0);
     }
@@ -710,7 +718,7 @@ PyObject *eng_all_reduce_plan(Engine *e, PyObject *args)
     const size_t chunk = first_chunk(&pl, nbytes), es = dt_size[dtype];
     const int two = pl.algo == AR_TWOSHOT, b = store_bucket(e, chunk, two);
     const size_t copy = two ? shard_start(chunk / es, e->world, 1) * es : chunk;
-    const int nt = b >= 0 ? stores_bit(e, b) : copy_nt_available() && copy >= e->nt_min;
+    const int nt = b >= 0 ? stores_bit(e, b) : copy_nt_available() && nt_window(e, copy);
     return Py_BuildValue("(sKs)", names[pl.algo], (unsigned long long)pl.chunk, nt ? "nt" : "plain");
 }
 

@@ -447,6 +447,7 @@ static void set_layout(Engine *e, void *p, size_t size, int rank, int world, uin
     e->chunk_bytes = 0;
     e->cma_ar_min = UINT64_MAX;
     e->nt_min = UINT64_MAX;
+    e->twoshot_max = e->twoshot_max16 = e->cma_ar_max = e->nt_max = UINT64_MAX;
 }
 
 /* Rank 0 writes the header of the segment it created; the magic last,
@@ -704,6 +705,21 @@ static PyObject *eng_set_twoshot_min16(Engine *e, PyObject *arg)
     return set_switch(&e->twoshot_min16, arg);
 }
 
+/* set_windows(twoshot_max, twoshot_max16, cma_allreduce_max, nt_max): where
+ * the windows of two-shot (float32 and the integers; 16-bit floats),
+ * single-copy all-reduce and non-temporal stores end, bytes included (-1:
+ * they do not end); each starts at its *_min */
+static PyObject *eng_set_windows(Engine *e, PyObject *args)
+{
+    long long v[4];
+    if (!PyArg_ParseTuple(args, "LLLL", &v[0], &v[1], &v[2], &v[3]))
+        return NULL;
+    uint64_t *into[4] = {&e->twoshot_max, &e->twoshot_max16, &e->cma_ar_max, &e->nt_max};
+    for (int i = 0; i < 4; i++)
+        *into[i] = v[i] < 0 ? UINT64_MAX : (uint64_t)v[i];
+    Py_RETURN_NONE;
+}
+
 /* set_nt_min(bytes): copies into a slot of at least this many bytes use
  * non-temporal stores (-1 = never; the all_reduce chunks whose stores are
  * chosen as they run, allreduce.c, decide for themselves) */
@@ -804,6 +820,8 @@ static PyMethodDef eng_methods[] = {
      "set_zero_copy(min, max): zero-copy all-reduce of a symmetric tensor of min..max bytes"},
     {"set_chunks", (PyCFunction)eng_set_chunks, METH_VARARGS,
      "set_chunks(min_bytes, chunk_bytes): all-reduces from min_bytes go chunk_bytes at a time"},
+    {"set_windows", (PyCFunction)eng_set_windows, METH_VARARGS,
+     "set_windows(twoshot_max, twoshot_max16, cma_allreduce_max, nt_max): the windows' ends"},
     {"set_nt_min", (PyCFunction)eng_set_nt_min, METH_O,
      "set_nt_min(nbytes): non-temporal stores into the slots from nbytes (-1: never)"},
     {"set_cma_allreduce_min", (PyCFunction)eng_set_cma_allreduce_min, METH_O,

@@ -296,6 +296,10 @@ typedef struct {
     uint64_t cma_min;     /* all_gathers of at least this many bytes read the peers directly */
     uint64_t cma_ar_min;  /* all-reduces of at least this many bytes too (cma_all_reduce) */
     uint64_t nt_min;      /* copies into a slot of this many bytes: non-temporal stores */
+    /* the upper ends of the windows two-shot, single-copy all-reduce and
+     * non-temporal stores take (from their *_min up to here; UINT64_MAX: no
+     * end): set_windows */
+    uint64_t twoshot_max, twoshot_max16, cma_ar_max, nt_max;
     uint64_t cma_word;    /* the word peers read to check they can (cma_init) */
     pool_t *pool;         /* helper threads, NULL with one thread */
     /* the stores of a chunk's copies into the slots, chosen per algorithm and

@@ -73,6 +73,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="rewrite the input before every call (new data, as in inference) and "
         "subtract that rewrite's time; for every library compared",
     )
+    p.add_argument(
+        "--gap-us",
+        type=float,
+        default=0.0,
+        help="decode-shaped: this much work between calls that walks through 32 MiB "
+        "(the caches keep nothing of the last call); its own time is subtracted; for "
+        "every library compared",
+    )
+    p.add_argument(
+        "--skew-us",
+        type=float,
+        default=0.0,
+        help="decode-shaped: on call i, rank i %% nranks arrives this much later than the "
+        "others (the waits for it are part of the time); for every library compared",
+    )
     p.add_argument("--target", type=float, default=0.3, help="seconds per size with -n 0")
     p.add_argument("--no-pin", action="store_true", help="do not pin rank r to CPU r")
     p.add_argument("-J", "--json", metavar="FILE", help="also write the results as JSON")
@@ -129,6 +144,8 @@ def _plan(args: argparse.Namespace) -> dict:
         raise ValueError("avg needs a floating datatype")
     if args.repeat < 1:
         raise ValueError("--repeat must be >= 1")
+    if not (0 <= args.gap_us <= 1e6 and 0 <= args.skew_us <= 1e6):
+        raise ValueError("--gap-us and --skew-us must be in [0, 1e6]")
     peers = tuple(n for n in args.compare if n in PEER_NAMES)
     if peers and (args.backend == "dist" or args.zero_copy):
         raise ValueError(f"--compare {','.join(peers)} goes with plain Communicator calls")
@@ -152,6 +169,8 @@ def _plan(args: argparse.Namespace) -> dict:
         "zero_copy": args.zero_copy,
         "backend": args.backend,
         "fresh": args.fresh,
+        "gap_us": args.gap_us,
+        "skew_us": args.skew_us,
         "in_place": args.in_place,
         "mpirun": mpirun,
         "peers": peers,
@@ -159,6 +178,12 @@ def _plan(args: argparse.Namespace) -> dict:
         "peer_tag": "",
         "layers": args.backend == "dist" and args.collective == "all_reduce",
     }
+
+
+def _shape_words(args: argparse.Namespace) -> str:
+    if not (args.gap_us or args.skew_us):
+        return ""
+    return f", decode-shaped (gap {args.gap_us:g} us, skew {args.skew_us:g} us)"
 
 
 def _header(args: argparse.Namespace, cfg: dict) -> str:
@@ -171,6 +196,7 @@ def _header(args: argparse.Namespace, cfg: dict) -> str:
         f"{'dist.* on a cpu:tpcomm group' if args.backend == 'dist' else 'Communicator calls'}"
         f"{', zero-copy (comm.empty)' if args.zero_copy else ''}"
         f"{', fresh input every call' if args.fresh else ''}"
+        f"{_shape_words(args)}"
         f"{', in place (input = output.chunk(n)[rank])' if args.in_place else ''}",
         f"# host {socket.gethostname()}: {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} cpus, torch {torch.__version__}, tpcomm kernels {kernel_isa()}",
@@ -189,6 +215,15 @@ def _header(args: argparse.Namespace, cfg: dict) -> str:
         )
         lines.append(
             "#        call of every library; the rewrite's own time, measured alone, is subtracted"
+        )
+    if args.gap_us or args.skew_us:
+        lines.append(
+            f"# decode-shaped: before every call of every library, {args.gap_us:g} us of work "
+            "walking through 32 MiB (evicts the caches),"
+        )
+        lines.append(
+            f"#        and rank i % {args.nranks} arrives {args.skew_us:g} us late on call i; "
+            "that work and wait, timed alone, are subtracted"
         )
     if cfg["layers"]:
         lines.append("# pg: ProcessGroupTpcomm.allreduce called directly; comm: the Communicator's")
@@ -390,6 +425,8 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
         "zero_copy": args.zero_copy,
         "backend": args.backend,
         "fresh": args.fresh,
+        "gap_us": args.gap_us,
+        "skew_us": args.skew_us,
         "in_place": args.in_place,
         "command": "tpcomm " + " ".join(sys.argv[1:]),
         "host": socket.gethostname(),

@@ -45,6 +45,8 @@ def run_mpi(mpirun: str, args: argparse.Namespace, cfg: dict, n: int):
         "target": cfg["target"],
         "pin": not args.no_pin,
         "fresh": cfg["fresh"],
+        "gap_us": cfg["gap_us"],
+        "skew_us": cfg["skew_us"],
         "in_place": cfg["in_place"],
     }
     cmd = [mpirun, "-np", str(n), "--bind-to", "none"]

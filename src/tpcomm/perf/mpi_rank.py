@@ -20,7 +20,7 @@ import torch
 from ..ops import ReduceOp
 from .mpi import MPI_DTYPES, MPI_OPS
 from .table import COLLECTIVES, concat, in_place
-from .timing import fresh_timed, timed
+from .timing import loop_timed, timed
 
 
 def supported(dtype: torch.dtype, op: str) -> bool:
@@ -132,11 +132,7 @@ def main(cfg: dict) -> None:
                 probe = timed(lambda st=st: run(st), 5)
                 iters = int(min(200000, max(20, cfg["target"] / max(probe, 1e-7))))
                 iters = comm.allreduce(iters, op=MPI.MAX)
-            if cfg["fresh"]:
-                mine = fresh_timed(run, st, iters, comm.Barrier)
-            else:
-                comm.Barrier()
-                mine = timed(lambda st=st: run(st), iters)
+            mine = loop_timed(run, st, iters, comm.Barrier, cfg, rank, world)
             elapsed = comm.allreduce(mine, op=MPI.MAX)
             wrong = 0
             for salt in range(1, cfg["check"] + 1):

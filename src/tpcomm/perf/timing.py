@@ -10,7 +10,13 @@ import torch
 from ..ops import ReduceOp
 from ..shm.engine import touch
 
-__all__ = ["agree", "fresh_timed", "measured", "timed"]
+__all__ = ["agree", "fresh_timed", "loop_timed", "measured", "shaped", "timed"]
+
+# the memory the decode-shaped work between calls walks through (--gap-us):
+# more than any core's L2, so that the lines a call leaves in its caches are
+# gone by the next call, as an engine's layer of matmuls leaves them
+EVICT_BYTES = 32 << 20
+_EVICT_CHUNK = 64 << 10
 
 
 def timed(fn: Callable[[], Any], iters: int) -> float:
@@ -56,6 +62,75 @@ def fresh_timed(call: Callable[[dict], Any], st: dict, iters: int, barrier) -> f
     t = timed(both, iters)
     barrier()
     return max(t - timed(touch, iters), 0.0)
+
+
+def shaped(cfg: dict) -> bool:
+    """Whether the calls are timed decode-shaped (--gap-us, --skew-us)."""
+    return bool(cfg.get("gap_us") or cfg.get("skew_us"))
+
+
+def loop_timed(
+    call: Callable[[dict], Any],
+    st: dict,
+    iters: int,
+    barrier: Any,
+    cfg: dict,
+    rank: int,
+    world: int,
+) -> float:
+    """Seconds per call(st), timed as the flags say: plain (after a barrier),
+    --fresh (fresh_timed), or decode-shaped: before every call, --gap-us of
+    work that walks through EVICT_BYTES of memory (a layer's matmuls between
+    two all-reduces: the caches hold nothing of the last call), and on call
+    i rank i % world arrives --skew-us later than the others (spinning), as
+    ranks of an engine's decode loop do.  What comes before the calls (the
+    rewrite, the work, the spin), timed alone the same way, is subtracted;
+    so the time is the call's, the waits for a late rank included."""
+    if not shaped(cfg):
+        if cfg.get("fresh"):
+            return fresh_timed(call, st, iters, barrier)
+        barrier()
+        return timed(lambda: call(st), iters)
+    before = _before_calls(cfg, st, rank, world)
+
+    def both():
+        before()
+        call(st)
+
+    barrier()
+    t = timed(both, iters)
+    barrier()
+    return max(t - timed(before, iters), 0.0)
+
+
+_evict: list = []
+
+
+def _before_calls(cfg: dict, st: dict, rank: int, world: int) -> Callable[[], None]:
+    """What a decode-shaped loop does before each call (loop_timed)."""
+    if not _evict:
+        _evict.append(torch.ones(EVICT_BYTES, dtype=torch.uint8))
+    base = _evict[0].data_ptr()
+    gap_ns = int(cfg.get("gap_us", 0) * 1000)
+    skew_ns = int(cfg.get("skew_us", 0) * 1000)
+    fresh = _toucher(st["x"]) if cfg.get("fresh") else None
+    clock = time.perf_counter_ns
+    state = [0, 0]  # the call's number; where the walk through the memory is
+
+    def before() -> None:
+        end = clock() + gap_ns
+        while gap_ns and clock() < end:
+            touch(base + state[1], _EVICT_CHUNK)
+            state[1] = (state[1] + _EVICT_CHUNK) % EVICT_BYTES
+        if fresh is not None:
+            fresh()
+        if skew_ns and state[0] % world == rank:
+            late = clock() + skew_ns
+            while clock() < late:
+                pass
+        state[0] += 1
+
+    return before
 
 
 def _toucher(x: torch.Tensor) -> Callable[[], None]:

@@ -14,7 +14,7 @@ from ..ops import ReduceOp
 from ..shm.engine import time_memcpy
 from .peers import Peer
 from .table import COLLECTIVES, GROUP, dist_op, in_place, torch_dist
-from .timing import agree, fresh_timed, measured, timed
+from .timing import agree, loop_timed, measured, shaped, timed
 
 __all__ = ["worker"]
 
@@ -95,8 +95,11 @@ def _other_time(comm: Any, cfg: dict, run: Any, st: dict, iters: int) -> float:
     """Another library's time for the same call on the same data (gloo's, a
     peer's): warmed up, about --target seconds at most (never more iterations
     than tpcomm's), the same loop."""
-    fresh = (lambda n: fresh_timed(run, st, n, comm.barrier)) if cfg["fresh"] else None
-    return measured(comm, lambda: run(st), cfg["target"], iters, fresh)
+    rank, world = comm.rank, comm.world_size
+    timer = None
+    if cfg["fresh"] or shaped(cfg):
+        timer = lambda n: loop_timed(run, st, n, comm.barrier, cfg, rank, world)  # noqa: E731
+    return measured(comm, lambda: run(st), cfg["target"], iters, timer)
 
 
 def _dist_run(cfg: dict, group: Any) -> Any:
@@ -188,10 +191,7 @@ def worker(comm: Any, cfg: dict) -> list[dict]:
                         row[f"{lib}_wrong"] = _wrong(comm, cfg, libs[lib], count, None)
                     continue
                 comm.barrier()
-                if cfg["fresh"]:
-                    row["time"] = fresh_timed(call, st, iters, comm.barrier)
-                else:
-                    row["time"] = timed(lambda st=st: call(st), iters)
+                row["time"] = loop_timed(call, st, iters, comm.barrier, cfg, rank, world)
                 row["iters"] = iters
             row["algorithm"] = _algorithm(comm, coll.name, row["size"], dtype, zbuf is not None)
             if cfg.get("backend") == "dist" and coll.name == "all_reduce":

@@ -566,6 +566,7 @@ class ShmEngine:
         self._native.set_twoshot_min(s.twoshot_min)
         self._native.set_twoshot_min16(s.twoshot_min16)
         self._native.set_cma_allreduce_min(s.cma_ar_min)
+        self._native.set_windows(s.twoshot_max, s.twoshot_max16, s.cma_ar_max, s.nt_max)
         self._native.set_zero_copy(s.zc_min, s.zc_max)
         self._native.set_chunks(s.chunk_min, s.chunk_bytes)
         if before is None or (before.threads, before.threads_min) != (s.threads, s.threads_min):

@@ -1,9 +1,10 @@
 """Tuned profiles: the switch points `tpcomm tune` measured on this machine.
 
 A profile is a JSON file (``TPCOMM_PROFILE``, default ``profile.json`` in the
-cache directory) that says, per world size, from how many bytes all_reduce goes
-two-shot and single-copy, all_gather single-copy, copies into the slots use
-non-temporal stores, a rank's helper threads share the work, an all_reduce of
+cache directory) that says, per world size, in which window of sizes (from
+how many bytes, up to how many) all_reduce goes two-shot and single-copy and
+copies into the slots use non-temporal stores, from how many all_gather goes
+single-copy, a rank's helper threads share the work, an all_reduce of
 a comm.empty tensor reads the peers' tensors where they are, and an
 all_reduce goes through the slots in cache-sized chunks (and that chunk).  Rank 0 reads it when a
 Communicator is made and sends its settings to the other ranks with the
@@ -32,10 +33,14 @@ FORMAT = 1
 # setting -> the environment variable that overrides it
 SETTINGS = {
     "twoshot_min_bytes": "TPCOMM_ALLREDUCE_ALGO",
+    "twoshot_max_bytes": "TPCOMM_ALLREDUCE_ALGO",  # (its window's end; -1: none)
     "twoshot_min_bytes_16bit": "TPCOMM_ALLREDUCE_ALGO",  # bfloat16 and float16
+    "twoshot_max_bytes_16bit": "TPCOMM_ALLREDUCE_ALGO",
     "cma_allreduce_min_bytes": "TPCOMM_CMA_ALLREDUCE_MIN_BYTES",
+    "cma_allreduce_max_bytes": "TPCOMM_CMA_ALLREDUCE_MAX_BYTES",
     "cma_min_bytes": "TPCOMM_CMA_MIN_BYTES",
     "nt_min_bytes": "TPCOMM_NT_MIN_BYTES",  # non-temporal stores into the slots
+    "nt_max_bytes": "TPCOMM_NT_MAX_BYTES",
     "threads_min_bytes": "TPCOMM_THREADS_MIN_BYTES",  # a rank's helper threads
     "zero_copy_min_bytes": "TPCOMM_ZERO_COPY_MIN_BYTES",  # all_reduce of comm.empty tensors
     "zero_copy_max_bytes": "TPCOMM_ZERO_COPY_MAX_BYTES",  # (up to here; -1: no limit)

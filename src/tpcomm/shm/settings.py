@@ -34,6 +34,11 @@ class Settings(NamedTuple):
     chunk_min: int  # all_reduce through the slots chunk_bytes at a time from (-1: never)
     chunk_bytes: int  # that chunk (the others go a slot at a time)
     zc_auto: bool = True  # rank 0 chooses zero copy or the copies as calls run
+    # the windows' ends (bytes included; -1: no end): each from its *_min up to here
+    twoshot_max: int = -1
+    twoshot_max16: int = -1
+    cma_ar_max: int = -1
+    nt_max: int = -1
 
     @property
     def cma_plan(self) -> tuple:
@@ -69,4 +74,8 @@ def settings_for(world: int, slot: int, tuned: Optional[dict] = None) -> Setting
         zc_max=pick("zero_copy_max_bytes", _env.zero_copy_max_bytes()),
         chunk_min=pick("chunk_min_bytes", _env.chunk_min_bytes()),
         chunk_bytes=min(max(4096, chunk), slot),
+        twoshot_max=pick("twoshot_max_bytes", -1),
+        twoshot_max16=pick("twoshot_max_bytes_16bit", pick("twoshot_max_bytes", -1)),
+        cma_ar_max=pick("cma_allreduce_max_bytes", _env.cma_allreduce_max_bytes()),
+        nt_max=pick("nt_max_bytes", _env.nt_max_bytes()),
     )
