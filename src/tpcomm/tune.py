@@ -158,22 +158,10 @@ def window(sizes: list, ratios: list, margin: float = MARGIN) -> tuple[int, int]
 
 def wins_from(sizes: list, ratios: list, margin: float = MARGIN) -> int:
     """Where the other algorithm starts to win (-1: never), for one that may
-    lose again past a range of sizes (zero copy against the copies): of the
-    runs of sizes where it is never slower by more than the margin, the one
-    where it wins (by the margin) at the most sizes; its first win.  Past it
-    the choice is made as calls run, so where the run ends is not kept."""
-    best, best_wins = -1, 0
-    i = 0
-    while i < len(sizes):
-        j = i
-        while j < len(sizes) and ratios[j] <= 1 + margin:
-            j += 1
-        wins = [k for k in range(i, j) if ratios[k] <= 1 - margin]
-        if len(wins) >= max(best_wins, 1):
-            best_wins = len(wins)
-            best = sizes[wins[0]]
-        i = j + 1
-    return best
+    lose again past a range of sizes (zero copy against the copies): its
+    window's first win.  Past it the choice is made as calls run, so where
+    the window ends is not kept."""
+    return window(sizes, ratios, margin)[0]
 
 
 def _reference(comm: Any, cfg: dict) -> float:

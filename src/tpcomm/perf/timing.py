@@ -52,16 +52,23 @@ def fresh_timed(call: Callable[[dict], Any], st: dict, iters: int, barrier) -> f
     alone in the same way.  Without it, an implementation that reads a peer's
     unchanged input in place (single-copy MPI) finds those lines still in its
     own cache from the previous call, which no real workload offers."""
-    touch = _toucher(st["x"])
+    return _minus_before(call, st, iters, barrier, _toucher(st["x"]))
+
+
+def _minus_before(
+    call: Callable[[dict], Any], st: dict, iters: int, barrier: Any, before: Callable[[], None]
+) -> float:
+    """Seconds per call(st) with before() ahead of each, minus before()'s own
+    time, timed alone the same way."""
 
     def both():
-        touch()
+        before()
         call(st)
 
     barrier()
     t = timed(both, iters)
     barrier()
-    return max(t - timed(touch, iters), 0.0)
+    return max(t - timed(before, iters), 0.0)
 
 
 def shaped(cfg: dict) -> bool:
@@ -91,16 +98,7 @@ def loop_timed(
             return fresh_timed(call, st, iters, barrier)
         barrier()
         return timed(lambda: call(st), iters)
-    before = _before_calls(cfg, st, rank, world)
-
-    def both():
-        before()
-        call(st)
-
-    barrier()
-    t = timed(both, iters)
-    barrier()
-    return max(t - timed(before, iters), 0.0)
+    return _minus_before(call, st, iters, barrier, _before_calls(cfg, st, rank, world))
 
 
 _evict: list = []
