@@ -51,7 +51,7 @@ DEFAULT_SLOT_BYTES = 1 << 20
 DEFAULT_NT_MIN_BYTES = -1
 # Spin this long (with pause) before yielding the CPU; 0 when the ranks
 # outnumber the cores (then spinning only steals the core a peer needs).
-DEFAULT_SPIN_US = 5.0
+DEFAULT_SPIN_US = 50.0  # docs/DECISIONS.md, "Waits"
 # Then sched_yield until this long, then sleep on a futex (wake-up ~70 us).
 DEFAULT_YIELD_US = 1000.0
 
@@ -140,7 +140,7 @@ def slot_bytes() -> int:
 
 
 def spin_us() -> float:
-    """TPCOMM_SPIN_US (default 5)."""
+    """TPCOMM_SPIN_US (default 50)."""
     return _float("TPCOMM_SPIN_US", DEFAULT_SPIN_US, MAX_SPIN_US)
 
 
