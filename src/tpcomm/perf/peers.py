@@ -21,6 +21,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sysconfig
 import tarfile
 import urllib.request
 from typing import Any, Optional
@@ -35,7 +36,8 @@ __all__ = [
     "prepare", "remove_segments", "vllm_archive",
 ]  # fmt: skip
 
-NAMES = ("vllm", "deepspeed")
+NAMES = ("vllm", "vllm_kernel", "deepspeed")
+_VLLM = ("vllm", "vllm_kernel")  # vLLM's kernel as vLLM calls it, and with the thinnest call
 
 VLLM_VERSION = "0.34.0"
 VLLM_URL = (
@@ -127,12 +129,12 @@ def _vllm_library() -> str:
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     cmd = [os.environ.get("CXX", "g++"), "-std=c++17", "-O3", "-march=native", "-fopenmp"]
     cmd += ["-fPIC", "-shared", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-I", os.path.join(src, "csrc")]
-    for d in cpp_extension.include_paths():
+    for d in [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]:
         cmd += ["-isystem", d]
     cmd += [os.path.join(src, "csrc/cpu/shm.cpp"), binding, "-o", lib + ".part"]
     for d in cpp_extension.library_paths():
         cmd += ["-L", d, f"-Wl,-rpath,{d}"]
-    cmd += ["-lc10", "-ltorch_cpu", "-ltorch"]
+    cmd += ["-lc10", "-ltorch_cpu", "-ltorch", "-ltorch_python"]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         tail = " | ".join(done.stderr.strip().splitlines()[-3:])
@@ -173,7 +175,7 @@ def prepare(names: tuple, dtype: torch.dtype, world: int, collective: str, op: s
                 raise RuntimeError(f"{name}'s shared-memory path has all_reduce SUM only")
             if dtype not in _DTYPES:
                 raise RuntimeError(f"{name} reduces float32, bfloat16 and float16 only")
-            if name == "vllm":
+            if name in _VLLM:
                 if world not in VLLM_WORLDS:
                     raise RuntimeError(f"vLLM's shm all-reduce serves world sizes {VLLM_WORLDS}")
                 _vllm_library()
@@ -195,7 +197,7 @@ def prepare(names: tuple, dtype: torch.dtype, world: int, collective: str, op: s
 def _segment_names(tag: str) -> tuple:
     """The /dev/shm names the peers create for this run's tag."""
     ds = f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{tag}_*"
-    return (f"vllm-shm-tpcomm-perf-{tag}_*", ds)
+    return (f"vllm-shm-tpcomm-perf-{tag}_*", f"vllm-shm-tpcomm-perf-{tag}k_*", ds)
 
 
 def remove_segments(tag: str) -> None:
@@ -209,6 +211,16 @@ def remove_segments(tag: str) -> None:
                 pass
 
 
+def _module(lib: str) -> Any:
+    """The vLLM peer library as a Python module (its bare call)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tpcomm_vllm_peer", lib)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 class Peer:
     """One rank's handle on a peer: set up as its Python side does, then
     ``all_reduce(x)`` in place, called as its users call it."""
@@ -216,10 +228,11 @@ class Peer:
     def __init__(self, name: str, comm: Any, tag: str):
         self.name = name
         world, rank = comm.world_size, comm.rank
-        if name == "vllm":
-            torch.ops.load_library(_vllm_library())
+        if name in _VLLM:
+            lib = _vllm_library()
+            torch.ops.load_library(lib)
             ops = torch.ops.tpcomm_vllm_peer
-            shm_name = f"vllm-shm-tpcomm-perf-{tag}"
+            shm_name = f"vllm-shm-tpcomm-perf-{tag}" + ("k" if name == "vllm_kernel" else "")
             # vLLM's CPU communicator: the fewest torch threads of any rank
             threads = torch.tensor([torch.get_num_threads()], dtype=torch.int64)
             comm.all_reduce(threads, ReduceOp.MIN)
@@ -227,7 +240,11 @@ class Peer:
             comm.barrier()
             ops.join_shm_manager(handle, shm_name)
             comm.barrier()
-            self._call = lambda x: ops.shm_allreduce(handle, x)
+            if name == "vllm":
+                self._call = lambda x: ops.shm_allreduce(handle, x)
+            else:  # the same kernel, called from Python with nothing in between
+                bare = _module(lib).shm_allreduce
+                self._call = lambda x: bare(handle, x)
         elif name == "deepspeed":
             # DeepSpeed's shm segments are named after MASTER_ADDR and MASTER_PORT
             os.environ.update(LOCAL_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=tag)
