@@ -606,6 +606,18 @@ struct waiter {
      * verdict, not in the record (rec) */
     uint64_t until;
 };
+/* mapping.c: Mapping owns a segment's mmap (unmapped when the last
+ * reference, the engine's or a tensor's, goes) */
+typedef struct {
+    PyObject_HEAD
+    char *base;
+    size_t size;
+} Mapping;
+extern PyTypeObject MappingType;
+Mapping *map_segment(int fd, size_t size, int rank, int *myfd_out);
+void set_layout(Engine *e, void *p, size_t size, int rank, int world, uint64_t slot_bytes,
+                double timeout, double spin_us, double yield_us);
+void write_header(Engine *e, uint64_t need);
 int wait_until(Engine *e, waiter_t *w, PyThreadState **ts);
 void waits_set(Engine *e, double spin_us, double yield_us, double lost_us);
 int eng_hold(Engine *e);
