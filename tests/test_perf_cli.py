@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import subprocess
 import sys
 
@@ -125,6 +126,45 @@ def test_perf_json(tmp_path):
     assert len(rows) == 2, r.stdout
     for line, rec in zip(rows, data["results"]):
         assert f"| {rec['time']:.2f} |" in line and line.endswith("| 0 |")
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="benchmarks/handoff.c is x86 (AVX2)")
+def test_perf_page_shows_the_bound_beside_all_reduce(tmp_path):
+    """The all_reduce tables show benchmarks/handoff.c's round of the same
+    bytes (what make bench leaves in handoff.txt) and tpcomm's time over it."""
+    import json
+    import pathlib
+
+    root = pathlib.Path(__file__).parents[1]
+    exe = tmp_path / "handoff"
+    src = str(root / "benchmarks" / "handoff.c")
+    cc = ["gcc", "-O2", "-mavx2", "-pthread", "-o", str(exe), src]
+    subprocess.run(cc, check=True, timeout=120)
+    lines = [subprocess.run([str(exe), str(n), "300"], capture_output=True, text=True, check=True,
+                            timeout=60).stdout for n in (1024, 4096)]  # fmt: skip
+    (tmp_path / "handoff.txt").write_text("# header\n" + "".join(lines))
+    bound = {int(x.split()[0]): float(x.split()[1]) for x in lines}
+    out = tmp_path / "all_reduce_float32.json"
+    cmd = [sys.executable, "-m", "tpcomm", "perf", "all_reduce", "-b", "1K", "-e", "4K", "-f", "4",
+           "-n", "10", "-w", "1", "-N", "2", "-J", str(out)]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = json.loads(out.read_text())
+    r = subprocess.run(
+        [sys.executable, str(root / "scripts" / "perf_page.py"), str(tmp_path)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    head = next(x for x in r.stdout.splitlines() if x.startswith("| size | tpcomm"))
+    cols = [c.strip() for c in head.strip("|").split("|")]
+    assert "bound (us)" in cols and "tpcomm / bound" in cols, head
+    rows = [x for x in r.stdout.splitlines() if x.startswith(("| 1 KiB", "| 4 KiB"))]
+    assert len(rows) == 2, r.stdout
+    for line, rec in zip(rows, data["results"]):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        b = bound[rec["size"]]
+        assert cells[cols.index("bound (us)")] == f"{b:.2f}"
+        assert cells[cols.index("tpcomm / bound")] == f"{rec['time'] / b:.2f}"
 
 
 def test_perf_rejects_bad_flags():
