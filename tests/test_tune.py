@@ -17,7 +17,7 @@ import torch
 
 from tpcomm import _testing
 from tpcomm.shm import profile
-from tpcomm.tune import switch_point, window, wins_from
+from tpcomm.tune import switch_point, window, wins_from, with_float32
 
 
 def test_switch_point():
@@ -57,6 +57,43 @@ def test_window():
     # two runs: the one with more wins; on a tie the larger sizes'
     assert window([1, 2, 3, 4, 5, 6], [0.9, 1.1, 0.9, 0.9, 1.2, 0.5]) == (3, 4)
     assert window([1, 2, 3, 4], [0.9, 1.1, 1.0, 0.9]) == (4, -1)
+
+
+def test_16bit_two_shot_takes_float32s_window_where_it_never_loses():
+    """16-bit two-shot goes where float32's does, and every size between the
+    two windows, unless its own ratios show a 3 % loss there."""
+    sizes = [1, 4, 16, 64]
+    # its own ties at 16 (1.02): float32's (16, -1) joins its own (64, -1)
+    assert with_float32(sizes, (64, -1), (16, -1), [1.2, 1.1, 1.02, 0.9]) == (16, -1)
+    # a 3 % loss at 16: its own only
+    assert with_float32(sizes, (64, -1), (16, -1), [1.2, 1.1, 1.04, 0.9]) == (64, -1)
+    # never won on its own, ties across float32's window: float32's
+    assert with_float32(sizes, (-1, -1), (4, 16), [1.2, 1.0, 0.99, 1.1]) == (4, 16)
+    # the sizes between two windows count: a loss at 4 keeps them apart
+    assert with_float32(sizes, (16, 16), (1, 1), [0.9, 1.05, 0.9, 1.2]) == (16, 16)
+    assert with_float32(sizes, (16, 16), (1, 1), [0.9, 1.0, 0.9, 1.2]) == (1, 16)
+    # float32 never two-shot: its own, whatever it is
+    assert with_float32(sizes, (64, -1), (-1, -1), [1.2, 1.1, 1.1, 0.9]) == (64, -1)
+    assert with_float32(sizes, (-1, -1), (-1, -1), [1.2] * 4) == (-1, -1)
+
+
+def _with_float32(sizes: list, own: tuple, f32: tuple, rs: list) -> tuple:
+    """with_float32's rule again, written another way (the test's reference):
+    the sizes either window covers, filled between, if none loses by 3 %."""
+
+    def covers(w: tuple, s: int) -> bool:
+        return w[0] >= 0 and w[0] <= s and (w[1] < 0 or s <= w[1])
+
+    if f32[0] < 0:
+        return own
+    idx = [i for i, s in enumerate(sizes) if covers(own, s) or covers(f32, s)]
+    if not idx:
+        return own
+    first, last = idx[0], idx[-1]
+    if any(rs[i] > 1.03 for i in range(first, last + 1)):
+        return own
+    open_end = (own[0] >= 0 and own[1] < 0) or f32[1] < 0
+    return sizes[first], -1 if open_end else sizes[last]
 
 
 def _window(sizes: list, rs: list) -> tuple:
@@ -232,7 +269,9 @@ def test_tune_writes_the_switch_points_of_what_it_measured(tmp_path):
     two = [ratio("all_reduce", s, "two-shot", "one-shot") for s in sizes]
     assert (got["twoshot_min_bytes"], got["twoshot_max_bytes"]) == _window(sizes, two)
     two16 = [ratio("all_reduce_bf16", s, "two-shot", "one-shot") for s in sizes]
-    assert (got["twoshot_min_bytes_16bit"], got["twoshot_max_bytes_16bit"]) == _window(sizes, two16)
+    own16 = _window(sizes, two16)
+    want16 = _with_float32(sizes, own16, _window(sizes, two), two16)
+    assert (got["twoshot_min_bytes_16bit"], got["twoshot_max_bytes_16bit"]) == want16
     if res["single_copy_possible"]:
         sc = [ratio("all_reduce", s, "single-copy", "one-shot", "two-shot") for s in sizes]
         cma_window = (got["cma_allreduce_min_bytes"], got["cma_allreduce_max_bytes"])

@@ -13,7 +13,9 @@ and single-copy all_reduce and non-temporal stores get a window of sizes
 (``window``): of the runs of sizes where the variant is never slower by more
 than 3 % (the median of each repetition's own ratio), the one where it is
 faster by 3 % or more at the most sizes, from its first win to the run's
-end (no end where the run reaches the largest size measured).  The other
+end (no end where the run reaches the largest size measured); the 16-bit
+floats' two-shot window also takes float32's where their own two-shot never
+loses by 3 % over both (``with_float32``).  The other
 choices get a switch point: the smallest measured size at which the other
 variant wins by 3 % and at every larger size is not slower by more than
 3 % (-1: never).  Settings given in the
@@ -42,7 +44,7 @@ from .perf.table import parse_size
 from .perf.timing import measured
 from .shm import profile
 
-__all__ = ["add_arguments", "main", "run", "switch_point", "window", "wins_from"]
+__all__ = ["add_arguments", "main", "run", "switch_point", "window", "wins_from", "with_float32"]
 
 ALL_REDUCE = ("one-shot", "two-shot", "single-copy")
 ALL_GATHER = ("copy", "single-copy")
@@ -154,6 +156,27 @@ def window(sizes: list, ratios: list, margin: float = MARGIN) -> tuple[int, int]
             best = (sizes[wins[0]], -1 if j == len(sizes) else sizes[j - 1])
         i = j + 1
     return best
+
+
+def with_float32(
+    sizes: list, own: tuple, float32: tuple, ratios: list, margin: float = MARGIN
+) -> tuple[int, int]:
+    """The 16-bit floats' two-shot window, given float32's: both windows and
+    every size between them, where 16-bit two-shot is never slower by more
+    than the margin there (``ratios``: its time over one-shot's, per size);
+    else its own.  Two-shot halves the reduce, which costs 16-bit more than
+    float32 and the copies the same at the same bytes, so where it pays for
+    float32 it should pay for them too; their own ratios are the noisier
+    (one-shot and two-shot within 3 % of each other over a range of sizes)."""
+    if float32[0] < 0 or own == float32:
+        return own
+    if own[0] < 0:
+        lo, hi = float32
+    else:
+        lo = min(own[0], float32[0])
+        hi = -1 if -1 in (own[1], float32[1]) else max(own[1], float32[1])
+    inside = [r for s, r in zip(sizes, ratios) if s >= lo and (hi < 0 or s <= hi)]
+    return (lo, hi) if all(r <= 1 + margin for r in inside) else own
 
 
 def wins_from(sizes: list, ratios: list, margin: float = MARGIN) -> int:
@@ -302,7 +325,8 @@ def _settings(sizes: list, res: dict) -> dict:
     settings: dict = {}
     two = span("all_reduce", "two-shot", "one-shot")
     settings["twoshot_min_bytes"], settings["twoshot_max_bytes"] = two
-    two16 = span("all_reduce_bf16", "two-shot", "one-shot")
+    ratios16 = _ratios(sizes, res, "all_reduce_bf16", "two-shot", "one-shot")
+    two16 = with_float32(sizes, window(sizes, ratios16), two, ratios16)
     settings["twoshot_min_bytes_16bit"], settings["twoshot_max_bytes_16bit"] = two16
     if res["single_copy_possible"]:
         one = span("all_reduce", "single-copy", "one-shot", "two-shot")
