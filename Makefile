@@ -123,10 +123,11 @@ bench: install build/handoff build/oneshot
 		$(TP) perf all_reduce $(BENCH_ARGS) -d $$d -J $(BENCH_DIR)/all_reduce_$$d.json || exit 1; done
 	# the bound beside them, in the same minutes: every size of the all_reduce tables
 	{ echo "# producer copies N bytes on CPU 0, consumer reads them on CPU 1"; \
-	  echo "#    bytes   round(us)  copy(us)  read(us)  read GB/s"; \
+	  echo "#    bytes   round(us)  copy(us)  read(us)  read GB/s  stores (the faster)"; \
 	  build/handoff 0 200000; \
 	  for n in 1024 4096 16384 65536 262144 1048576 4194304 16777216 67108864; do \
-		build/handoff $$n 2000 || exit 1; done; \
+		it=$$((33554432 / n)); [ $$it -ge 300 ] || it=300; \
+		build/handoff $$n $$it || exit 1; done; \
 	} > $(BENCH_DIR)/handoff.txt && cat $(BENCH_DIR)/handoff.txt
 	# tensors from comm.empty: read where they are (zero copy)
 	$(TP) perf all_reduce -b 1K -e 64M -f 4 -R 5 -Z -J $(BENCH_DIR)/all_reduce_zero_copy.json

@@ -179,14 +179,15 @@ def handoff_bound(bench_dir: str) -> dict:
     """{bytes: us} from handoff.txt (`make bench` runs benchmarks/handoff.c at
     every size of the all_reduce tables, right after them): one core copies
     the bytes into a buffer the other core read last, the other reads them;
-    the round of the two."""
+    the round of the two, the copy's stores the faster of plain and
+    non-temporal."""
     path = os.path.join(bench_dir, "handoff.txt")
     out = {}
     if os.path.exists(path):
         with open(path) as f:
             for line in f:
                 parts = line.split()
-                if len(parts) == 5 and parts[0].isdigit() and int(parts[0]) > 0:
+                if len(parts) in (5, 6) and parts[0].isdigit() and int(parts[0]) > 0:
                     out[int(parts[0])] = float(parts[1])
     return out
 
@@ -371,7 +372,8 @@ def main(bench_dir: str) -> None:
         "a collective that must move them once.",
         "- bound (the all_reduce tables): `benchmarks/handoff.c` of the same bytes, run by the "
         "same `make bench` right after those tables: one core copies them into a buffer the "
-        "other core read last, then the other core reads them (the handoff table below). A "
+        "other core read last (plain or non-temporal stores, whichever was faster), then the "
+        "other core reads them (the handoff table below). A "
         "one-shot all_reduce at 2 ranks does this in both directions at once. Where 0.8x the "
         "fastest library's time is below this bound, the bound is the number to compare with.",
         "- vLLM is shown both ways: through `torch.ops`, as vLLM itself calls its kernel, and "
