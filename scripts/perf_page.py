@@ -389,12 +389,13 @@ def main(bench_dir: str) -> None:
         "",
     ]
     out += dtype_tables(bench_dir)
+    bound = handoff_bound(bench_dir)
     for stem, heading, cmd in RUNS:
         if stem not in runs:
             continue
         cmd = runs[stem].get("command", cmd)
-        bound = handoff_bound(bench_dir) if stem in BOUNDED else None
-        out += [f"## {heading}", "", f"`{cmd}`", ""] + table(runs[stem], bound) + [""]
+        beside = bound if stem in BOUNDED else None
+        out += [f"## {heading}", "", f"`{cmd}`", ""] + table(runs[stem], beside) + [""]
     for stem, heading in TEXTS:
         path = os.path.join(bench_dir, stem + ".txt")
         if os.path.exists(path):

@@ -132,7 +132,6 @@ def test_perf_json(tmp_path):
 def test_perf_page_shows_the_bound_beside_all_reduce(tmp_path):
     """The all_reduce tables show benchmarks/handoff.c's round of the same
     bytes (what make bench leaves in handoff.txt) and tpcomm's time over it."""
-    import json
     import pathlib
 
     root = pathlib.Path(__file__).parents[1]

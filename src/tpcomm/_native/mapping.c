@@ -85,7 +85,7 @@ Mapping *map_segment(int fd, size_t size, int rank, int *myfd_out)
 /* The engine's view of a mapped segment: where each part lies (tpcomm.h
  * "Layout"), its waits, and every switch point off until Python sets them. */
 void set_layout(Engine *e, void *p, size_t size, int rank, int world, uint64_t slot_bytes,
-                       double timeout, double spin_us, double yield_us)
+                double timeout, double spin_us, double yield_us)
 {
     e->rx.src = -1;
     e->base = p;
