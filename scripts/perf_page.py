@@ -92,7 +92,7 @@ TEXTS = [
         "The switch points of this machine (`tpcomm tune`; every command above ran with that "
         "profile)",
     ),
-    ("kernels", "The reduce kernels alone, every variant this CPU runs (`benchmarks/kernels.py`)"),
+    ("kernels", "The reduce kernels alone, every variant this CPU runs (`benchmarks/kernels.c`)"),
     ("pg_floor", "ProcessGroup layer alone (`benchmarks/pg_floor.py`)"),
     ("gather_dims", "Gathers along the last dim (`benchmarks/gather_dims.py`)"),
     ("p2p_batch", "batch_isend_irecv (`benchmarks/p2p_batch.py`)"),

@@ -285,3 +285,35 @@ def test_c_kernel_test_runs_every_variant():
     assert r.returncode == 0, r.stdout[-2000:]
     variants = [v for v in _testing.isa_variants() if v != "scalar"]
     assert f"# kernels: {len(variants)} variant(s)" in r.stdout and " 0 failed" in r.stdout
+
+
+@pytest.mark.skipif(not os.path.exists("benchmarks/kernels.c"), reason="run from the repo root")
+def test_kernel_benchmark_times_every_variant():
+    """benchmarks/kernels.c (make bench: the kernels table) builds from the
+    library's kernel sources and times every variant this CPU runs, each
+    dtype's rate over float32's with that variant."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    srcs = sorted(str(p) for p in pathlib.Path("src/tpcomm/_native").glob("kernels*.c"))
+    with tempfile.TemporaryDirectory() as d:
+        exe = os.path.join(d, "kernels")
+        flags = ["-std=gnu11", "-O3", "-ffp-contract=off", "-fno-fast-math", "-Isrc/tpcomm/_native"]
+        subprocess.run([cc, *flags, "-o", exe, "benchmarks/kernels.c", *srcs, "-lm"], check=True)
+        bad = subprocess.run([exe, "0"], capture_output=True, text=True, timeout=60)
+        r = subprocess.run([exe, "1"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "usage" in bad.stderr
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [line.split() for line in r.stdout.splitlines() if not line.startswith("#")]
+    variants = _testing.isa_variants()
+    assert [row[2] for row in rows] == variants * 2  # 16 KiB, then 1 MiB
+    assert [row[0] + row[1] for row in rows] == ["16KiB"] * len(variants) + ["1MiB"] * len(variants)
+    for row in rows:
+        gbs = [float(row[k]) for k in (3, 5, 7)]
+        assert all(g > 0 for g in gbs) and row[4] == "1.00", row
+        for g, ratio in zip(gbs[1:], (row[6], row[8])):
+            assert abs(float(ratio) - g / gbs[0]) < 0.011 + 0.06 / gbs[0], row
