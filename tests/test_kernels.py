@@ -265,10 +265,9 @@ def test_float16_runs_256_bit_on_zen4_only():
     assert said.stdout.startswith("avx512 (") and "256-bit" not in said.stdout
 
 
-@pytest.mark.skipif(not os.path.exists("tests/c/test_kernels.c"), reason="run from the repo root")
-def test_c_kernel_test_runs_every_variant():
-    """tests/c/test_kernels.c (make test-kernels): every variant this CPU runs is
-    bitwise the portable kernels on random bit patterns, ties, zeros, NaN."""
+def _with_kernels(main_c: str, opt: str, runs: list) -> list:
+    """Build main_c with the library's kernel sources (as make does) and run
+    it with each argument list in runs: their CompletedProcess."""
     import shutil
     import subprocess
     import tempfile
@@ -277,11 +276,21 @@ def test_c_kernel_test_runs_every_variant():
     if cc is None:
         pytest.skip("no C compiler")
     srcs = sorted(str(p) for p in pathlib.Path("src/tpcomm/_native").glob("kernels*.c"))
+    flags = ["-std=gnu11", opt, "-ffp-contract=off", "-fno-fast-math", "-Isrc/tpcomm/_native"]
     with tempfile.TemporaryDirectory() as d:
-        exe = os.path.join(d, "test_kernels")
-        flags = ["-std=gnu11", "-O2", "-ffp-contract=off", "-fno-fast-math"]
-        subprocess.run([cc, *flags, "-o", exe, "tests/c/test_kernels.c", *srcs, "-lm"], check=True)
-        r = subprocess.run([exe], capture_output=True, text=True, timeout=120)
+        exe = os.path.join(d, "kernels")
+        subprocess.run([cc, *flags, "-o", exe, main_c, *srcs, "-lm"], check=True)
+        return [
+            subprocess.run([exe, *args], capture_output=True, text=True, timeout=120)
+            for args in runs
+        ]
+
+
+@pytest.mark.skipif(not os.path.exists("tests/c/test_kernels.c"), reason="run from the repo root")
+def test_c_kernel_test_runs_every_variant():
+    """tests/c/test_kernels.c (make test-kernels): every variant this CPU runs is
+    bitwise the portable kernels on random bit patterns, ties, zeros, NaN."""
+    (r,) = _with_kernels("tests/c/test_kernels.c", "-O2", [[]])
     assert r.returncode == 0, r.stdout[-2000:]
     variants = [v for v in _testing.isa_variants() if v != "scalar"]
     assert f"# kernels: {len(variants)} variant(s)" in r.stdout and " 0 failed" in r.stdout
@@ -292,20 +301,7 @@ def test_kernel_benchmark_times_every_variant():
     """benchmarks/kernels.c (make bench: the kernels table) builds from the
     library's kernel sources and times every variant this CPU runs, each
     dtype's rate over float32's with that variant."""
-    import shutil
-    import subprocess
-    import tempfile
-
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("no C compiler")
-    srcs = sorted(str(p) for p in pathlib.Path("src/tpcomm/_native").glob("kernels*.c"))
-    with tempfile.TemporaryDirectory() as d:
-        exe = os.path.join(d, "kernels")
-        flags = ["-std=gnu11", "-O3", "-ffp-contract=off", "-fno-fast-math", "-Isrc/tpcomm/_native"]
-        subprocess.run([cc, *flags, "-o", exe, "benchmarks/kernels.c", *srcs, "-lm"], check=True)
-        bad = subprocess.run([exe, "0"], capture_output=True, text=True, timeout=60)
-        r = subprocess.run([exe, "1"], capture_output=True, text=True, timeout=120)
+    bad, r = _with_kernels("benchmarks/kernels.c", "-O3", [["0"], ["1"]])
     assert bad.returncode == 2 and "usage" in bad.stderr
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [line.split() for line in r.stdout.splitlines() if not line.startswith("#")]
