@@ -122,12 +122,13 @@ bench: install build/handoff build/oneshot build/kernels
 	for d in float32 bfloat16 float16; do \
 		$(TP) perf all_reduce $(BENCH_ARGS) -d $$d -J $(BENCH_DIR)/all_reduce_$$d.json || exit 1; done
 	# the bound beside them, in the same minutes: every size of the all_reduce tables
-	{ echo "# producer copies N bytes on CPU 0, consumer reads them on CPU 1"; \
+	# (one way: CPU 0 copies, CPU 1 reads; both: each copies its own and reads the other's)
+	{ echo "# producer copies N bytes on CPU 0, consumer reads them on CPU 1 (both: at once each way)"; \
 	  echo "#    bytes   round(us)  copy(us)  read(us)  read GB/s  stores (the faster)"; \
 	  build/handoff 0 200000; \
 	  for n in 1024 4096 16384 65536 262144 1048576 4194304 16777216 67108864; do \
 		it=$$((33554432 / n)); [ $$it -ge 300 ] || it=300; \
-		build/handoff $$n $$it || exit 1; done; \
+		build/handoff $$n $$it && build/handoff $$n $$it both || exit 1; done; \
 	} > $(BENCH_DIR)/handoff.txt && cat $(BENCH_DIR)/handoff.txt
 	# tensors from comm.empty: read where they are (zero copy)
 	$(TP) perf all_reduce -b 1K -e 64M -f 4 -R 5 -Z -J $(BENCH_DIR)/all_reduce_zero_copy.json

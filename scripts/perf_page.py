@@ -106,7 +106,11 @@ TEXTS = [
         "Where a small one-shot all_reduce's time goes, by protocol choice "
         "(`benchmarks/oneshot.c`)",
     ),
-    ("handoff", "The bound: handing bytes from one core to the other (`benchmarks/handoff.c`)"),
+    (
+        "handoff",
+        "The bounds: handing bytes from one core to the other, one way and both ways at once "
+        "(`benchmarks/handoff.c`)",
+    ),
     (
         "tp_decode",
         "End to end: tensor-parallel decode "
@@ -175,27 +179,35 @@ def rep_ratio(r: dict, lib: str) -> str:
     return ratio(r.get(f"{lib}_time"), r["time"])
 
 
-def handoff_bound(bench_dir: str) -> dict:
-    """{bytes: us} from handoff.txt (`make bench` runs benchmarks/handoff.c at
-    every size of the all_reduce tables, right after them): one core copies
-    the bytes into a buffer the other core read last, the other reads them;
-    the round of the two, the copy's stores the faster of plain and
+def handoff_bound(bench_dir: str) -> tuple[dict, dict]:
+    """({bytes: us} one way, {bytes: us} both ways) from handoff.txt (`make
+    bench` runs benchmarks/handoff.c at every size of the all_reduce tables,
+    right after them).  One way: one core copies the bytes into a buffer the
+    other core read last, the other reads them; both ways (lines ending in
+    "both"): each core copies its bytes and reads the other's at once, the
+    exchange of a one-shot all_reduce at two ranks without its arithmetic.
+    The round in each case, the copy's stores the faster of plain and
     non-temporal."""
     path = os.path.join(bench_dir, "handoff.txt")
-    out = {}
+    one, both = {}, {}
     if os.path.exists(path):
         with open(path) as f:
             for line in f:
                 parts = line.split()
-                if len(parts) in (5, 6) and parts[0].isdigit() and int(parts[0]) > 0:
-                    out[int(parts[0])] = float(parts[1])
-    return out
+                if not (parts and parts[0].isdigit() and int(parts[0]) > 0):
+                    continue
+                if len(parts) in (5, 6):
+                    one[int(parts[0])] = float(parts[1])
+                elif len(parts) == 7 and parts[6] == "both":
+                    both[int(parts[0])] = float(parts[1])
+    return one, both
 
 
-def table(data: dict, bound: dict | None = None) -> list[str]:
+def table(data: dict, bound: dict | None = None, exchange: dict | None = None) -> list[str]:
     rs = data["results"]
-    bound = bound or {}
+    bound, exchange = bound or {}, exchange or {}
     has_bound = any(r["size"] in bound for r in rs)
+    has_exchange = any(r["size"] in exchange for r in rs)
     compared = data.get("compare") or [
         lib for lib, _ in LIBRARIES if any(r.get(f"{lib}_time") is not None for r in rs)
     ]
@@ -211,6 +223,8 @@ def table(data: dict, bound: dict | None = None) -> list[str]:
         head += ["tpcomm / best"]
     if has_bound:
         head += ["bound (us)", "tpcomm / bound"]
+    if has_exchange:
+        head += ["exchange (us)", "tpcomm / exchange"]
     head += ["memcpy (us)", "tpcomm / memcpy", "#wrong"]
     has_algo = any(r.get("algorithm") for r in rs)
     if has_algo:
@@ -225,9 +239,10 @@ def table(data: dict, bound: dict | None = None) -> list[str]:
         if has_best:
             best = r.get("vs_best")
             row += ["n/a" if best is None else f"{best:.2f} ({names[r['best']]})"]
-        if has_bound:
-            b = bound.get(r["size"])
-            row += [fmt(b), f"{r['time'] / b:.2f}" if b else ""]
+        for has, us in ((has_bound, bound), (has_exchange, exchange)):
+            if has:
+                b = us.get(r["size"])
+                row += [fmt(b), f"{r['time'] / b:.2f}" if b else ""]
         m = r.get("memcpy_time")
         row += [fmt(m), f"{r['time'] / m:.2f}" if m else "", str(r.get("wrong", ""))]
         if has_algo:
@@ -376,6 +391,11 @@ def main(bench_dir: str) -> None:
         "other core reads them (the handoff table below). A "
         "one-shot all_reduce at 2 ranks does this in both directions at once. Where 0.8x the "
         "fastest library's time is below this bound, the bound is the number to compare with.",
+        "- exchange (the same tables): `benchmarks/handoff.c ... both`, the two directions at "
+        "once: each core copies its bytes into a buffer of its own and reads the other's, what a "
+        "one-shot all_reduce at 2 ranks moves, without its arithmetic or any library's call. "
+        "Whatever the two directions share (the fabric between the cores; memory, for "
+        "non-temporal stores) they pay twice here and once in the bound.",
         "- vLLM is shown both ways: through `torch.ops`, as vLLM itself calls its kernel, and "
         "the same kernel called from Python with no dispatcher (its kernel alone).",
         "- algorithm: what tpcomm's engine ran (the C core's own choice); `/256K`: through the "
@@ -389,13 +409,13 @@ def main(bench_dir: str) -> None:
         "",
     ]
     out += dtype_tables(bench_dir)
-    bound = handoff_bound(bench_dir)
+    bound, exchange = handoff_bound(bench_dir)
     for stem, heading, cmd in RUNS:
         if stem not in runs:
             continue
         cmd = runs[stem].get("command", cmd)
-        beside = bound if stem in BOUNDED else None
-        out += [f"## {heading}", "", f"`{cmd}`", ""] + table(runs[stem], beside) + [""]
+        beside = (bound, exchange) if stem in BOUNDED else (None, None)
+        out += [f"## {heading}", "", f"`{cmd}`", ""] + table(runs[stem], *beside) + [""]
     for stem, heading in TEXTS:
         path = os.path.join(bench_dir, stem + ".txt")
         if os.path.exists(path):

@@ -130,8 +130,9 @@ def test_perf_json(tmp_path):
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="benchmarks/handoff.c is x86 (AVX2)")
 def test_perf_page_shows_the_bound_beside_all_reduce(tmp_path):
-    """The all_reduce tables show benchmarks/handoff.c's round of the same
-    bytes (what make bench leaves in handoff.txt) and tpcomm's time over it."""
+    """The all_reduce tables show benchmarks/handoff.c's rounds of the same
+    bytes, one way and both ways at once (what make bench leaves in
+    handoff.txt), and tpcomm's time over each."""
     import pathlib
 
     root = pathlib.Path(__file__).parents[1]
@@ -139,10 +140,17 @@ def test_perf_page_shows_the_bound_beside_all_reduce(tmp_path):
     src = str(root / "benchmarks" / "handoff.c")
     cc = ["gcc", "-O2", "-mavx2", "-pthread", "-o", str(exe), src]
     subprocess.run(cc, check=True, timeout=120)
-    lines = [subprocess.run([str(exe), str(n), "300"], capture_output=True, text=True, check=True,
-                            timeout=60).stdout for n in (1024, 4096)]  # fmt: skip
-    (tmp_path / "handoff.txt").write_text("# header\n" + "".join(lines))
+
+    def handoff(*args):
+        return subprocess.run([str(exe), *args], capture_output=True, text=True, check=True,
+                              timeout=60).stdout  # fmt: skip
+
+    lines = [handoff(str(n), "300") for n in (1024, 4096)]
+    both = [handoff(str(n), "300", "both") for n in (1024, 4096)]
+    assert all(x.split()[-1] == "both" and len(x.split()) == 7 for x in both), both
+    (tmp_path / "handoff.txt").write_text("# header\n" + "".join(lines + both))
     bound = {int(x.split()[0]): float(x.split()[1]) for x in lines}
+    exchange = {int(x.split()[0]): float(x.split()[1]) for x in both}
     out = tmp_path / "all_reduce_float32.json"
     cmd = [sys.executable, "-m", "tpcomm", "perf", "all_reduce", "-b", "1K", "-e", "4K", "-f", "4",
            "-n", "10", "-w", "1", "-N", "2", "-J", str(out)]  # fmt: skip
@@ -157,6 +165,7 @@ def test_perf_page_shows_the_bound_beside_all_reduce(tmp_path):
     head = next(x for x in r.stdout.splitlines() if x.startswith("| size | tpcomm"))
     cols = [c.strip() for c in head.strip("|").split("|")]
     assert "bound (us)" in cols and "tpcomm / bound" in cols, head
+    assert "exchange (us)" in cols and "tpcomm / exchange" in cols, head
     rows = [x for x in r.stdout.splitlines() if x.startswith(("| 1 KiB", "| 4 KiB"))]
     assert len(rows) == 2, r.stdout
     for line, rec in zip(rows, data["results"]):
@@ -164,6 +173,9 @@ def test_perf_page_shows_the_bound_beside_all_reduce(tmp_path):
         b = bound[rec["size"]]
         assert cells[cols.index("bound (us)")] == f"{b:.2f}"
         assert cells[cols.index("tpcomm / bound")] == f"{rec['time'] / b:.2f}"
+        x = exchange[rec["size"]]
+        assert cells[cols.index("exchange (us)")] == f"{x:.2f}"
+        assert cells[cols.index("tpcomm / exchange")] == f"{rec['time'] / x:.2f}"
 
 
 def test_perf_rejects_bad_flags():
