@@ -421,7 +421,9 @@ static struct sym *find_sym(Engine *e, const char *t, size_t bytes)
  * the timed one, and the one that starts before the choice is back), and
  * three of each size where two sizes alternate.  The timed one switches at
  * once where the other one wins (what runs next is what it timed).  Rank 0
- * times one in 16 of the other calls, none right after a trial.  A trial of
+ * times one in 16 of the other calls, none right after a trial, and where
+ * one was slow, more (zc_sample: a change of the machine is seen at once).
+ * A trial of
  * the copies runs their chunks on non-temporal stores (the stores' bit in the
  * header, which every rank reads): zero copy loses where the machine makes
  * cache-to-cache transfers slow, which is where the copies need those stores,
@@ -480,6 +482,17 @@ static void zc_publish(Engine *e, unsigned bits)
     atomic_store_explicit(&HDR(e)->zc_word, nw, memory_order_release);
 }
 
+/* rank 0: switch bucket b where the other one costs under 0.8 of the choice */
+static void zc_decide(Engine *e, int b)
+{
+    const float *c = e->zc.cost[b];
+    const int cur = (int)(e->zc.want >> b) & 1;
+    if (c[!cur] > 0.0f && c[!cur] < 0.8f * c[cur]) {
+        e->zc.want ^= 1u << b;
+        e->zc.switches++;
+    }
+}
+
 /* rank 0: a call of bucket b that copied (or not) took dt ticks */
 static void zc_learn(Engine *e, int b, int copied, uint64_t dt, size_t bytes)
 {
@@ -488,10 +501,44 @@ static void zc_learn(Engine *e, int b, int copied, uint64_t dt, size_t bytes)
     if (c[copied] > 0.0f && x > 2.0f * c[copied])
         x = 2.0f * c[copied];
     c[copied] = c[copied] == 0.0f ? x : c[copied] + (x - c[copied]) * (copied == cur ? 0.25f : 0.5f);
-    if (c[!cur] > 0.0f && c[!cur] < 0.8f * c[cur]) {
-        e->zc.want ^= 1u << b;
-        e->zc.switches++;
+    zc_decide(e, b);
+}
+
+/*
+ * rank 0: a timed call of bucket b's choice.  One over twice its cost counts
+ * as twice (zc_learn: a preempted call), and every second call after it is
+ * timed too (not the next: a peer that slept through the slow one wakes in
+ * it).  ZC_JUMP of them over twice in a row are the machine changing (in
+ * this VM's slow mode zero copy at 4 MiB went from 155 to 1764 us a call
+ * from one call to the next, the copies from 165 to 330): the least of them
+ * is its cost from now on, and the other one is tried at once (1: asked),
+ * where the capped average took about 100 calls to see it, 0.2-0.5 s at
+ * 4-16 MiB.
+ */
+#define ZC_JUMP 3
+
+static int zc_sample(Engine *e, int b, int copied, uint64_t dt, size_t bytes)
+{
+    const float x = (float)dt * 1024.0f / (float)bytes, c = e->zc.cost[b][copied];
+    if (!(c > 0.0f && x > 2.0f * c)) {
+        e->zc.outliers[b] = 0;
+        e->zc.outlier[b] = 0.0f;
+        zc_learn(e, b, copied, dt, bytes);
+        return 0;
     }
+    if (e->zc.outliers[b] == 0 || x < e->zc.outlier[b])
+        e->zc.outlier[b] = x;
+    e->zc.confirm[b] = 2;
+    if (++e->zc.outliers[b] < ZC_JUMP) {
+        zc_learn(e, b, copied, dt, bytes);
+        return 0;
+    }
+    e->zc.cost[b][copied] = e->zc.outlier[b];
+    e->zc.outliers[b] = 0;
+    e->zc.outlier[b] = 0.0f;
+    e->zc.jumps++;
+    zc_decide(e, b);
+    return 1;
 }
 
 /* The first chunk of an all_reduce of `bytes` through the slots, planned as
@@ -542,15 +589,17 @@ static void zc_after_call(Engine *e, unsigned bits, int b, int copied, uint64_t 
             zc_trial_stores_end(e, b);
         }
     } else {
-        if (e->zc.seen[b] == 0 && e->zc.calls[b] % 16 == 5)
-            zc_learn(e, b, copied, dt, bytes);
+        int now = 0; /* a trial at once (zc_sample) */
+        const int confirming = e->zc.outliers[b] > 0;
+        if (e->zc.seen[b] == 0 && (confirming ? --e->zc.confirm[b] == 0 : e->zc.calls[b] % 16 == 5))
+            now = zc_sample(e, b, copied, dt, bytes) && (int)((e->zc.want >> b) & 1) == copied;
         e->zc.seen[b] = 0;
         if (e->zc.asked && ++e->zc.asked > 2 * ZC_TRIAL_EVERY) { /* its size stopped coming */
             e->zc.want = zc_chosen(e->zc.want);
             e->zc.asked = 0;
             zc_trial_stores_end(e, tb);
         }
-        if (++e->zc.calls[b] % ZC_TRIAL_EVERY == 0 && !e->zc.asked) {
+        if ((++e->zc.calls[b] % ZC_TRIAL_EVERY == 0 || now) && !e->zc.asked) {
             e->zc.want |= (unsigned)(b + 1) << ZC_TRIAL_SHIFT;
             e->zc.asked = 1;
             if (!((e->zc.want >> b) & 1)) /* a trial of the copies */
@@ -776,7 +825,8 @@ PyObject *eng_set_zero_copy_auto(Engine *e, PyObject *arg)
 /* zero_copy_state() -> {"auto", "copies": [per bucket, as agreed now],
  * "trial": the bucket trying the other one now (-1: none), "cost": [[zero
  * copy, copies] ticks per KiB] (rank 0), "switches", "trials" (timed trial
- * calls, rank 0), "copied", "min_bytes", "word"}: tests, tpcomm doctor */
+ * calls, rank 0), "jumps" (costs taken at once, zc_sample, rank 0),
+ * "copied", "min_bytes", "word"}: tests, tpcomm doctor */
 PyObject *eng_zero_copy_state(Engine *e, PyObject *unused)
 {
     (void)unused;
@@ -791,11 +841,12 @@ PyObject *eng_zero_copy_state(Engine *e, PyObject *unused)
         PyList_SET_ITEM(copies, b, PyLong_FromLong((long)(bits >> b) & 1));
         PyList_SET_ITEM(cost, b, Py_BuildValue("(dd)", (double)e->zc.cost[b][0], (double)e->zc.cost[b][1]));
     }
-    return Py_BuildValue("{s:O,s:N,s:i,s:N,s:K,s:K,s:K,s:K,s:K}", "auto",
+    return Py_BuildValue("{s:O,s:N,s:i,s:N,s:K,s:K,s:K,s:K,s:K,s:K}", "auto",
                          bits & ZC_ON ? Py_True : Py_False, "copies", copies, "trial",
                          zc_trial(bits), "cost", cost, "switches",
                          (unsigned long long)e->zc.switches, "trials",
-                         (unsigned long long)e->zc.trials, "copied",
+                         (unsigned long long)e->zc.trials, "jumps",
+                         (unsigned long long)e->zc.jumps, "copied",
                          (unsigned long long)e->zc.copied, "min_bytes",
                          (unsigned long long)(1u << ZC_MIN_LOG2), "word",
                          e->base ? (unsigned long long)atomic_load(&HDR(e)->zc_word) : 0ULL);
