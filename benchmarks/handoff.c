@@ -101,6 +101,14 @@ __attribute__((target("avx2"))) static void copy_nt(char *dst, const char *from,
     _mm_sfence();
 }
 
+/* n bytes from `from` to dst, plain or non-temporal stores */
+static void copy_in(char *dst, const char *from, size_t n, int nt)
+{
+    if (nt)
+        copy_nt(dst, from, n);
+    else
+        memcpy(dst, from, n);
+}
 
 /* both: core `me`'s pass number k of iters rounds (the two start together);
  * seconds per round, and of its copy in *copy */
@@ -113,10 +121,7 @@ static double exchange_pass(int me, int k, double *copy)
     for (long i = first; i < first + iters; i++) {
         char *mine = own_buf[me][i & 1];
         double c0 = now();
-        if (pass_nt[k])
-            copy_nt(mine, own_src[me], nbytes);
-        else
-            memcpy(mine, own_src[me], nbytes);
+        copy_in(mine, own_src[me], nbytes, pass_nt[k]);
         spent += now() - c0;
         atomic_store_explicit(&flag[me].v, i, memory_order_release);
         while (atomic_load_explicit(&flag[1 - me].v, memory_order_acquire) < i)
@@ -145,10 +150,7 @@ static double pass(int nt, double *copy)
     for (long i = done_rounds + 1; i <= done_rounds + iters; i++) {
         if (nbytes) { /* (the clock reads would double the flags-only round) */
             double c0 = now();
-            if (nt)
-                copy_nt(shared_buf, src, nbytes);
-            else
-                memcpy(shared_buf, src, nbytes);
+            copy_in(shared_buf, src, nbytes, nt);
             spent += now() - c0;
         }
         atomic_store_explicit(&produced, i, memory_order_release);

@@ -182,8 +182,8 @@ def reacts_at_once(comm, slow_us):
 
 
 def test_a_change_of_the_machine_is_seen_at_once(pools):
-    """A timed call of the choice over twice its cost is timed again on the
-    next call; two in a row are the machine changing (this VM's slow mode made
+    """A timed call of the choice over twice its cost has every second call
+    after it timed; three in a row are the machine changing (this VM's slow mode made
     zero copy 11x slower from one call to the next, the copies 2x): the new
     cost holds at once and the size turns within a few calls, where the
     capped average took about 100. A one-off slow call changes nothing."""

@@ -522,7 +522,6 @@ static int zc_sample(Engine *e, int b, int copied, uint64_t dt, size_t bytes)
     const float x = (float)dt * 1024.0f / (float)bytes, c = e->zc.cost[b][copied];
     if (!(c > 0.0f && x > 2.0f * c)) {
         e->zc.outliers[b] = 0;
-        e->zc.outlier[b] = 0.0f;
         zc_learn(e, b, copied, dt, bytes);
         return 0;
     }
@@ -535,7 +534,6 @@ static int zc_sample(Engine *e, int b, int copied, uint64_t dt, size_t bytes)
     }
     e->zc.cost[b][copied] = e->zc.outlier[b];
     e->zc.outliers[b] = 0;
-    e->zc.outlier[b] = 0.0f;
     e->zc.jumps++;
     zc_decide(e, b);
     return 1;

@@ -319,11 +319,11 @@ typedef struct {
         unsigned want;                /* the state rank 0 wants in force */
         uint32_t calls[ZC_BUCKETS];   /* calls per bucket not on trial */
         uint8_t seen[ZC_BUCKETS];     /* calls on trial so far in a row */
-        float outlier[ZC_BUCKETS];    /* the least of the timed calls of the choice over
-                                       * twice its cost in a row (0: none) */
-        uint8_t outliers[ZC_BUCKETS]; /* how many */
+        uint8_t outliers[ZC_BUCKETS]; /* timed calls of the choice over twice its cost
+                                       * in a row (zc_sample) */
+        float outlier[ZC_BUCKETS];    /* the least of them, while there are any */
         uint8_t confirm[ZC_BUCKETS];  /* calls until the next is timed */
-        uint64_t jumps;               /* costs taken at once, two such calls in a row */
+        uint64_t jumps;               /* costs taken at once, ZC_JUMP such calls in a row */
         uint32_t asked;               /* calls since a trial was asked, 0: none */
         int st_bucket, st_had;        /* the stores bucket a trial of the copies made
                                        * non-temporal + 1 (0: none), and its kind before */
