@@ -131,12 +131,20 @@ def test_zero_copy_or_the_copies_chosen_as_it_runs(pools, world):
         # a trial is four calls in a row (asked for after one call, the
         # choice asked back after the third, which is the one timed: each
         # holds from the call after the next), every 128 calls of the choice,
-        # or at once where the choice's cost jumped (the machine changed)
+        # or at once where the choice's cost jumped (the machine changed), the
+        # next one 128 calls after that: a jump cuts one run short
         for phase, choice, jumps in ((slow_zc, 2, jumps1), (slow_copies, 3, jumps2 - jumps1)):
             runs = [(k, len(list(g))) for k, g in itertools.groupby(phase[-400:])]
             trials = [n for k, n in runs[1:-1] if k != choice]
             assert len(trials) >= 2 and set(trials) == {4}, runs
             assert sum(n < 100 for k, n in runs[1:-1] if k == choice) <= jumps, runs
+
+
+def rank0_says(comm, flag: bool) -> bool:
+    """Rank 0's flag, on every rank (a collective)."""
+    t = torch.tensor([float(flag) if comm.rank == 0 else 0.0])
+    comm.all_reduce(t)
+    return t.item() != 0.0
 
 
 def reacts_at_once(comm, slow_us):
@@ -145,28 +153,36 @@ def reacts_at_once(comm, slow_us):
     every phase of the one-in-16 timing), then for every call: each phase's
     rounds (3: zero copy; 2: the copies, two-shot), whether every result was
     right, and rank 0's jumps and choice for this size (1: the copies) after
-    each of the last two phases."""
+    each of the last two phases.  A busy machine makes calls slow of itself,
+    three in a row now and then (a jump or a switch that no one-off made):
+    the one-off phase, from nothing learnt, is run up to three times, until
+    one keeps zero copy with no jump."""
     eng = _testing.engine(comm)
     eng.adjust(twoshot_min=0, chunk_min=-1, zc_min=0, zc_max=-1, nt_auto=True)
-    _testing.set_zero_copy_auto(comm, False)
-    _testing.set_zero_copy_auto(comm, True)  # from nothing learnt
     x = comm.empty((1 << 17,), torch.float32)  # 512 KiB
     b = 1  # its bucket: one per power of two from 256 KiB
     out, right = [], True
     try:
         if comm.rank == 0:
             eng.fault_stores(300.0, 300.0)
-        rounds, ok = counted_calls(comm, x, 300)
-        right &= ok
-        one_off = []
-        for k in range(16):
-            for j in range(17):
-                if comm.rank == 0:
-                    eng.fault_zero_copy(slow_us if j == k else 0.0)
-                rounds, ok = counted_calls(comm, x, 1)
-                one_off += rounds
-                right &= ok
-        st = eng.zero_copy_state()
+        for _attempt in range(3):
+            _testing.set_zero_copy_auto(comm, False)
+            _testing.set_zero_copy_auto(comm, True)  # from nothing learnt
+            rounds, ok = counted_calls(comm, x, 300)
+            right &= ok
+            one_off = []
+            for k in range(16):
+                for j in range(17):
+                    if comm.rank == 0:
+                        eng.fault_zero_copy(slow_us if j == k else 0.0)
+                    rounds, ok = counted_calls(comm, x, 1)
+                    one_off += rounds
+                    right &= ok
+            st = eng.zero_copy_state()
+            # zero copy throughout, a trial aside, and no jump: rank 0 tells
+            bad = rank0_says(comm, st["jumps"] > 0 or one_off.count(3) < len(one_off) - 8)
+            if not bad:
+                break
         out.append((one_off, st["jumps"], st["copies"][b]))
         if comm.rank == 0:
             eng.fault_zero_copy(slow_us)
@@ -182,8 +198,8 @@ def reacts_at_once(comm, slow_us):
 
 
 def test_a_change_of_the_machine_is_seen_at_once(pools):
-    """A timed call of the choice over twice its cost has every second call
-    after it timed; three in a row are the machine changing (this VM's slow mode made
+    """A timed call of the choice over twice its cost has the second and
+    third calls after it timed; three in a row are the machine changing (this VM's slow mode made
     zero copy 11x slower from one call to the next, the copies 2x): the new
     cost holds at once and the size turns within a few calls, where the
     capped average took about 100. A one-off slow call changes nothing."""

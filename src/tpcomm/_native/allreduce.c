@@ -506,14 +506,19 @@ static void zc_learn(Engine *e, int b, int copied, uint64_t dt, size_t bytes)
 
 /*
  * rank 0: a timed call of bucket b's choice.  One over twice its cost counts
- * as twice (zc_learn: a preempted call), and every second call after it is
- * timed too (not the next: a peer that slept through the slow one wakes in
- * it).  ZC_JUMP of them over twice in a row are the machine changing (in
+ * as twice (zc_learn: a preempted call), and the second and third calls
+ * after it are timed too (not the next: a peer that slept through the slow
+ * one wakes in it; and two calls in a row, not every second one, which a
+ * peer that sleeps in every other call, as on a machine with more busy
+ * threads than cores, would make look slow each time: 140-160 and 570-640 us
+ * in turns at 512 KiB here).  ZC_JUMP of them over twice in a row are the
+ * machine changing (in
  * this VM's slow mode zero copy at 4 MiB went from 155 to 1764 us a call
  * from one call to the next, the copies from 165 to 330): the least of them
  * is its cost from now on, and the other one is tried at once (1: asked),
  * where the capped average took about 100 calls to see it, 0.2-0.5 s at
- * 4-16 MiB.
+ * 4-16 MiB.  The next trial comes a whole period after that one, not at the
+ * next multiple of the period.
  */
 #define ZC_JUMP 3
 
@@ -527,7 +532,7 @@ static int zc_sample(Engine *e, int b, int copied, uint64_t dt, size_t bytes)
     }
     if (e->zc.outliers[b] == 0 || x < e->zc.outlier[b])
         e->zc.outlier[b] = x;
-    e->zc.confirm[b] = 2;
+    e->zc.confirm[b] = e->zc.outliers[b] == 0 ? 2 : 1; /* the second call on, then the next */
     if (++e->zc.outliers[b] < ZC_JUMP) {
         zc_learn(e, b, copied, dt, bytes);
         return 0;
@@ -598,6 +603,8 @@ static void zc_after_call(Engine *e, unsigned bits, int b, int copied, uint64_t 
             zc_trial_stores_end(e, tb);
         }
         if ((++e->zc.calls[b] % ZC_TRIAL_EVERY == 0 || now) && !e->zc.asked) {
+            if (now) /* the next trial a whole period after this one */
+                e->zc.calls[b] = 0;
             e->zc.want |= (unsigned)(b + 1) << ZC_TRIAL_SHIFT;
             e->zc.asked = 1;
             if (!((e->zc.want >> b) & 1)) /* a trial of the copies */
