@@ -142,8 +142,8 @@ def test_zero_copy_or_the_copies_chosen_as_it_runs(pools, world):
 
 def rank0_says(comm, flag: bool) -> bool:
     """Rank 0's flag, on every rank (a collective)."""
-    t = torch.tensor([float(flag) if comm.rank == 0 else 0.0])
-    comm.all_reduce(t)
+    t = torch.tensor([float(flag)])
+    comm.broadcast(t, 0)
     return t.item() != 0.0
 
 

@@ -512,13 +512,12 @@ static void zc_learn(Engine *e, int b, int copied, uint64_t dt, size_t bytes)
  * peer that sleeps in every other call, as on a machine with more busy
  * threads than cores, would make look slow each time: 140-160 and 570-640 us
  * in turns at 512 KiB here).  ZC_JUMP of them over twice in a row are the
- * machine changing (in
- * this VM's slow mode zero copy at 4 MiB went from 155 to 1764 us a call
- * from one call to the next, the copies from 165 to 330): the least of them
- * is its cost from now on, and the other one is tried at once (1: asked),
- * where the capped average took about 100 calls to see it, 0.2-0.5 s at
- * 4-16 MiB.  The next trial comes a whole period after that one, not at the
- * next multiple of the period.
+ * machine changing (in this VM's slow mode zero copy at 4 MiB went from 155
+ * to 1764 us a call from one call to the next, the copies from 165 to 330):
+ * the least of them is its cost from now on, and the other one is tried at
+ * once (1: asked), where the capped average took about 100 calls to see it,
+ * 0.2-0.5 s at 4-16 MiB.  The next trial comes a whole period after that
+ * one, not at the next multiple of the period.
  */
 #define ZC_JUMP 3
 
