@@ -247,7 +247,7 @@ def test_a_trial_of_the_copies_runs_them_on_non_temporal_stores(pools):
     copy is kept at twice their cost.  Here zero copy is 300 us slower and
     the copies 600 us slower on plain stores only: the first trials turn the
     size to the copies, which keep their non-temporal stores."""
-    res = pools.run(2, tried_on_nt_stores, 400, timeout=300)
+    res = pools.run(2, tried_on_nt_stores, 800, timeout=300)
     assert res[0][:3] == res[1][:3], "ranks ran different rounds"
     rounds, right, copies, nt = res[0]
     assert right and copies == 1
