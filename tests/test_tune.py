@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from tpcomm import _testing
+from tpcomm import _testing, tune
 from tpcomm.shm import profile
 from tpcomm.tune import switch_point, window, wins_from, with_float32
 
@@ -75,6 +75,45 @@ def test_16bit_two_shot_takes_float32s_window_where_it_never_loses():
     # float32 never two-shot: its own, whatever it is
     assert with_float32(sizes, (64, -1), (-1, -1), [1.2, 1.1, 1.1, 0.9]) == (64, -1)
     assert with_float32(sizes, (-1, -1), (-1, -1), [1.2] * 4) == (-1, -1)
+
+
+def test_the_edges_of_a_window_are_measured_twice():
+    """A window's first win and the loss that ends it are measured again, the
+    repetitions joined, and the rule run again on all of them until every
+    edge it gives has been measured twice: a first win that the second
+    measurement undoes moves the window to the next size, which is then
+    measured again itself."""
+    sizes = [1, 2, 3, 4, 5]
+    first = {1: 1.1, 2: 0.9, 3: 0.9, 4: 0.9, 5: 1.2}  # non-temporal / cached, 3 repetitions
+    again = {2: 1.2, 3: 0.92, 5: 1.1}  # the second measurement's
+    times = {s: {"cached": [1.0] * 3, "non-temporal": [r] * 3} for s, r in first.items()}
+    res = {"nt_stores": times}
+    assert window(sizes, [first[s] for s in sizes]) == (2, 4)
+    asked = []
+
+    def measure(cfg: dict) -> dict:
+        (size,) = cfg["sizes"]
+        asked.append((cfg["only"], size))
+        return {"nt_stores": {size: {"cached": [1.0] * 3, "non-temporal": [again[size]] * 3}}}
+
+    class Out:
+        text = ""
+
+        def write(self, s: str) -> None:
+            self.text += s
+
+    out = Out()
+    tune._confirm(measure, {"sizes": sizes}, res, tune._copy_edges, out)
+    # 2: 0.9 then 1.2, the median of the six 1.05: a loss, so the window starts
+    # at 3 (0.9 and 0.92: a win); 5 ends it both times
+    assert asked == [("nt_stores", 2), ("nt_stores", 3), ("nt_stores", 5)]
+    assert [len(res["nt_stores"][s]["non-temporal"]) for s in sizes] == [3, 6, 6, 3, 6]
+    rs = [statistics.median(res["nt_stores"][s]["non-temporal"]) for s in sizes]
+    assert window(sizes, rs) == (3, 4)
+    assert "nt_stores 2 bytes, non-temporal / cached 0.90 -> 1.05 (6 repetitions)" in out.text
+    assert "nt_stores 3 bytes, non-temporal / cached 0.90 -> 0.91 (6 repetitions)" in out.text
+    assert tune._window_edges(sizes, (3, 4)) == [3, 5]
+    assert tune._window_edges(sizes, (3, -1)) == [3] and tune._window_edges(sizes, (-1, -1)) == []
 
 
 def _with_float32(sizes: list, own: tuple, f32: tuple, rs: list) -> tuple:
@@ -264,24 +303,40 @@ def test_tune_writes_the_switch_points_of_what_it_measured(tmp_path):
                 return s
         return -1
 
-    for algos in (res["all_reduce"][str(s)] for s in sizes):
-        assert all(len(v) == 3 and min(v) > 0 for v in algos.values())
+    def reps(coll: str, s: int) -> int:  # 3, or 6 where measured again
+        (n,) = {len(v) for v in res[coll][str(s)].values()}
+        assert n in (3, 6) and min(min(v) for v in res[coll][str(s)].values()) > 0
+        return n
+
+    def edges(coll: str, w: tuple) -> None:  # its first win, the loss that ends it
+        if w[0] >= 0:
+            assert reps(coll, w[0]) == 6, (coll, w)
+            after = [s for s in sizes if w[1] >= 0 and s > w[1]]
+            assert all(reps(coll, s) == 6 for s in after[:1])
+            assert f"measured again, the edge of a choice: {coll} {w[0]} bytes" in r.stdout
+
+    for coll in ("all_reduce", "all_reduce_bf16", "all_gather", "nt_stores"):
+        assert all(reps(coll, s) in (3, 6) for s in sizes)
     two = [ratio("all_reduce", s, "two-shot", "one-shot") for s in sizes]
     assert (got["twoshot_min_bytes"], got["twoshot_max_bytes"]) == _window(sizes, two)
+    edges("all_reduce", _window(sizes, two))
     two16 = [ratio("all_reduce_bf16", s, "two-shot", "one-shot") for s in sizes]
     own16 = _window(sizes, two16)
+    edges("all_reduce_bf16", own16)
     want16 = _with_float32(sizes, own16, _window(sizes, two), two16)
     assert (got["twoshot_min_bytes_16bit"], got["twoshot_max_bytes_16bit"]) == want16
     if res["single_copy_possible"]:
         sc = [ratio("all_reduce", s, "single-copy", "one-shot", "two-shot") for s in sizes]
         cma_window = (got["cma_allreduce_min_bytes"], got["cma_allreduce_max_bytes"])
         assert cma_window == _window(sizes, sc)
+        edges("all_reduce", cma_window)
         ag = [ratio("all_gather", s, "single-copy", "copy") for s in sizes]
         assert got["cma_min_bytes"] == point(ag)
     else:
         assert "cma_allreduce_min_bytes" not in got
     nt = [ratio("nt_stores", s, "non-temporal", "cached") for s in sizes]
     assert (got["nt_min_bytes"], got["nt_max_bytes"]) == _window(sizes, nt)
+    edges("nt_stores", _window(sizes, nt))
     threads = [ratio("threads", s, "threads", "one thread") for s in sizes]
     assert got["threads_min_bytes"] == point(threads) and res["threads_per_rank"] == 2
     zc = [ratio("zero_copy", s, "zero-copy", "copies") for s in sizes]

@@ -18,7 +18,11 @@ floats' two-shot window also takes float32's where their own two-shot never
 loses by 3 % over both (``with_float32``).  The other
 choices get a switch point: the smallest measured size at which the other
 variant wins by 3 % and at every larger size is not slower by more than
-3 % (-1: never).  Settings given in the
+3 % (-1: never).  The sizes that decide the windows and the all_gather's
+switch point (the first win, the loss that ends a window) are measured a
+second time and the rules run
+again on both measurements' repetitions, until every such size has been
+measured twice (``_confirm``).  Settings given in the
 environment still win over the profile.  A plain all_reduce timed before and
 after the measurements says whether the machine kept its speed meanwhile;
 where it did not, the world is measured again (``--tries``) and the
@@ -33,7 +37,7 @@ import argparse
 import statistics
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -244,8 +248,9 @@ def _measure(comm: Any, cfg: dict) -> dict:
     eng = engine_of(comm)
     # single copy only where this machine lets the ranks read each other
     cma = eng.agree_single_copy(True, 0)[1]
+    plan = tuple(a for a in ALGORITHMS if cfg.get("only") in (None, a[0]))
     try:
-        return {"single_copy_possible": cma, **_time_variants(comm, eng, cfg, ALGORITHMS, cma)}
+        return {"single_copy_possible": cma, **_time_variants(comm, eng, cfg, plan, cma)}
     finally:
         eng.restore()
 
@@ -264,6 +269,8 @@ def _measure_copies(comm: Any, cfg: dict, chosen: dict) -> dict:
     try:
         eng.adjust(**{_APPLIED[k]: v for k, v in chosen.items() if k in _APPLIED})
         res = _time_variants(comm, eng, cfg, COPIES[:1], cma)
+        if cfg.get("only") == "nt_stores":  # measured again (_confirm)
+            return res
         # with the stores just chosen (every rank has the same times)
         stores = _copy_settings(cfg["sizes"], res)
         nt, nt_max = stores["nt_min_bytes"], stores["nt_max_bytes"]
@@ -360,6 +367,74 @@ def _copy_settings(sizes: list, res: dict) -> dict:
     return out
 
 
+def _window_edges(sizes: list, span: tuple) -> list:
+    """The sizes that decide a window: its first win, and the loss that ends
+    it (none where it has no end)."""
+    lo, hi = span
+    if lo < 0:
+        return []
+    after = [s for s in sizes if s > hi] if hi >= 0 else []
+    return [lo] + after[:1]
+
+
+def _edges(sizes: list, res: dict) -> list:
+    """The first pass's deciding measurements: (collective, size, variant,
+    base...) for the edges of every window and the switch point it writes."""
+    out = []
+
+    def add(collective: str, variant: str, *base: str, point: bool = False) -> None:
+        rs = _ratios(sizes, res, collective, variant, *base)
+        at = [switch_point(sizes, rs)] if point else _window_edges(sizes, window(sizes, rs))
+        out.extend((collective, s, variant, *base) for s in at if s >= 0)
+
+    add("all_reduce", "two-shot", "one-shot")
+    add("all_reduce_bf16", "two-shot", "one-shot")
+    if res["single_copy_possible"]:
+        add("all_reduce", "single-copy", "one-shot", "two-shot")
+        add("all_gather", "single-copy", "copy", point=True)
+    return out
+
+
+def _copy_edges(sizes: list, res: dict) -> list:
+    """The second pass's: the edges of the stores' window."""
+    rs = _ratios(sizes, res, "nt_stores", *NT[::-1])
+    return [("nt_stores", s, *NT[::-1]) for s in _window_edges(sizes, window(sizes, rs))]
+
+
+def _confirm(
+    measure: Callable[[dict], dict],
+    cfg: dict,
+    res: dict,
+    edges: Callable[[list, dict], list],
+    out: Any,
+) -> None:
+    """Measure every edge that ``edges`` gives (of a window or switch point)
+    once more before it is written: a size where one algorithm wins or loses decides the choice of a
+    whole range of sizes, so it needs two measurements that agree, not one
+    (on a shared machine one measurement's 5 % win was another's 10 % loss,
+    docs/DECISIONS.md).  The new repetitions join the old ones in ``res`` and
+    the rules run again on all of them, until every edge they give has been
+    measured twice: what is written stays the rule applied to what was
+    measured.  ``measure(cfg)``: one pass's results for cfg["only"] at
+    cfg["sizes"]."""
+    sizes, done = cfg["sizes"], set()
+    while True:
+        todo = [e for e in edges(sizes, res) if e[:2] not in done]
+        if not todo:
+            return
+        collective, size, variant, *base = todo[0]
+        done.add((collective, size))
+        was = _ratios([size], res, collective, variant, *base)[0]
+        more = measure({**cfg, "sizes": [size], "only": collective})[collective][size]
+        for v, ts in more.items():
+            res[collective][size][v] = res[collective][size][v] + ts
+        now = _ratios([size], res, collective, variant, *base)[0]
+        n = len(res[collective][size][variant])
+        out.write(f"#   measured again, the edge of a choice: {collective} {size} bytes, "
+                  f"{variant} / {' or '.join(base)} {was:.2f} -> {now:.2f} "
+                  f"({n} repetitions)\n")  # fmt: skip
+
+
 def _table(sizes: list, res: dict, plan: tuple) -> list:
     """The lines that show what was measured, a table per collective."""
     lines = []
@@ -419,8 +494,13 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
             with LocalGroup(w, pin=not args.no_pin) as group:
                 before = group.run(_reference, cfg)[0]
                 res = group.run(_measure, cfg)[0]
+                _confirm(lambda c: group.run(_measure, c)[0], cfg, res, _edges, out)
                 settings = _settings(sizes, res)
                 copies = group.run(_measure_copies, cfg, settings)[0]
+                _confirm(
+                    lambda c, s=settings: group.run(_measure_copies, c, s)[0], cfg, copies,
+                    _copy_edges, out,
+                )  # fmt: skip
                 after = group.run(_reference, cfg)[0]
             tries.append((profile.speed_moved(before, after), before, after, res, settings, copies))
         _, before, after, res, settings, copies = min(tries, key=lambda t: t[0])
