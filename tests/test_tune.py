@@ -315,14 +315,22 @@ def test_tune_writes_the_switch_points_of_what_it_measured(tmp_path):
             assert all(reps(coll, s) == 6 for s in after[:1])
             assert f"measured again, the edge of a choice: {coll} {w[0]} bytes" in r.stdout
 
-    for coll in ("all_reduce", "all_reduce_bf16", "all_gather", "nt_stores"):
+    for coll in ("all_reduce", "all_reduce_bf16", "all_reduce_f16", "all_gather", "nt_stores"):
         assert all(reps(coll, s) in (3, 6) for s in sizes)
     two = [ratio("all_reduce", s, "two-shot", "one-shot") for s in sizes]
     assert (got["twoshot_min_bytes"], got["twoshot_max_bytes"]) == _window(sizes, two)
     edges("all_reduce", _window(sizes, two))
-    two16 = [ratio("all_reduce_bf16", s, "two-shot", "one-shot") for s in sizes]
+
+    def both16(s: int) -> float:  # bfloat16's and float16's times summed, per repetition
+        b, f = res["all_reduce_bf16"][str(s)], res["all_reduce_f16"][str(s)]
+        two = [x + y for x, y in zip(b["two-shot"], f["two-shot"])]
+        one = [x + y for x, y in zip(b["one-shot"], f["one-shot"])]
+        return statistics.median(t / o for t, o in zip(two, one))
+
+    two16 = [both16(s) for s in sizes]
     own16 = _window(sizes, two16)
     edges("all_reduce_bf16", own16)
+    edges("all_reduce_f16", own16)
     want16 = _with_float32(sizes, own16, _window(sizes, two), two16)
     assert (got["twoshot_min_bytes_16bit"], got["twoshot_max_bytes_16bit"]) == want16
     if res["single_copy_possible"]:

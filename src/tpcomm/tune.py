@@ -1,6 +1,6 @@
 """``tpcomm tune``: measure on this machine where each all-reduce algorithm
-(one-shot, two-shot, single copy; bfloat16's one-shot and two-shot apart, for
-both 16-bit floats) and the single-copy all_gather win, for the world sizes
+(one-shot, two-shot, single copy; the 16-bit floats' one-shot and two-shot
+apart) and the single-copy all_gather win, for the world sizes
 given, then, with those switch points, where non-temporal stores into the
 slots, a rank's helper threads, going through the slots in chunks of half
 the L2 instead of a slot at a time, and reading a comm.empty tensor where it
@@ -14,7 +14,8 @@ and single-copy all_reduce and non-temporal stores get a window of sizes
 than 3 % (the median of each repetition's own ratio), the one where it is
 faster by 3 % or more at the most sizes, from its first win to the run's
 end (no end where the run reaches the largest size measured); the 16-bit
-floats' two-shot window also takes float32's where their own two-shot never
+floats' two-shot window (bfloat16's and float16's times together,
+``_ratios16``) also takes float32's where their own two-shot never
 loses by 3 % over both (``with_float32``).  The other
 choices get a switch point: the smallest measured size at which the other
 variant wins by 3 % and at every larger size is not slower by more than
@@ -53,11 +54,13 @@ __all__ = ["add_arguments", "main", "run", "switch_point", "window", "wins_from"
 ALL_REDUCE = ("one-shot", "two-shot", "single-copy")
 ALL_GATHER = ("copy", "single-copy")
 # first pass: all_reduce of float32 (its switch points serve the integers
-# too), of bfloat16 (the switch point of both 16-bit floats, whose reduce costs
-# more, so splitting it between the ranks can pay earlier), all_gather
+# too), of bfloat16 and float16 (together the window of both 16-bit floats,
+# whose reduce costs more, so splitting it between the ranks can pay
+# earlier), all_gather
 ALGORITHMS = (
     ("all_reduce", ALL_REDUCE, torch.float32),
     ("all_reduce_bf16", ALL_REDUCE[:2], torch.bfloat16),
+    ("all_reduce_f16", ALL_REDUCE[:2], torch.float16),
     ("all_gather", ALL_GATHER, torch.float32),
 )
 # second pass, float32 all_reduce with the first pass's switch points: stores
@@ -320,6 +323,20 @@ def _ratios(sizes: list, res: dict, collective: str, variant: str, *base: str) -
     return out
 
 
+def _ratios16(sizes: list, res: dict) -> list:
+    """The 16-bit floats' two-shot over one-shot, per size: the median over
+    the repetitions of bfloat16's and float16's two-shot times summed over
+    their one-shot times summed.  One window serves both; where their kernels
+    differ (AMD Zen 4: bfloat16 by AVX512_BF16, float16 by 256-bit F16C at
+    3/4 of its speed) the one that gains or loses more time decides."""
+    out = []
+    for s in sizes:
+        b, f = res["all_reduce_bf16"][s], res["all_reduce_f16"][s]
+        pairs = zip(b["two-shot"], f["two-shot"], b["one-shot"], f["one-shot"])
+        out.append(statistics.median((b2 + f2) / (b1 + f1) for b2, f2, b1, f1 in pairs))
+    return out
+
+
 def _settings(sizes: list, res: dict) -> dict:
     """The algorithms' switch points from one world's first pass."""
 
@@ -332,7 +349,7 @@ def _settings(sizes: list, res: dict) -> dict:
     settings: dict = {}
     two = span("all_reduce", "two-shot", "one-shot")
     settings["twoshot_min_bytes"], settings["twoshot_max_bytes"] = two
-    ratios16 = _ratios(sizes, res, "all_reduce_bf16", "two-shot", "one-shot")
+    ratios16 = _ratios16(sizes, res)
     two16 = with_float32(sizes, window(sizes, ratios16), two, ratios16)
     settings["twoshot_min_bytes_16bit"], settings["twoshot_max_bytes_16bit"] = two16
     if res["single_copy_possible"]:
@@ -388,7 +405,8 @@ def _edges(sizes: list, res: dict) -> list:
         out.extend((collective, s, variant, *base) for s in at if s >= 0)
 
     add("all_reduce", "two-shot", "one-shot")
-    add("all_reduce_bf16", "two-shot", "one-shot")
+    for s in _window_edges(sizes, window(sizes, _ratios16(sizes, res))):
+        out.extend((c, s, "two-shot", "one-shot") for c in ("all_reduce_bf16", "all_reduce_f16"))
     if res["single_copy_possible"]:
         add("all_reduce", "single-copy", "one-shot", "two-shot")
         add("all_gather", "single-copy", "copy", point=True)
