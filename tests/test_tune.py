@@ -308,7 +308,7 @@ def test_tune_writes_the_switch_points_of_what_it_measured(tmp_path):
         assert n in (3, 6) and min(min(v) for v in res[coll][str(s)].values()) > 0
         return n
 
-    def edges(coll: str, w: tuple) -> None:  # its first win, the loss that ends it
+    def edges(coll: str, w: tuple) -> None:  # its first size, the size past its end
         if w[0] >= 0:
             assert reps(coll, w[0]) == 6, (coll, w)
             after = [s for s in sizes if w[1] >= 0 and s > w[1]]
@@ -329,10 +329,10 @@ def test_tune_writes_the_switch_points_of_what_it_measured(tmp_path):
 
     two16 = [both16(s) for s in sizes]
     own16 = _window(sizes, two16)
-    edges("all_reduce_bf16", own16)
-    edges("all_reduce_f16", own16)
     want16 = _with_float32(sizes, own16, _window(sizes, two), two16)
     assert (got["twoshot_min_bytes_16bit"], got["twoshot_max_bytes_16bit"]) == want16
+    edges("all_reduce_bf16", want16)  # the window written, both 16-bit floats
+    edges("all_reduce_f16", want16)
     if res["single_copy_possible"]:
         sc = [ratio("all_reduce", s, "single-copy", "one-shot", "two-shot") for s in sizes]
         cma_window = (got["cma_allreduce_min_bytes"], got["cma_allreduce_max_bytes"])
@@ -340,6 +340,7 @@ def test_tune_writes_the_switch_points_of_what_it_measured(tmp_path):
         edges("all_reduce", cma_window)
         ag = [ratio("all_gather", s, "single-copy", "copy") for s in sizes]
         assert got["cma_min_bytes"] == point(ag)
+        assert point(ag) < 0 or reps("all_gather", point(ag)) == 6
     else:
         assert "cma_allreduce_min_bytes" not in got
     nt = [ratio("nt_stores", s, "non-temporal", "cached") for s in sizes]

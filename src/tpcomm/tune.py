@@ -20,7 +20,7 @@ loses by 3 % over both (``with_float32``).  The other
 choices get a switch point: the smallest measured size at which the other
 variant wins by 3 % and at every larger size is not slower by more than
 3 % (-1: never).  The sizes that decide the windows and the all_gather's
-switch point (the first win, the loss that ends a window) are measured a
+switch point (a window's first size, the size past its end) are measured a
 second time and the rules run
 again on both measurements' repetitions, until every such size has been
 measured twice (``_confirm``).  Settings given in the
@@ -385,8 +385,9 @@ def _copy_settings(sizes: list, res: dict) -> dict:
 
 
 def _window_edges(sizes: list, span: tuple) -> list:
-    """The sizes that decide a window: its first win, and the loss that ends
-    it (none where it has no end)."""
+    """The sizes that decide a window: its first size (a win, or for the
+    16-bit floats one float32's window lends them), and the size past its end
+    (a loss; none where it has no end)."""
     lo, hi = span
     if lo < 0:
         return []
@@ -394,29 +395,45 @@ def _window_edges(sizes: list, span: tuple) -> list:
     return [lo] + after[:1]
 
 
-def _edges(sizes: list, res: dict) -> list:
-    """The first pass's deciding measurements: (collective, size, variant,
-    base...) for the edges of every window and the switch point it writes."""
+# what decides each window (its settings, from, up to) or switch point: the
+# collectives measured again at its edges, the variant and what it is timed against
+DECIDED_BY = (
+    (("twoshot_min_bytes", "twoshot_max_bytes"), ("all_reduce",), "two-shot", ("one-shot",)),
+    (
+        ("twoshot_min_bytes_16bit", "twoshot_max_bytes_16bit"),
+        ("all_reduce_bf16", "all_reduce_f16"), "two-shot", ("one-shot",),
+    ),
+    (
+        ("cma_allreduce_min_bytes", "cma_allreduce_max_bytes"),
+        ("all_reduce",), "single-copy", ("one-shot", "two-shot"),
+    ),
+    (("cma_min_bytes",), ("all_gather",), "single-copy", ("copy",)),
+    (("nt_min_bytes", "nt_max_bytes"), ("nt_stores",), "non-temporal", ("cached",)),
+)  # fmt: skip
+
+
+def _edges_of(sizes: list, settings: dict) -> list:
+    """(collective, size, variant, base...) for every edge of the windows
+    and switch points in ``settings``."""
     out = []
-
-    def add(collective: str, variant: str, *base: str, point: bool = False) -> None:
-        rs = _ratios(sizes, res, collective, variant, *base)
-        at = [switch_point(sizes, rs)] if point else _window_edges(sizes, window(sizes, rs))
-        out.extend((collective, s, variant, *base) for s in at if s >= 0)
-
-    add("all_reduce", "two-shot", "one-shot")
-    for s in _window_edges(sizes, window(sizes, _ratios16(sizes, res))):
-        out.extend((c, s, "two-shot", "one-shot") for c in ("all_reduce_bf16", "all_reduce_f16"))
-    if res["single_copy_possible"]:
-        add("all_reduce", "single-copy", "one-shot", "two-shot")
-        add("all_gather", "single-copy", "copy", point=True)
+    for keys, collectives, variant, base in DECIDED_BY:
+        if keys[0] not in settings:
+            continue
+        got = [settings[k] for k in keys]
+        at = _window_edges(sizes, tuple(got)) if len(got) == 2 else [s for s in got if s >= 0]
+        out.extend((c, s, variant, *base) for s in at for c in collectives)
     return out
+
+
+def _edges(sizes: list, res: dict) -> list:
+    """The first pass's deciding measurements: the edges of what it writes."""
+    return _edges_of(sizes, _settings(sizes, res))
 
 
 def _copy_edges(sizes: list, res: dict) -> list:
     """The second pass's: the edges of the stores' window."""
-    rs = _ratios(sizes, res, "nt_stores", *NT[::-1])
-    return [("nt_stores", s, *NT[::-1]) for s in _window_edges(sizes, window(sizes, rs))]
+    stores = _copy_settings(sizes, res)
+    return _edges_of(sizes, {k: stores[k] for k in ("nt_min_bytes", "nt_max_bytes")})
 
 
 def _confirm(
@@ -427,14 +444,14 @@ def _confirm(
     out: Any,
 ) -> None:
     """Measure every edge that ``edges`` gives (of a window or switch point)
-    once more before it is written: a size where one algorithm wins or loses decides the choice of a
-    whole range of sizes, so it needs two measurements that agree, not one
-    (on a shared machine one measurement's 5 % win was another's 10 % loss,
-    docs/DECISIONS.md).  The new repetitions join the old ones in ``res`` and
-    the rules run again on all of them, until every edge they give has been
-    measured twice: what is written stays the rule applied to what was
-    measured.  ``measure(cfg)``: one pass's results for cfg["only"] at
-    cfg["sizes"]."""
+    once more before it is written: a size where one algorithm wins or loses
+    decides the choice of a whole range of sizes, so it needs two
+    measurements that agree, not one (on a shared machine one measurement's
+    7 % win was the next one's 10-15 % loss, docs/DECISIONS.md).  The new
+    repetitions join the old ones in ``res`` and the rules run again on all
+    of them, until every edge they give has been measured twice: what is
+    written stays the rule applied to what was measured.  ``measure(cfg)``:
+    one pass's results for cfg["only"] at cfg["sizes"]."""
     sizes, done = cfg["sizes"], set()
     while True:
         todo = [e for e in edges(sizes, res) if e[:2] not in done]
