@@ -2,10 +2,13 @@
  * handoff: the physical bound of any shared-memory collective on this machine.
  *
  * Two threads pinned to CPUs 0 and 1 hand a buffer back and forth the way a
- * one-shot all-reduce does: the producer copies N bytes into a shared buffer
- * (which the consumer read in the previous round, so every line needs a
- * read-for-ownership), releases a flag; the consumer acquires it and reads the
- * N bytes from the other core's cache.  Prints the time of one round and its
+ * one-shot all-reduce does: the producer copies N bytes into a shared buffer,
+ * releases a flag; the consumer acquires it and reads the N bytes from the
+ * other core's cache.  Where tpcomm's rounds move in its slots (from 8 KiB,
+ * _native/tpcomm.h slot_pos), the buffer is a place that moves the same way
+ * through 1 MiB, so its lines were last read long ago; below, one place,
+ * which the consumer read in the previous round (every line then needs a
+ * read-for-ownership answered by the other core).  Prints the time of one round and its
  * two halves.  `make bench` runs it next to `tpcomm perf`.  BYTES 0 times the
  * flags alone: one cache-line round trip between the two cores.
  *
@@ -39,6 +42,12 @@
 static size_t nbytes;
 static long iters;
 static char *shared_buf, *src;
+static size_t span = 0, places = 1; /* the moving place: span bytes, one of `places` */
+#define RING_BYTES (1u << 20)        /* tpcomm's slot */
+#define MOVE_MIN 8192u               /* tpcomm's SLOT_MOVE_MIN */
+
+/* the place of round i (both: of the i-th use of its parity) */
+static size_t place(long i) { return (size_t)((unsigned long)i % places) * span; }
 static _Alignas(64) _Atomic long produced;
 static _Alignas(64) _Atomic long consumed;
 static volatile unsigned long long sink;
@@ -85,7 +94,7 @@ static void *consumer(void *arg)
     for (long i = 1; i <= total_rounds; i++) {
         while (atomic_load_explicit(&produced, memory_order_acquire) < i)
             _mm_pause();
-        read_all(shared_buf, nbytes);
+        read_all(shared_buf + place(i), nbytes);
         atomic_store_explicit(&consumed, i, memory_order_release);
     }
     return NULL;
@@ -119,14 +128,14 @@ static double exchange_pass(int me, int k, double *copy)
     pthread_barrier_wait(&pass_start);
     double t0 = now();
     for (long i = first; i < first + iters; i++) {
-        char *mine = own_buf[me][i & 1];
+        char *mine = own_buf[me][i & 1] + place(i >> 1);
         double c0 = now();
         copy_in(mine, own_src[me], nbytes, pass_nt[k]);
         spent += now() - c0;
         atomic_store_explicit(&flag[me].v, i, memory_order_release);
         while (atomic_load_explicit(&flag[1 - me].v, memory_order_acquire) < i)
             _mm_pause();
-        read_all(own_buf[1 - me][i & 1], nbytes);
+        read_all(own_buf[1 - me][i & 1] + place(i >> 1), nbytes);
     }
     *copy = spent / (double)iters;
     return (now() - t0) / (double)iters;
@@ -150,7 +159,7 @@ static double pass(int nt, double *copy)
     for (long i = done_rounds + 1; i <= done_rounds + iters; i++) {
         if (nbytes) { /* (the clock reads would double the flags-only round) */
             double c0 = now();
-            copy_in(shared_buf, src, nbytes, nt);
+            copy_in(shared_buf + place(i), src, nbytes, nt);
             spent += now() - c0;
         }
         atomic_store_explicit(&produced, i, memory_order_release);
@@ -205,12 +214,15 @@ int main(int argc, char **argv)
     nbytes = strtoull(argv[1], NULL, 10);
     iters = argc > 2 ? atol(argv[2]) : 300;
     size_t room = nbytes ? (nbytes + 4095) / 4096 * 4096 : 4096;
-    shared_buf = pages(room);
+    span = room;
+    if (nbytes >= MOVE_MIN && room <= RING_BYTES / 2)
+        places = RING_BYTES / room;
+    shared_buf = pages(room * places);
     src = pages(room);
     for (int r = 0; both && r < 2; r++) {
         own_src[r] = pages(room);
-        own_buf[r][0] = pages(room);
-        own_buf[r][1] = pages(room);
+        own_buf[r][0] = pages(room * places);
+        own_buf[r][1] = pages(room * places);
         if (!own_src[r] || !own_buf[r][0] || !own_buf[r][1])
             shared_buf = NULL;
     }

@@ -182,8 +182,9 @@ def rep_ratio(r: dict, lib: str) -> str:
 def handoff_bound(bench_dir: str) -> tuple[dict, dict]:
     """({bytes: us} one way, {bytes: us} both ways) from handoff.txt (`make
     bench` runs benchmarks/handoff.c at every size of the all_reduce tables,
-    right after them).  One way: one core copies the bytes into a buffer the
-    other core read last, the other reads them; both ways (lines ending in
+    right after them).  One way: one core copies the bytes into a buffer (from
+    8 KiB a place that moves through 1 MiB, as tpcomm's slots), the other
+    reads them; both ways (lines ending in
     "both"): each core copies its bytes and reads the other's at once, the
     exchange of a one-shot all_reduce at two ranks without its arithmetic.
     The round in each case, the copy's stores the faster of plain and
@@ -386,9 +387,10 @@ def main(bench_dir: str) -> None:
         "- memcpy is one thread copying the same bytes on this machine: the physical bound for "
         "a collective that must move them once.",
         "- bound (the all_reduce tables): `benchmarks/handoff.c` of the same bytes, run by the "
-        "same `make bench` right after those tables: one core copies them into a buffer the "
-        "other core read last (plain or non-temporal stores, whichever was faster), then the "
-        "other core reads them (the handoff table below). A "
+        "same `make bench` right after those tables: one core copies them into a buffer "
+        "(from 8 KiB a place that moves through 1 MiB, as tpcomm's slot positions do; below, "
+        "the buffer the other core read last), with plain or non-temporal stores, whichever "
+        "was faster, then the other core reads them (the handoff table below). A "
         "one-shot all_reduce at 2 ranks does this in both directions at once. Where 0.8x the "
         "fastest library's time is below this bound, the bound is the number to compare with.",
         "- exchange (the same tables): `benchmarks/handoff.c ... both`, the two directions at "

@@ -485,3 +485,93 @@ def test_non_temporal_copy_in(monkeypatch, isa):
     assert not [p for _, ps in results for p in ps]
     assert results[0][0] == results[1][0]
     assert [ok for rank in unaligned for _, _, ok in rank] == [True] * 12
+
+
+def where_inputs_lie(comm, nbytes, calls):
+    """One-shot all_reduces of nbytes of float32, each of new data: per call,
+    where in this rank's slot of the call's parity its input lies (found by
+    searching the slot's bytes), and whether every result equals the float64
+    sum of the ranks' inputs."""
+    import ctypes
+
+    eng = _testing.engine(comm)
+    _testing.set_twoshot_min(comm, -1)
+    try:
+        found, ok = [], True
+        for i in range(calls):
+            x = make(comm.rank, nbytes // 4, torch.float32, 100 + i)
+            mine = x.numpy().tobytes()
+            n = _testing.rounds(comm) + 1  # the round this call publishes
+            comm.all_reduce(x)
+            slot = ctypes.string_at(eng.slot_addr(comm.rank, n & 1), eng.slot_bytes)
+            found.append((n & 1, slot.find(mine)))
+            inputs = [make(r, nbytes // 4, torch.float32, 100 + i) for r in range(comm.world_size)]
+            ref = torch.stack([t.double() for t in inputs]).sum(0)
+            ok = ok and torch.allclose(x.double(), ref, 1e-5, 1e-4)
+        return found, ok
+    finally:
+        _testing.restore(comm)
+
+
+def test_slot_positions_move(pools):
+    """From 8 KiB a round's data moves one page-rounded span through its slot
+    each time the parity comes back (tpcomm.h, slot_pos): the lines a rank
+    writes were last read by its peers a slot ago, which halved a 16-64 KiB
+    all_reduce on a VM where taking lines back from another core is slow.
+    Below 8 KiB the data stays at the slot's start.  Results stay right."""
+    for nbytes, moves in ((16384, True), (20 * 1024 + 4, True), (4096, False)):
+        results = pools.run(2, where_inputs_lie, nbytes, 8)
+        for found, ok in results:
+            assert ok
+            assert all(at >= 0 for _, at in found), found
+            span = -(-nbytes // 4096) * 4096
+            for parity in (0, 1):
+                at = [a for p, a in found if p == parity]
+                if moves:  # a new place each time, one span on (or back to the start)
+                    assert len(set(at)) == len(at), (nbytes, found)
+                    assert all(a % span == 0 for a in at), (nbytes, found)
+                    ring = _env.DEFAULT_SLOT_BYTES // span * span
+                    steps = [(b - a) % ring for a, b in zip(at, at[1:])]
+                    assert set(steps) == {span}, (nbytes, found)
+                else:
+                    assert set(at) == {0}, (nbytes, found)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_positions_wrap_with_any_size_between(monkeypatch, world):
+    """A small slot (64 KiB: 2 to 8 places for the sizes here), one-shot and
+    two-shot, sizes in an order that puts each call's data over the last
+    ones' of the same parity at other offsets, past the slot's end (chunked)
+    and under the moving size: every result equals the references and is
+    bitwise equal across ranks."""
+    from tpcomm.launch import LocalGroup
+
+    monkeypatch.setenv("TPCOMM_SLOT_BYTES", "65536")
+    sizes = [2048, 3 * 1024 + 7, 2048, 5000, 1024, 2048, 16384 + 3, 255, 2048, 40000, 2048, 2048]
+    cases = [
+        (500 + i, dt, tpcomm.ReduceOp.SUM, n)
+        for i in range(3)
+        for n in sizes
+        for dt in (torch.float32, torch.bfloat16)
+    ]
+    for algo in ("oneshot", "twoshot"):
+        monkeypatch.setenv("TPCOMM_ALLREDUCE_ALGO", algo)
+        with LocalGroup(world, timeout=30) as g:
+            results = g.run(run_matrix, cases, timeout=240)
+        problems = [p for _, ps in results for p in ps]
+        assert not problems, (algo, problems[:10])
+        assert all(res[0] == results[0][0] for res in results)
+
+
+def test_ranks_that_outnumber_the_cores_keep_one_place(pools):
+    """Where the ranks outnumber the cores, rank 0 writes into the header that
+    no round moves (ranks sharing a core find the fixed place in their own
+    cache), and every rank follows it: 16 KiB stays at the slot's start."""
+    import os
+
+    world = (os.cpu_count() or 1) + 1
+    if world > 8:
+        pytest.skip(f"{world - 1} CPUs: a world that outnumbers them is too large to run here")
+    for found, ok in pools.run(world, where_inputs_lie, 16384, 6):
+        assert ok
+        assert [at for _, at in found] == [0] * 6, found

@@ -758,3 +758,28 @@ def test_world_one_all_gather_into_overlapping_output():
 
     with LocalGroup(1) as g:
         assert g.run(world_one_gather) == [([0.0, 1.0, 2.0, 3.0, 4.0], True)]
+
+
+def families_in_a_small_slot(comm):
+    """The families above with sizes of 8-64 KiB, whose rounds place their
+    data further on in the slot each time (tpcomm.h, slot_pos)."""
+    _, gathers = gather_family(comm, [torch.float32, torch.bfloat16], 3000)
+    _, scatters = scatter_family(comm, 3000)
+    bad, _, y = all_to_all_cases(comm)
+    return gathers + scatters + [f"all_to_all_single {b}" for b in bad], y
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_moving_slot_positions_with_a_small_slot(monkeypatch, world):
+    """With a 64 KiB slot a round of 8 KiB or more has 2 to 8 places, so the
+    families' many calls of mixed sizes (8-64 KiB, smaller and larger ones
+    between) come round to the start again and again; every result still
+    equals torch on one process."""
+    from tpcomm.launch import LocalGroup
+
+    monkeypatch.setenv("TPCOMM_SLOT_BYTES", "65536")
+    with LocalGroup(world, timeout=30) as g:
+        results = g.run(families_in_a_small_slot, timeout=240)
+    problems = [p for ps, _ in results for p in ps]
+    assert not problems, problems[:10]
+    assert all(y == [float(world)] * 2 for _, y in results)

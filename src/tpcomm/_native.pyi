@@ -43,6 +43,7 @@ P2P_MAX_DIMS: int
 P2P_RING: int
 MAGIC: int
 VERSION: int
+SLOT_MOVE_MIN: int
 PAGE: int
 NCHAN: int
 MAX_WORLD: int
@@ -79,6 +80,7 @@ class Engine:
         timeout_s: float,
         spin_us: float,
         yield_us: float,
+        slot_move_min: int,
     ) -> None: ...
     def all_reduce(self, addr: int, count: int, dtype: int, op: int, kind: int) -> int: ...
     def fast_all_reduce(self, tensor: Any, op: Any = ...) -> Any: ...

@@ -278,8 +278,10 @@ static int twoshot_chunk(Engine *e, char *src, size_t m, int dtype, int op, uint
     const size_t es = dt_size[dtype];
     const int w = e->world, me = e->rank;
     const size_t lo = shard_start(m, w, me), hi = shard_start(m, w, me + 1);
-    int p = (int)((e->round + 1) & 1);
-    char *in = slot_of(e, me, p);
+    const uint64_t n = e->round + 1; /* the round of the copies in; n + 1: of the shards */
+    const int p = (int)(n & 1);
+    const size_t in_at = slot_pos(e, n, m * es), out_at = slot_pos(e, n + 1, m * es);
+    char *in = slot_of(e, me, p) + in_at;
     stores_t sc = store_begin(e, m * es, 1, 2);
     par_copy(e->pool, in, src, lo * es, store_nt(e, &sc, lo * es));
     par_copy(e->pool, in + hi * es, src + hi * es, (m - hi) * es, store_nt(e, &sc, (m - hi) * es));
@@ -287,9 +289,9 @@ static int twoshot_chunk(Engine *e, char *src, size_t m, int dtype, int op, uint
     if (st != ST_OK)
         return st;
     for (int r = 0; r < w; r++)
-        e->srcs[r] = r == me ? (void *)(src + lo * es) : (void *)(slot_of(e, r, p) + lo * es);
+        e->srcs[r] = r == me ? (void *)(src + lo * es) : (void *)(slot_of(e, r, p) + in_at + lo * es);
     par_reduce(e->pool, dtype, op, src + lo * es, e->srcs, w, hi - lo);
-    par_copy(e->pool, slot_of(e, me, 1 - p) + lo * es, src + lo * es, (hi - lo) * es,
+    par_copy(e->pool, slot_of(e, me, 1 - p) + out_at + lo * es, src + lo * es, (hi - lo) * es,
              store_nt(e, &sc, (hi - lo) * es));
     st = sync_untimed(e, &sc, kind, dtype, op, count, arg, ts);
     if (st != ST_OK)
@@ -297,7 +299,8 @@ static int twoshot_chunk(Engine *e, char *src, size_t m, int dtype, int op, uint
     for (int i = 1; i < w; i++) {
         int j = (me + i) % w;
         size_t jlo = shard_start(m, w, j), jhi = shard_start(m, w, j + 1);
-        par_copy_out(e->pool, src + jlo * es, slot_of(e, j, 1 - p) + jlo * es, (jhi - jlo) * es);
+        par_copy_out(e->pool, src + jlo * es, slot_of(e, j, 1 - p) + out_at + jlo * es,
+                     (jhi - jlo) * es);
     }
     store_end(e, &sc, m * es);
     return ST_OK;
@@ -309,14 +312,16 @@ static int oneshot_chunk(Engine *e, char *src, size_t m, int dtype, int op, uint
                          uint64_t count, uint64_t arg, PyThreadState **ts)
 {
     const size_t bytes = m * dt_size[dtype];
-    const int p = (int)((e->round + 1) & 1);
+    const uint64_t n = e->round + 1;
+    const int p = (int)(n & 1);
+    const size_t at = slot_pos(e, n, bytes);
     stores_t sc = store_begin(e, bytes, 0, 1);
-    par_copy(e->pool, slot_of(e, e->rank, p), src, bytes, store_nt(e, &sc, bytes));
+    par_copy(e->pool, slot_of(e, e->rank, p) + at, src, bytes, store_nt(e, &sc, bytes));
     int st = sync_untimed(e, &sc, kind, dtype, op, count, arg, ts);
     if (st != ST_OK)
         return st;
     for (int r = 0; r < e->world; r++)
-        e->srcs[r] = r == e->rank ? (void *)src : (void *)slot_of(e, r, p);
+        e->srcs[r] = r == e->rank ? (void *)src : (void *)(slot_of(e, r, p) + at);
     par_reduce(e->pool, dtype, op, src, e->srcs, e->world, m);
     store_end(e, &sc, bytes);
     return ST_OK;

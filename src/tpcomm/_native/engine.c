@@ -92,14 +92,15 @@ static PyObject *eng_header(Engine *e, PyObject *unused)
     if (!e->base)
         return eng_closed_error();
     hdr_t *h = HDR(e);
-    return Py_BuildValue("{s:K,s:K,s:I,s:I,s:K,s:K,s:K,s:K,s:K,s:I}", "p2p_bytes",
+    return Py_BuildValue("{s:K,s:K,s:I,s:I,s:K,s:K,s:K,s:K,s:K,s:I,s:K}", "p2p_bytes",
                          (unsigned long long)h->p2p_bytes, "magic",
                          (unsigned long long)h->magic, "version", h->version, "world", h->world,
                          "slot_bytes", (unsigned long long)h->slot_bytes, "total_bytes",
                          (unsigned long long)h->total_bytes, "ctrl_off",
                          (unsigned long long)h->ctrl_off, "slot_off",
                          (unsigned long long)h->slot_off, "nchan", (unsigned long long)h->nchan,
-                         "attached", (unsigned)atomic_load(&h->attached));
+                         "attached", (unsigned)atomic_load(&h->attached), "slot_move_min",
+                         (unsigned long long)h->slot_move_min);
 }
 
 /* attach() -> number of ranks attached so far, this one included */
@@ -338,10 +339,13 @@ static PyObject *eng_address(Engine *e, PyObject *unused)
 }
 
 /*
- * Engine(fd, size, rank, world, slot_bytes, create, timeout_s, spin_us, yield_us)
+ * Engine(fd, size, rank, world, slot_bytes, create, timeout_s, spin_us, yield_us,
+ *        slot_move_min)
  * Maps the segment (fd stays owned by the engine: it carries the liveness
  * lock), takes the liveness lock on byte `rank`, and writes the header when
- * `create` is true.  Header validation on attach is Python's (header()).
+ * `create` is true, with slot_move_min (-1: no round moves in the slots);
+ * the other ranks take that from the header.  Header validation on attach
+ * is Python's (header()).
  */
 static int eng_init(Engine *e, PyObject *args, PyObject *kw)
 {
@@ -349,8 +353,9 @@ static int eng_init(Engine *e, PyObject *args, PyObject *kw)
     int fd, rank, world, create;
     unsigned long long size, slot_bytes;
     double timeout, spin_us, yield_us;
-    if (!PyArg_ParseTuple(args, "iKiiKpddd", &fd, &size, &rank, &world, &slot_bytes, &create,
-                          &timeout, &spin_us, &yield_us))
+    long long move_min;
+    if (!PyArg_ParseTuple(args, "iKiiKpdddL", &fd, &size, &rank, &world, &slot_bytes, &create,
+                          &timeout, &spin_us, &yield_us, &move_min))
         return -1;
     if (world < 2 || rank < 0 || rank >= world || slot_bytes == 0 || slot_bytes % PAGE) {
         PyErr_Format(PyExc_ValueError, "Engine: bad rank %d / world %d / slot_bytes %llu", rank,
@@ -391,8 +396,12 @@ static int eng_init(Engine *e, PyObject *args, PyObject *kw)
     e->fd = myfd;
     live_add(e);
     set_layout(e, mp->base, (size_t)size, rank, world, slot_bytes, timeout, spin_us, yield_us);
-    if (create)
+    if (create) {
+        e->slot_move_min = move_min < 0 ? UINT64_MAX : (uint64_t)move_min;
         write_header(e, need);
+    } else {
+        e->slot_move_min = HDR(e)->slot_move_min;
+    }
     /* who maps it, for `tpcomm doctor` to tell stale segments from live ones,
      * and where the word is that peers read to check single-copy reads work */
     e->cma_word = cma_tag((uint64_t)getpid(), rank);

@@ -112,6 +112,7 @@ void set_layout(Engine *e, void *p, size_t size, int rank, int world, uint64_t s
     e->cma_ar_min = UINT64_MAX;
     e->nt_min = UINT64_MAX;
     e->twoshot_max = e->twoshot_max16 = e->cma_ar_max = e->nt_max = UINT64_MAX;
+    e->slot_move_min = UINT64_MAX;
 }
 
 /* Rank 0 writes the header of the segment it created; the magic last,
@@ -127,6 +128,7 @@ void write_header(Engine *e, uint64_t need)
     h->slot_off = e->slot_off;
     h->nchan = NCHAN;
     h->p2p_bytes = e->p2p_bytes;
+    h->slot_move_min = e->slot_move_min;
     atomic_store(&h->attached, 0);
     atomic_store(&h->sleepers, 0);
     atomic_store(&h->abort_word, 0);

@@ -14,7 +14,9 @@ static int gather_rounds(Engine *e, uint32_t kind, const char *mine, const size_
  * j->rounds rounds, put this rank's part k into its slot of the round's
  * parity, one round_sync with the call's metadata, then take part k from the
  * slots of that parity.  j->bytes: what the call moves (call_enter: whether
- * it runs without the GIL).  A status, or -1 with an exception.
+ * it runs without the GIL).  j->span: the most any rank puts in its slot in
+ * a round, which places the round's data in the slots (slot_pos; j->at, the
+ * offset, for take: job_slot).  A status, or -1 with an exception.
  */
 typedef struct job job_t;
 struct job {
@@ -23,7 +25,14 @@ struct job {
     size_t rounds, bytes;
     uint32_t kind, dtype, op;
     uint64_t count, arg;
+    size_t span, at;
 };
+
+/* where rank r's data of the round being taken lies */
+static inline const char *job_slot(Engine *e, const job_t *j, int r, int p)
+{
+    return slot_of(e, r, p) + j->at;
+}
 
 static int run_rounds(Engine *e, job_t *j)
 {
@@ -32,8 +41,10 @@ static int run_rounds(Engine *e, job_t *j)
     if (st != 0)
         return st;
     for (size_t k = 0; k < j->rounds && st == ST_OK; k++) {
-        int p = (int)((e->round + 1) & 1);
-        j->put(e, j, k, slot_of(e, e->rank, p));
+        const uint64_t n = e->round + 1;
+        const int p = (int)(n & 1);
+        j->at = slot_pos(e, n, j->span);
+        j->put(e, j, k, slot_of(e, e->rank, p) + j->at);
         st = round_sync(e, j->kind, j->dtype, j->op, j->count, j->arg, &ts);
         if (st == ST_OK)
             j->take(e, j, k, p);
@@ -274,7 +285,7 @@ static void gather_take(Engine *e, job_t *j, size_t k, int p)
     size_t lo = k * g->cap, off = 0;
     for (int r = 0; r < e->world; r++) {
         size_t n = part_of(g->cnt[r], lo, g->cap);
-        const char *from = r == me ? g->mine + lo : slot_of(e, r, p);
+        const char *from = r == me ? g->mine + lo : job_slot(e, j, r, p);
         if (r == me && g->in_place)
             ; /* already there */
         else if (n && g->dsts)
@@ -291,13 +302,14 @@ static int gather_rounds(Engine *e, uint32_t kind, const char *mine, const size_
 {
     const int w = e->world, me = e->rank;
     const size_t cap = e->slot_bytes;
-    size_t total = 0, rounds = 1, before = 0;
+    size_t total = 0, rounds = 1, before = 0, span = 0;
     for (int r = 0; r < w; r++) {
         if (r == me)
             before = total;
         total += cnt[r];
         if ((cnt[r] + cap - 1) / cap > rounds)
             rounds = (cnt[r] + cap - 1) / cap;
+        span = cnt[r] > span ? (cnt[r] < cap ? cnt[r] : cap) : span;
     }
     int in_place = 0, clash = 0;
     if (dsts) {
@@ -330,7 +342,7 @@ static int gather_rounds(Engine *e, uint32_t kind, const char *mine, const size_
         PyMem_RawFree(aside);
         return st;
     }
-    gather_job_t g = {{gather_put, gather_take, rounds, total, kind, dtype, 0, numel, arg},
+    gather_job_t g = {{gather_put, gather_take, rounds, total, kind, dtype, 0, numel, arg, span, 0},
                       mine, cnt, out, dsts, cap, total, outer, in_place};
     int st = run_rounds(e, &g.j);
     PyMem_RawFree(aside);
@@ -359,7 +371,7 @@ static void bcast_take(Engine *e, job_t *j, size_t k, int p)
     bcast_job_t *b = (bcast_job_t *)j;
     size_t lo = k * b->cap, n = part_of(b->total, lo, b->cap);
     if (e->rank != b->src && n)
-        memcpy(b->data + lo, slot_of(e, b->src, p), n);
+        memcpy(b->data + lo, job_slot(e, j, b->src, p), n);
 }
 
 int broadcast_rounds(Engine *e, uint32_t kind, char *data, size_t total, int src,
@@ -367,7 +379,8 @@ int broadcast_rounds(Engine *e, uint32_t kind, char *data, size_t total, int src
 {
     const size_t cap = e->slot_bytes;
     size_t rounds = total ? (total + cap - 1) / cap : 1;
-    bcast_job_t b = {{bcast_put, bcast_take, rounds, total, kind, dtype, 0, numel, (uint64_t)src},
+    bcast_job_t b = {{bcast_put, bcast_take, rounds, total, kind, dtype, 0, numel, (uint64_t)src,
+                      total < cap ? total : cap, 0},
                      data, total, cap, src};
     return run_rounds(e, &b.j);
 }
@@ -453,7 +466,7 @@ static void rs_take(Engine *e, job_t *j, size_t k, int p)
         size_t m = mine - in < end - q ? mine - in : end - q;
         for (int s = 0; s < w; s++)
             r->srcs[s] = s == me ? (void *)(r->x + a * r->row + (r->offs[me] + in) * es)
-                                 : (void *)(slot_of(e, s, p) + ((size_t)me * r->per + q - lo) * es);
+                                 : (void *)(job_slot(e, j, s, p) + ((size_t)me * r->per + q - lo) * es);
         par_reduce(e->pool, r->dtype, r->op, r->out + q * es, r->srcs, w, m);
         q += m;
     }
@@ -475,12 +488,16 @@ int reduce_scatter_rounds(Engine *e, uint32_t kind, const char *x, int dtype, co
         PyErr_NoMemory();
         return -1;
     }
+    size_t most = 0; /* the largest shard: a shard's place in the slot need be no larger */
     for (int r = 0; r < w; r++) {
         offs[r] = numel;
         numel += sizes[r];
         if ((outer * sizes[r] + per - 1) / per > rounds)
             rounds = (outer * sizes[r] + per - 1) / per;
+        most = outer * sizes[r] > most ? outer * sizes[r] : most;
     }
+    if ((most + 31) / 32 * 32 < per)
+        per = most < 32 ? 32 : (most + 31) / 32 * 32;
     const size_t row = numel * es; /* bytes per row (take_blocks) */
     numel *= outer;
     /* The result may be this rank's own block of the input (torch's in-place
@@ -500,7 +517,7 @@ int reduce_scatter_rounds(Engine *e, uint32_t kind, const char *x, int dtype, co
         out = aside;
     }
     rs_job_t r = {{rs_put, rs_take, rounds, numel * es, kind, (uint32_t)dtype, (uint32_t)op, numel,
-                   arg},
+                   arg, (size_t)w * per * es, 0},
                   x, sizes, offs, out, srcs, per, es, row, outer, dtype, op};
     int st = run_rounds(e, &r.j);
     if (aside && st == ST_OK)
@@ -558,7 +575,7 @@ static void a2a_take(Engine *e, job_t *j, size_t k, int p)
         size_t n = part_of(a->rc[r], lo, a->per);
         if (n)
             memcpy(a->out + a->ro[r] + lo,
-                   r == me ? a->x + a->so[me] + lo : slot_of(e, r, p) + (size_t)me * a->per, n);
+                   r == me ? a->x + a->so[me] + lo : job_slot(e, j, r, p) + (size_t)me * a->per, n);
     }
 }
 
@@ -567,7 +584,7 @@ static int alltoallv_rounds(Engine *e, uint32_t kind, const char *x, const size_
                          uint64_t most, uint32_t dtype, uint64_t count, uint64_t arg)
 {
     const int w = e->world, me = e->rank;
-    const size_t per = e->slot_bytes / (size_t)w / 64 * 64;
+    size_t per = e->slot_bytes / (size_t)w / 64 * 64;
     if (per == 0) {
         PyErr_SetString(PyExc_ValueError, "alltoallv: the slot is too small for this world size");
         return -1;
@@ -577,6 +594,8 @@ static int alltoallv_rounds(Engine *e, uint32_t kind, const char *x, const size_
         return -1;
     }
     size_t rounds = most ? (size_t)((most + per - 1) / per) : 1, total = 0;
+    if ((most + 63) / 64 * 64 < per) /* a block's place in the slot need be no larger */
+        per = most < 64 ? 64 : (size_t)(most + 63) / 64 * 64;
     for (int r = 0; r < w; r++)
         total += sc[r] + rc[r];
     /* single copy (see cma_gather): every rank publishes its input's address
@@ -593,7 +612,7 @@ static int alltoallv_rounds(Engine *e, uint32_t kind, const char *x, const size_
         }
         return cma_rounds(e, kind, dtype, count, arg, total, x, offs, x + so[me], dst, rc, rc, rc);
     }
-    a2a_job_t a = {{a2a_put, a2a_take, rounds, total, kind, dtype, 0, count, arg},
+    a2a_job_t a = {{a2a_put, a2a_take, rounds, total, kind, dtype, 0, count, arg, (size_t)w * per, 0},
                    x, sc, so, out, rc, ro, per};
     return run_rounds(e, &a.j);
 }

@@ -23,12 +23,13 @@
  *   engine.c          the Engine object: life cycle, entering calls, methods
  *   module.c          the module: its functions, constants and init
  *
- * Segment layout, version 5 (offsets from the mapping's base; seg_size()):
+ * Segment layout, version 8 (offsets from the mapping's base; seg_size()):
  *
  *   +--------------------------+ 0
  *   | header (4 KiB)           |  magic, version, world, slot_bytes, sizes,
  *   |                          |  attach counter, sleeper count, abort word,
- *   |                          |  rank 0's choice of stores
+ *   |                          |  rank 0's choice of stores, where rounds
+ *   |                          |  start to move in the slots (slot_pos)
  *   +--------------------------+ ctrl_off = 4096
  *   | rank 0 control           |  page-rounded (3 + 2W) lines: line 0 pid
  *   | rank 1 control           |  (and where its check word is, cma.c);
@@ -49,7 +50,8 @@
  *   Every rank keeps a private round counter n (the same on every rank,
  *   because collectives are called in the same order).  Round n uses parity
  *   p = n & 1.  A rank
- *     1. copies its chunk into its slot p,
+ *     1. copies its chunk into its slot p (from 8 KiB at an offset that
+ *        moves with n: slot_pos),
  *     2. writes the call's metadata into its line p, then stores seq = n with
  *        release semantics (the publish),
  *     3. waits until every peer's line p has seq >= n (acquire),
@@ -103,7 +105,7 @@
 #endif
 
 #define MAGIC 0x314d4d4f43505454ULL /* "TTPCOMM1" little endian */
-#define VERSION 7u
+#define VERSION 8u
 #define PAGE 4096u
 #define LINE 64u
 #define NCHAN 1          /* channels per rank: 0 = collectives */
@@ -149,6 +151,8 @@ typedef struct {
     uint64_t slot_off;
     uint64_t nchan;
     uint64_t p2p_bytes;
+    uint64_t slot_move_min; /* rank 0's: rounds of this many bytes or more move
+                             * in the slots (slot_pos; UINT64_MAX: none) */
     _Alignas(64) _Atomic uint32_t attached; /* ranks that mapped the segment */
     _Alignas(64) _Atomic uint32_t sleepers; /* ranks asleep in futex_wait */
     _Alignas(64) _Atomic uint64_t abort_word; /* (reason << 32) | (rank + 1), 0 = fine */
@@ -296,6 +300,7 @@ typedef struct {
     uint64_t cma_min;     /* all_gathers of at least this many bytes read the peers directly */
     uint64_t cma_ar_min;  /* all-reduces of at least this many bytes too (cma_all_reduce) */
     uint64_t nt_min;      /* copies into a slot of this many bytes: non-temporal stores */
+    uint64_t slot_move_min; /* the header's, as rank 0 wrote it (slot_pos) */
     /* the upper ends of the windows two-shot, single-copy all-reduce and
      * non-temporal stores take (from their *_min up to here; UINT64_MAX: no
      * end): set_windows */
@@ -460,6 +465,40 @@ static inline size_t shard_start(size_t m, int w, int j)
 static inline char *slot_of(Engine *e, int r, int parity)
 {
     return e->base + e->slot_off + ((size_t)r * 2 + parity) * e->slot_bytes;
+}
+
+/*
+ * Where in the slots the data of round n lies, for a round that puts `span`
+ * bytes or less in each rank's slot (all_reduce's chunks, and every round of
+ * rounds.c, whose layouts shrink to what the call needs).  From
+ * slot_move_min bytes (SLOT_MOVE_MIN, or none where rank 0 said so in the
+ * header: ranks that outnumber the cores, shm/setup.py), an offset that moves on by the span (rounded up to whole
+ * pages) each time the parity comes back, across the slot and round again;
+ * below, the slot's start.
+ *
+ * The lines a rank writes were then last read by its peers a whole slot of
+ * that parity ago and have left the peers' caches: the writes take them
+ * without first taking them back from another core.  On a VM where that
+ * costs more than the rest of the call, all_reduce of 8-512 KiB took
+ * 0.42-0.64 of the time of the fixed place; all_gather, broadcast and
+ * reduce_scatter of 64-256 KiB 0.50-0.63 (docs/DECISIONS.md, "Slot
+ * positions that move").  Whole pages, because the hardware prefetchers stop
+ * at a page's end: a reader does not fetch the next place's lines ahead.
+ * Not under 8 KiB: there the moving place measured no faster at world 2
+ * (1 KiB slower in some runs: a few lines filled from memory cost what their
+ * transfer did), and ranks that share a core (8 on 2 here) find the fixed
+ * place in their own cache.
+ *
+ * Safe at any offset: round n - 2's data in the same slot was read before
+ * the peers published n - 1.  Every rank computes the same offset, from the
+ * round number and a span fixed by sizes every rank knows.
+ */
+#define SLOT_MOVE_MIN (8u * 1024u)
+static inline size_t slot_pos(const Engine *e, uint64_t n, size_t span)
+{
+    span = (span + PAGE - 1) & ~(size_t)(PAGE - 1);
+    const uint64_t k = span >= e->slot_move_min ? e->slot_bytes / span : 0;
+    return k > 1 ? (size_t)((n >> 1) % k) * span : 0;
 }
 
 /* where chunk k of the channel from rank s to rank d goes: piece k % P2P_RING

@@ -315,17 +315,25 @@ class ShmEngine:
     # -- set-up (setup.py) -------------------------------------------------------
 
     def map(
-        self, fd: int, slot_bytes: int, spin: float, settings: Settings, fixed_stores: bool
+        self,
+        fd: int,
+        slot_bytes: int,
+        spin: float,
+        settings: Settings,
+        fixed_stores: bool,
+        slot_moves: bool = True,
     ) -> None:
         """Map the segment (``fd``) with these settings (agreed: ``current``
-        changes with adjust())."""
+        changes with adjust()).  ``slot_moves``: whether rounds of
+        ``_native.SLOT_MOVE_MIN`` bytes or more move in the slots; rank 0's
+        goes into the header, which the other ranks follow."""
         size = segment_size(self.world, slot_bytes)
         self.settings = settings
         if fixed_stores:  # nor the choice of zero copy: rank 0 times both as they run
             self.settings = self.settings._replace(nt_auto=False, zc_auto=False)
         self._native = _native.Engine(
             fd, size, self.rank, self.world, slot_bytes, self.rank == 0, self.timeout, spin,
-            self.settings.yield_us,
+            self.settings.yield_us, _native.SLOT_MOVE_MIN if slot_moves else -1,
         )  # fmt: skip
         # error details stay readable after close (a call another thread was
         # running when close() aborted it reports from here)

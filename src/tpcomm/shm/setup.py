@@ -48,6 +48,9 @@ def open_engine(
     # nor can rank 0 time its copies there: the cores' other ranks preempt
     # them, so the stores stay as TPCOMM_NT_MIN_BYTES says (docs/DECISIONS.md)
     fixed_stores = oversubscribed
+    # and their rounds keep one place in the slots: ranks that share a core find
+    # it in their own cache (_native/tpcomm.h, slot_pos); rank 0's choice holds
+    slot_moves = not oversubscribed
     # Every rank must agree on the layout: rank 0 decides it, writes the
     # header, and only then publishes the path (with the slot size).
     fd = -1
@@ -56,7 +59,7 @@ def open_engine(
             try:
                 tuning = settings_for(world, slot_bytes, tuned)
                 eng.path, fd = segment.create(world, slot_bytes, group_tag)
-                eng.map(fd, slot_bytes, spin, tuning, fixed_stores)
+                eng.map(fd, slot_bytes, spin, tuning, fixed_stores, slot_moves)
             except CommError as e:
                 broadcast_from_rank0(store, prefix, 0, "segment", "!" + str(e), timeout, watch)
                 raise
@@ -82,7 +85,7 @@ def open_engine(
                 store.set(f"{prefix}/attach-failed", f"rank {rank}: {e}")
                 raise
             eng.path = path  # checked: from here on, this rank may unlink it
-            eng.map(fd, slot_bytes, spin, tuning, fixed_stores)
+            eng.map(fd, slot_bytes, spin, tuning, fixed_stores, slot_moves)
         os.close(fd)
         fd = -1
         eng.attach()
