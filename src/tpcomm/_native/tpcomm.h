@@ -16,6 +16,7 @@
  *   wait.c            waits, futexes, liveness, aborts, the collective round
  *   allreduce.c       one-shot, two-shot and zero-copy all-reduce; their stores
  *   rounds.c          gather / broadcast / reduce-scatter / all-to-all rounds
+ *   blocks.c          blocked layouts: the copies along a dim other than 0
  *   cma.c             single-copy reads of a peer's memory (process_vm_readv)
  *   p2p.c             point-to-point channels: send, receive head and body
  *   p2p_batch.c       point-to-point operations progressed together
@@ -709,9 +710,13 @@ PyObject *eng_stores(Engine *e, PyObject *unused);
 PyObject *eng_fault_stores(Engine *e, PyObject *args);
 int slot_stores_nt(Engine *e, size_t n);
 
+/* blocks.c */
+void put_blocks(char *out, const char *src, size_t q, size_t n, size_t blk, size_t row, size_t off);
+void take_blocks(char *dst, const char *x, size_t q, size_t n, size_t blk, size_t row, size_t off,
+                 int nt);
+
 /* rounds.c */
 PyObject *eng_sync(Engine *e, PyObject *const *args, Py_ssize_t nargs);
-void put_blocks(char *out, const char *src, size_t q, size_t n, size_t blk, size_t row, size_t off);
 size_t *even_sizes(Engine *e, size_t v);
 PyObject *eng_gatherv(Engine *e, PyObject *const *args, Py_ssize_t nargs);
 uint64_t flat_key(uint64_t kind, uint64_t n, uint64_t world);
