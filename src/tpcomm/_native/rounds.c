@@ -463,8 +463,9 @@ int reduce_scatter_rounds(Engine *e, uint32_t kind, const char *x, int dtype, co
             rounds = (outer * sizes[r] + per - 1) / per;
         most = outer * sizes[r] > most ? outer * sizes[r] : most;
     }
-    if ((most + 31) / 32 * 32 < per)
-        per = most < 32 ? 32 : (most + 31) / 32 * 32;
+    const size_t need = most < 32 ? 32 : (most + 31) / 32 * 32;
+    if (need < per)
+        per = need;
     const size_t row = numel * es; /* bytes per row (take_blocks) */
     numel *= outer;
     /* The result may be this rank's own block of the input (torch's in-place
@@ -561,8 +562,9 @@ static int alltoallv_rounds(Engine *e, uint32_t kind, const char *x, const size_
         return -1;
     }
     size_t rounds = most ? (size_t)((most + per - 1) / per) : 1, total = 0;
-    if ((most + 63) / 64 * 64 < per) /* a block's place in the slot need be no larger */
-        per = most < 64 ? 64 : (size_t)(most + 63) / 64 * 64;
+    const size_t need = most < 64 ? 64 : (size_t)(most + 63) / 64 * 64;
+    if (need < per) /* a block's place in the slot need be no larger */
+        per = need;
     for (int r = 0; r < w; r++)
         total += sc[r] + rc[r];
     /* single copy (see cma_gather): every rank publishes its input's address

@@ -473,9 +473,9 @@ static inline char *slot_of(Engine *e, int r, int parity)
  * bytes or less in each rank's slot (all_reduce's chunks, and every round of
  * rounds.c, whose layouts shrink to what the call needs).  From
  * slot_move_min bytes (SLOT_MOVE_MIN, or none where rank 0 said so in the
- * header: ranks that outnumber the cores, shm/setup.py), an offset that moves on by the span (rounded up to whole
- * pages) each time the parity comes back, across the slot and round again;
- * below, the slot's start.
+ * header: ranks that outnumber the cores, shm/setup.py), an offset that
+ * moves on by the span (rounded up to whole pages) each time the parity
+ * comes back, across the slot and round again; below, the slot's start.
  *
  * The lines a rank writes were then last read by its peers a whole slot of
  * that parity ago and have left the peers' caches: the writes take them
