@@ -11,6 +11,11 @@ each round's own ratio to vLLM's.
 
     python benchmarks/vllm_decode.py --python .venv-vllm/bin/python --rounds 3
     python benchmarks/vllm_decode.py --engine tpcomm --batches 1 --tokens 32  # one engine, JSON
+    python benchmarks/vllm_decode.py --switch --calls --modes vllm tpcomm none --batches 64
+
+``--switch`` runs one engine and switches the communicators in its workers
+between generate calls; ``--calls`` times every collective call there (per
+kind and size, the waits for the peer included).
 
 Communicators (``TPCOMM_VLLM``, read by the plugin in each vLLM process):
 ``vllm`` 0 (the plugin off: vLLM's ``_CPUSHMDistributed``), ``tpcomm`` 1,
@@ -199,6 +204,62 @@ def _worker_use(worker, mode: str, reset: bool = True):
     return rec
 
 
+class Timed:
+    """A dist_module that times every call of the one it wraps (``--calls``):
+    per call kind and size, the count and the seconds, inside the worker."""
+
+    def __init__(self, inner):
+        self.inner, self.acc = inner, {}
+
+    def _run(self, name, x, fn, *a, **kw):
+        t = time.perf_counter()
+        fn(*a, **kw)
+        c = self.acc.setdefault(f"{name} {x.numel() * x.element_size() >> 10} KiB", [0, 0.0])
+        c[0] += 1
+        c[1] += time.perf_counter() - t
+
+    def all_reduce(self, input, group=None):
+        self._run("all_reduce", input, self.inner.all_reduce, input, group=group)
+
+    def gather(self, input, gather_list, dst=-1, group=None):
+        self._run("gather", input, self.inner.gather, input, gather_list, dst=dst, group=group)
+
+    def all_gather_into_tensor(self, output, input, group=None):
+        fn = self.inner.all_gather_into_tensor
+        self._run("all_gather", input, fn, output, input, group=group)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def _worker_calls(worker, on: bool):
+    """In each worker: time the group's collective calls from now on (on), or
+    stop and return {kind and size: [count, seconds]} since they started."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    dc = get_tp_group().device_communicator
+    mod = dc.dist_module
+    if isinstance(mod, Timed):
+        dc.dist_module = mod.inner
+    if on:
+        dc.dist_module = Timed(dc.dist_module)
+        return None
+    return mod.acc if isinstance(mod, Timed) else {}
+
+
+def calls_line(m: str, b: int, per_worker: list) -> str:
+    """The calls of one generate: per worker, each kind's count x mean time."""
+    parts = []
+    for w, acc in enumerate(per_worker):
+        total = sum(v[1] for v in acc.values())
+        kinds = " ".join(
+            f"{k}: {v[0]}x{v[1] / v[0] * 1e6:.0f}us"
+            for k, v in sorted(acc.items(), key=lambda kv: -kv[1][1])[:4]
+        )
+        parts.append(f"worker {w} {total * 1e3:.0f} ms in calls ({kinds})")
+    return f"#   {m} b{b}: " + "; ".join(parts)
+
+
 def run_switch(args: argparse.Namespace) -> dict:
     """One engine (the plugin on), the communicators switched between generate
     calls in every worker, rounds interleaved: no engine start, process
@@ -223,11 +284,16 @@ def run_switch(args: argparse.Namespace) -> dict:
             llm.collective_rpc(_worker_use, args=(m,))  # records from here
             cells = {}
             for b in args.batches:
+                if args.calls:
+                    llm.collective_rpc(_worker_calls, args=(True,))
                 t = time.perf_counter()
                 res = llm.generate(prompts(b, 16), greedy, use_tqdm=False)
                 dt = time.perf_counter() - t
                 toks = [list(x.outputs[0].token_ids) for x in res]
                 cells[str(b)] = {"s": dt, "tok_s": sum(map(len, toks)) / dt, "tokens": toks}
+                if args.calls:
+                    cells[str(b)]["calls"] = llm.collective_rpc(_worker_calls, args=(False,))
+                    print(calls_line(m, b, cells[str(b)]["calls"]), flush=True)
             recs = llm.collective_rpc(_worker_use, args=(m,))
             got[m] = {"decode": cells, "records": recs if m.startswith("tpcomm") else None}
             if args.prefill:
@@ -315,6 +381,10 @@ def main() -> None:
         "--switch", action="store_true",
         help="one engine, the communicators switched in its workers between generate calls "
         "(modes: vllm, tpcomm[:SPIN_US,YIELD_US,LOST_US], gloo, none)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--calls", action="store_true",
+        help="with --switch: time every collective call inside the workers, per kind and size",
     )  # fmt: skip
     ap.add_argument("--report", metavar="JSON", help="print the report of a -J file again")
     args = ap.parse_args()

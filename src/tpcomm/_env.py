@@ -204,6 +204,21 @@ def cma_allreduce_max_bytes() -> int:
     return _int("TPCOMM_CMA_ALLREDUCE_MAX_BYTES", -1, -1, MAX_BYTES, " (-1: no end)")
 
 
+# an output of at least this many bytes whose pages are not there yet (a
+# tensor just made) gets them in one call before a collective writes it:
+# _native/pages.c, docs/ENGINE.md "Outputs without pages"
+DEFAULT_POPULATE_MIN_BYTES = 256 << 10
+
+
+def populate_min_bytes() -> int:
+    """TPCOMM_POPULATE_MIN_BYTES: a collective's output of at least this many
+    bytes that has no pages yet gets them in one call before it is written
+    (default 256 KiB; -1: never, the copies fault them in page by page)."""
+    return _int(
+        "TPCOMM_POPULATE_MIN_BYTES", DEFAULT_POPULATE_MIN_BYTES, -1, MAX_BYTES, " (-1: never)"
+    )
+
+
 def nt_max_bytes() -> int:
     """TPCOMM_NT_MAX_BYTES: where stores are fixed (TPCOMM_NT_MIN_BYTES set), the
     largest copy into a slot that uses non-temporal stores (default -1: no end)."""

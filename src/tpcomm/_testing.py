@@ -93,6 +93,13 @@ def set_threads(comm: Any, n: int, min_bytes: int) -> None:
     _eng(comm).adjust(threads=n, threads_min=min_bytes)
 
 
+def reprobe(comm: Any) -> None:
+    """Forget what this rank's probes of output pages found (_native/pages.c):
+    the next call of every size probes."""
+    eng = _eng(comm)
+    eng._native.set_populate_min(eng.current.populate_min)
+
+
 def restore(comm: Any) -> None:
     """Every setting as agreed at creation, single copy included (collective)."""
     _eng(comm).restore()

@@ -28,6 +28,9 @@ crowded    times the waits stopped yielding: a yield lost the core for
            ``yield_max_us``: the longest yield
 late_*     lateness (ns) by how the wait ended: count, sum, max; and a
            histogram, bucket b counting lateness under 2^b us
+populated  outputs a collective found without pages (a tensor just
+           made) and mapped in one call before writing them
+           (``populated_bytes``: their bytes; ``_native/pages.c``)
 ========== ==============================================================
 """
 
@@ -79,6 +82,8 @@ def shape(raw: dict, rank: int, world: int) -> dict:
         "late": late,
         "late_hist_us": {f"<{1 << b}" if b < 15 else f">={1 << 14}": n
                          for b, n in enumerate(raw["late_hist"]) if n},
+        "populated": raw["populated"],
+        "populated_bytes": raw["populated_bytes"],
     }  # fmt: skip
 
 
@@ -101,6 +106,11 @@ def describe(rec: dict, name: str = "") -> str:
         f"{rec['sleeps']}, crowded {rec['crowded']} (a yield lost the core for > 200 us: "
         f"sleeps instead of yields for 1 s)"
     )
+    if rec.get("populated"):
+        lines.append(
+            f"  outputs given their pages first: {rec['populated']} "
+            f"({rec['populated_bytes'] / 2**20:.1f} MiB)"
+        )
     if rec["stamped"]:
         parts = [
             f"{how} {v['n']} x {v['mean_us']:.1f} us (max {v['max_us']:.0f})"

@@ -159,6 +159,11 @@ int cma_rounds(Engine *e, uint32_t kind, uint32_t dtype, uint64_t numel, uint64_
     int st = call_enter(e, total, &ts);
     if (st != 0)
         return st;
+    span_t land[w]; /* where it lands, present first (pages.c) */
+    for (int r = 0; r < w; r++)
+        land[r] = (span_t){r != me || own ? dst[r] : NULL,
+                           !blk[r] || blk[r] >= n[r] ? n[r] : (n[r] / blk[r] - 1) * row[r] + blk[r]};
+    ready_pages(e, land, w);
     const int p = (int)((e->round + 1) & 1);
     if (offs)
         memcpy(slot_of(e, me, p), offs, (size_t)w * sizeof(uint64_t));

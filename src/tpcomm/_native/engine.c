@@ -694,6 +694,8 @@ static PyMethodDef eng_methods[] = {
      "set_twoshot_min16(nbytes): the switch point of bfloat16 and float16"},
     {"set_zero_copy", (PyCFunction)eng_set_zero_copy, METH_VARARGS,
      "set_zero_copy(min, max): zero-copy all-reduce of a symmetric tensor of min..max bytes"},
+    {"set_populate_min", (PyCFunction)eng_set_populate_min, METH_O,
+     "set_populate_min(min_bytes): outputs from min_bytes get their pages first (-1: never)"},
     {"set_chunks", (PyCFunction)eng_set_chunks, METH_VARARGS,
      "set_chunks(min_bytes, chunk_bytes): all-reduces from min_bytes go chunk_bytes at a time"},
     {"set_windows", (PyCFunction)eng_set_windows, METH_VARARGS,

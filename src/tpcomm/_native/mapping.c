@@ -111,6 +111,7 @@ void set_layout(Engine *e, void *p, size_t size, int rank, int world, uint64_t s
     e->chunk_bytes = 0;
     e->cma_ar_min = UINT64_MAX;
     e->nt_min = UINT64_MAX;
+    e->populate_min = UINT64_MAX;
     e->twoshot_max = e->twoshot_max16 = e->cma_ar_max = e->nt_max = UINT64_MAX;
     e->slot_move_min = UINT64_MAX;
 }

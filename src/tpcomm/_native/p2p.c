@@ -459,6 +459,10 @@ int recv_body(Engine *e, const pieces_t *pc)
     int st = ST_OK;
     PyThreadState *ts = NULL;
     call_begin(e, total, &ts);
+    span_t land[pc->n ? pc->n : 1]; /* where it lands, present first (pages.c) */
+    for (Py_ssize_t i = 0; i < pc->n; i++)
+        land[i] = (span_t){pc->addr[i], pc->len[i]};
+    ready_pages(e, land, (int)pc->n);
     if (e->rx.np) { /* by reference: where the data is, then the data itself */
         char *desc = PyMem_RawMalloc(16 * (size_t)e->rx.np);
         st = desc ? rx_copy(e, desc, 16 * (size_t)e->rx.np, &ts) : cma_failed(e, e->rx.src, ENOMEM);

@@ -26,6 +26,8 @@ struct job {
     uint32_t kind, dtype, op;
     uint64_t count, arg;
     size_t span, at;
+    /* the memory the rounds will write, made present first (pages.c), or NULL */
+    void (*ready)(Engine *e, job_t *j);
 };
 
 /* where rank r's data of the round being taken lies */
@@ -40,6 +42,8 @@ static int run_rounds(Engine *e, job_t *j)
     int st = call_enter(e, j->bytes, &ts);
     if (st != 0)
         return st;
+    if (j->ready)
+        j->ready(e, j);
     for (size_t k = 0; k < j->rounds && st == ST_OK; k++) {
         const uint64_t n = e->round + 1;
         const int p = (int)(n & 1);
@@ -263,6 +267,25 @@ static void gather_take(Engine *e, job_t *j, size_t k, int p)
     }
 }
 
+/* what the rounds write: out whole, or where this rank's own input lies in
+ * it, every other rank's place; or each destination (gather_ready) */
+static void gather_ready(Engine *e, job_t *j)
+{
+    gather_job_t *g = (gather_job_t *)j;
+    span_t s[e->world];
+    int k = 0;
+    size_t off = 0;
+    if (g->out && (g->outer > 1 || !g->in_place))
+        s[k++] = (span_t){g->out, g->total};
+    else if (g->out || g->dsts)
+        for (int r = 0; r < e->world; r++) {
+            if (!(r == e->rank && g->in_place))
+                s[k++] = (span_t){g->dsts ? g->dsts[r] : g->out + off, g->cnt[r]};
+            off += g->cnt[r];
+        }
+    ready_pages(e, s, k);
+}
+
 static int gather_rounds(Engine *e, uint32_t kind, const char *mine, const size_t *cnt, char *out,
                          char *const *dsts, uint32_t dtype, uint64_t numel, uint64_t arg,
                          size_t outer)
@@ -311,6 +334,7 @@ static int gather_rounds(Engine *e, uint32_t kind, const char *mine, const size_
     }
     gather_job_t g = {{gather_put, gather_take, rounds, total, kind, dtype, 0, numel, arg, span, 0},
                       mine, cnt, out, dsts, cap, total, outer, in_place};
+    g.j.ready = gather_ready;
     int st = run_rounds(e, &g.j);
     PyMem_RawFree(aside);
     return st;
@@ -341,6 +365,14 @@ static void bcast_take(Engine *e, job_t *j, size_t k, int p)
         memcpy(b->data + lo, job_slot(e, j, b->src, p), n);
 }
 
+static void bcast_ready(Engine *e, job_t *j)
+{
+    bcast_job_t *b = (bcast_job_t *)j;
+    span_t s = {b->data, b->total};
+    if (e->rank != b->src)
+        ready_pages(e, &s, 1);
+}
+
 int broadcast_rounds(Engine *e, uint32_t kind, char *data, size_t total, int src,
                         uint32_t dtype, uint64_t numel)
 {
@@ -349,6 +381,7 @@ int broadcast_rounds(Engine *e, uint32_t kind, char *data, size_t total, int src
     bcast_job_t b = {{bcast_put, bcast_take, rounds, total, kind, dtype, 0, numel, (uint64_t)src,
                       total < cap ? total : cap, 0},
                      data, total, cap, src};
+    b.j.ready = bcast_ready;
     return run_rounds(e, &b.j);
 }
 
@@ -439,6 +472,13 @@ static void rs_take(Engine *e, job_t *j, size_t k, int p)
     }
 }
 
+static void rs_ready(Engine *e, job_t *j)
+{
+    rs_job_t *r = (rs_job_t *)j;
+    span_t s = {r->out, r->outer * r->sizes[e->rank] * r->es};
+    ready_pages(e, &s, 1);
+}
+
 int reduce_scatter_rounds(Engine *e, uint32_t kind, const char *x, int dtype, const size_t *sizes,
                      char *out, int op, uint64_t arg, size_t outer)
 {
@@ -487,6 +527,7 @@ int reduce_scatter_rounds(Engine *e, uint32_t kind, const char *x, int dtype, co
     rs_job_t r = {{rs_put, rs_take, rounds, numel * es, kind, (uint32_t)dtype, (uint32_t)op, numel,
                    arg, (size_t)w * per * es, 0},
                   x, sizes, offs, out, srcs, per, es, row, outer, dtype, op};
+    r.j.ready = rs_ready;
     int st = run_rounds(e, &r.j);
     if (aside && st == ST_OK)
         memcpy(dest, aside, mine);
@@ -547,6 +588,15 @@ static void a2a_take(Engine *e, job_t *j, size_t k, int p)
     }
 }
 
+static void a2a_ready(Engine *e, job_t *j)
+{
+    a2a_job_t *a = (a2a_job_t *)j;
+    span_t s[e->world];
+    for (int r = 0; r < e->world; r++)
+        s[r] = (span_t){a->out + a->ro[r], a->rc[r]};
+    ready_pages(e, s, e->world);
+}
+
 static int alltoallv_rounds(Engine *e, uint32_t kind, const char *x, const size_t *sc,
                          const size_t *so, char *out, const size_t *rc, const size_t *ro,
                          uint64_t most, uint32_t dtype, uint64_t count, uint64_t arg)
@@ -583,6 +633,7 @@ static int alltoallv_rounds(Engine *e, uint32_t kind, const char *x, const size_
     }
     a2a_job_t a = {{a2a_put, a2a_take, rounds, total, kind, dtype, 0, count, arg, (size_t)w * per, 0},
                    x, sc, so, out, rc, ro, per};
+    a.j.ready = a2a_ready;
     return run_rounds(e, &a.j);
 }
 

@@ -302,6 +302,11 @@ typedef struct {
     uint64_t cma_ar_min;  /* all-reduces of at least this many bytes too (cma_all_reduce) */
     uint64_t nt_min;      /* copies into a slot of this many bytes: non-temporal stores */
     uint64_t slot_move_min; /* the header's, as rank 0 wrote it (slot_pos) */
+    uint64_t populate_min;  /* outputs of this many bytes get their pages first (pages.c) */
+    struct { /* per size (a power of two): what the last probe found (pages.c) */
+        uint8_t fresh[64];
+        uint16_t skip[64];
+    } pages;
     /* the upper ends of the windows two-shot, single-copy all-reduce and
      * non-temporal stores take (from their *_min up to here; UINT64_MAX: no
      * end): set_windows */
@@ -365,6 +370,7 @@ typedef struct {
         int stamp;         /* stamp publishes; measure lateness (set_record) */
         uint64_t late_n[3], late_ns[3], late_max[3]; /* lateness by how the wait ended */
         uint64_t late_hist[REC_BUCKETS]; /* lateness: bucket b < 2^b us (last: more) */
+        uint64_t populated, populated_bytes; /* outputs whose pages came first (pages.c) */
     } rec;
 
     /* details of the last error, for Python's message (error_info): the
@@ -714,6 +720,15 @@ int slot_stores_nt(Engine *e, size_t n);
 void put_blocks(char *out, const char *src, size_t q, size_t n, size_t blk, size_t row, size_t off);
 void take_blocks(char *dst, const char *x, size_t q, size_t n, size_t blk, size_t row, size_t off,
                  int nt);
+
+/* pages.c: a caller's output made present before a collective writes it
+ * (inside a begun call; nothing changes a byte) */
+typedef struct {
+    char *p;
+    size_t n;
+} span_t;
+void ready_pages(Engine *e, const span_t *s, int k);
+PyObject *eng_set_populate_min(Engine *e, PyObject *arg);
 
 /* rounds.c */
 PyObject *eng_sync(Engine *e, PyObject *const *args, Py_ssize_t nargs);

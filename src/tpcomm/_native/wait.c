@@ -338,7 +338,7 @@ PyObject *eng_record(Engine *e, PyObject *args)
     for (int b = 0; b < REC_BUCKETS; b++)
         PyList_SET_ITEM(hist, b, PyLong_FromUnsignedLongLong(e->rec.late_hist[b]));
     PyObject *d = Py_BuildValue(
-        "{s:N,s:K,s:K,s:(KKK),s:K,s:K,s:K,s:K,s:(KKK),s:(KKK),s:(KKK),s:N,s:i,s:K}",
+        "{s:N,s:K,s:K,s:(KKK),s:K,s:K,s:K,s:K,s:(KKK),s:(KKK),s:(KKK),s:N,s:i,s:K,s:K,s:K}",
         "rounds", rounds, "instant", e->rec.instant, "waits", e->rec.waits,
         "ended", e->rec.ended[0], e->rec.ended[1], e->rec.ended[2],
         "wait_ns", e->rec.wait_ns, "yields", e->rec.yields, "sleeps", e->rec.sleeps,
@@ -346,7 +346,8 @@ PyObject *eng_record(Engine *e, PyObject *args)
         "late_n", e->rec.late_n[0], e->rec.late_n[1], e->rec.late_n[2],
         "late_ns", e->rec.late_ns[0], e->rec.late_ns[1], e->rec.late_ns[2],
         "late_max", e->rec.late_max[0], e->rec.late_max[1], e->rec.late_max[2],
-        "late_hist", hist, "stamp", e->rec.stamp, "lost_max", e->rec.lost_max);
+        "late_hist", hist, "stamp", e->rec.stamp, "lost_max", e->rec.lost_max, "populated",
+        e->rec.populated, "populated_bytes", e->rec.populated_bytes);
     if (!d)
         return NULL;
     if (reset) {

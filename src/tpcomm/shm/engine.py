@@ -584,6 +584,7 @@ class ShmEngine:
         if before is None or before.zc_auto != s.zc_auto:
             self._native.set_zero_copy_auto(s.zc_auto)
         self._native.set_nt_min(s.nt_min)
+        self._native.set_populate_min(s.populate_min)
 
     def _validate(self, slot_bytes: int, size: int) -> None:
         h = self._native.header()

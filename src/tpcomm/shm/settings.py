@@ -39,6 +39,8 @@ class Settings(NamedTuple):
     twoshot_max16: int = -1
     cma_ar_max: int = -1
     nt_max: int = -1
+    # an output of this many bytes with no pages yet gets them first (-1: never)
+    populate_min: int = _env.DEFAULT_POPULATE_MIN_BYTES
 
     @property
     def cma_plan(self) -> tuple:
@@ -78,4 +80,5 @@ def settings_for(world: int, slot: int, tuned: Optional[dict] = None) -> Setting
         twoshot_max16=pick("twoshot_max_bytes_16bit", pick("twoshot_max_bytes", -1)),
         cma_ar_max=pick("cma_allreduce_max_bytes", _env.cma_allreduce_max_bytes()),
         nt_max=pick("nt_max_bytes", _env.nt_max_bytes()),
+        populate_min=_env.populate_min_bytes(),
     )
