@@ -741,9 +741,13 @@ PyObject *eng_broadcast(Engine *e, PyObject *const *args, Py_ssize_t nargs);
 PyObject *eng_reduce_scatterv(Engine *e, PyObject *const *args, Py_ssize_t nargs);
 int reduce_scatter_rounds(Engine *e, uint32_t kind, const char *x, int dtype, const size_t *sizes, char *out, int op, uint64_t arg, size_t outer);
 PyObject *eng_alltoallv(Engine *e, PyObject *const *args, Py_ssize_t nargs);
+int alltoallv_rounds(Engine *e, uint32_t kind, const char *x, const size_t *sc, const size_t *so, char *out, const size_t *rc, const size_t *ro, uint64_t most, uint32_t dtype, uint64_t count, uint64_t arg);
+int alltoall_even_rounds(Engine *e, uint32_t kind, const char *x, char *out, size_t block, uint32_t code);
+int u64_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, const char *fn, unsigned long long *v);
+
+/* splits.c: all_to_all with split sizes (the split table round, then alltoallv_rounds) */
 int alltoall_split_list(PyObject *v, PyObject **list);
 int alltoall_splits_rounds(Engine *e, uint32_t kind, const char *x, PyObject *ins, char *out, PyObject *outs, const uint64_t *f);
-int alltoall_even_rounds(Engine *e, uint32_t kind, const char *x, char *out, size_t block, uint32_t code);
 PyObject *eng_alltoall_splits(Engine *e, PyObject *const *args, Py_ssize_t nargs);
 PyObject *mod_split_table_problem(PyObject *self, PyObject *args);
 
