@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import tpcomm
-from tpcomm import _testing
+from tpcomm import _env, _testing
 from tpcomm.launch import free_port  # noqa: F401 (the tests import it from here)
 
 from ._ref import DTYPES, FLOATS, digest, make, reference
@@ -168,7 +168,8 @@ def assert_survivors_saw(outdir, dead: int, survivors) -> None:
 
 # -- the zero-copy all_reduce's matrix (test_zero_copy, test_allreduce) ----------
 
-BIG = 300_000  # elements: above the zero-copy threshold (256 KiB) for every dtype
+BIG = _env.DEFAULT_ZERO_COPY_MIN_BYTES // 2 + 15_000  # elements: above zero copy's
+# default point for every dtype (2 bytes or more)
 
 
 def zero_copy_rounds(n: int, w: int, itemsize: int, chunk: int) -> int:

@@ -287,13 +287,13 @@ def threads_min_bytes() -> int:
     )
 
 
-DEFAULT_ZERO_COPY_MIN_BYTES = 256 << 10
+DEFAULT_ZERO_COPY_MIN_BYTES = 1 << 20
 
 
 def zero_copy_min_bytes() -> int:
     """TPCOMM_ZERO_COPY_MIN_BYTES: an all_reduce of a tensor from
     Communicator.empty of at least this many bytes reads the peers' tensors
-    where they are (default 256 KiB; -1: never, it copies like any other)."""
+    where they are (default 1 MiB; -1: never, it copies like any other)."""
     return _int(
         "TPCOMM_ZERO_COPY_MIN_BYTES", DEFAULT_ZERO_COPY_MIN_BYTES, -1, MAX_BYTES, " (-1: never)"
     )

@@ -84,7 +84,9 @@ static stores_t store_begin(Engine *e, size_t bytes, int algo, unsigned rounds)
     if (sc.b < 0)
         return sc;
     const unsigned phase = (unsigned)(e->round & (STORE_EXPLORE - 1));
-    sc.nt = store_choice(e, sc.b) ^ (phase < 2 * rounds);
+    const int explore = phase < 2 * rounds;
+    sc.nt = store_choice(e, sc.b) ^ explore;
+    e->stores.explored += (uint64_t)explore;
     sc.timed = e->rank == 0 && ((phase >= rounds && phase < 2 * rounds) || (phase / rounds) % 16 == 5);
     if (sc.timed)
         sc.mark = ticks();
@@ -421,23 +423,39 @@ static struct sym *find_sym(Engine *e, const char *t, size_t bytes)
  * and third calls, and in the slow mode, timing the first alone, zero copy
  * was kept at twice the copies' cost.  So every 128th call of a bucket rank 0
  * asks for a trial and times the third call of that bucket that tries the
- * other one; only then it asks for the choice back, so a trial is four calls
- * where the calls are all of one size, as one layer's are (the two cold ones,
- * the timed one, and the one that starts before the choice is back), and
- * three of each size where two sizes alternate.  The timed one switches at
- * once where the other one wins (what runs next is what it timed).  Rank 0
- * times one in 16 of the other calls, none right after a trial, and where
- * one was slow, more (zc_sample: a change of the machine is seen at once).
- * A trial of
- * the copies runs their chunks on non-temporal stores (the stores' bit in the
- * header, which every rank reads): zero copy loses where the machine makes
- * cache-to-cache transfers slow, which is where the copies need those stores,
- * and the stores' own choice learns nothing for a size whose copies never
- * run: it stays on what it started with, the nearest timed size's choice
- * (store_spread), plain where no size was timed (in this VM's slow mode
- * `tpcomm perf -Z` then kept zero copy at 1 MiB at 232 us, where the copies
- * took 96-130 that day).  Where the copies win, the stores stay non-temporal
- * (their own choice goes on from there); else they go back to what they were.
+ * other one, or a later one where the copies take more places in the slots
+ * (zc_trial_warm); only then it asks for the choice back, so a trial is four
+ * calls where the calls are all of one size, as one layer's are (the two
+ * cold ones, the timed one, and the one that starts before the choice is
+ * back), and three of each size where two sizes alternate.  The timed one
+ * switches at once where the other one wins (what runs next is what it
+ * timed).  Rank 0 times one in 16 of the other calls, none right after a
+ * trial, and where one was slow, more (zc_sample: a change of the machine is
+ * seen at once).
+ * A size's first trial comes after its 16th call, not its 128th: a size
+ * that starts on the wrong one pays for it 16 calls, not 128.
+ *
+ * A trial of the copies sets their chunks' stores (the stores' bit in the
+ * header, which every rank reads): the first as they stand, the next the
+ * other kind, and so on in turns; rank 0 keeps the copies' cost on each
+ * kind, and theirs is the lesser.  Zero copy loses where the machine makes
+ * cache-to-cache transfers slow, which is where the copies need
+ * non-temporal stores, and the stores' own choice learns nothing for a size
+ * whose copies never run: it stays on what it started with, the nearest
+ * timed size's choice (store_spread), plain where no size was timed (in this
+ * VM's slow mode `tpcomm perf -Z` then kept zero copy at 1 MiB at 232 us,
+ * where the copies took 96-130 that day).  But where the machine is fast,
+ * non-temporal stores make the copies of a size that fits the caches slow
+ * (256 KiB on AMD Zen 4: 4x), and trials on those alone kept zero copy
+ * there for 1700 calls at twice the copies' time.  A trial that a jump of
+ * zero copy's cost asks for (zc_sample) runs them non-temporal: a jump is
+ * the machine turning slow.  Where the copies win, the stores take their
+ * cheaper kind (their own choice goes on from there); else they go back to
+ * what they were.  A call whose chunks' stores were the stores' own trial
+ * of the other kind (store_begin: two rounds in 256) is timed as neither
+ * way, and a trial times the next call instead: one such call on 6 ms
+ * slower non-temporal stores, taken for plain ones, kept zero copy in a
+ * test.
  * A rank that copies a comm.empty tensor marks its metadata (ARG_COPIED), so
  * a peer that passes an ordinary tensor gets the mismatch error as before.
  * The bits, so the results, are the same either way.
@@ -445,7 +463,7 @@ static struct sym *find_sym(Engine *e, const char *t, size_t bytes)
 #define ZC_ON (1u << 15)
 #define ZC_TRIAL_SHIFT 11 /* 4 bits: the bucket on trial + 1, 0: none */
 #define ZC_TRIAL_EVERY 128 /* calls of a bucket between trials */
-#define ZC_TRIAL_WARM 3    /* the call of a trial that is timed */
+#define ZC_TRIAL_FIRST 16  /* the call of a bucket after which its first trial comes */
 #define ARG_COPIED 0x80u
 
 static int zc_bucket(size_t bytes) { return size_bucket(bytes, ZC_MIN_LOG2, ZC_BUCKETS); }
@@ -487,25 +505,35 @@ static void zc_publish(Engine *e, unsigned bits)
     atomic_store_explicit(&HDR(e)->zc_word, nw, memory_order_release);
 }
 
+/* rank 0: the copies' cost in bucket b, the cheaper of their stores' (0:
+ * unknown) */
+static float zc_copies_cost(const Engine *e, int b)
+{
+    const float *c = e->zc.cost[b];
+    return c[1] > 0.0f && (c[2] == 0.0f || c[1] < c[2]) ? c[1] : c[2];
+}
+
 /* rank 0: switch bucket b where the other one costs under 0.8 of the choice */
 static void zc_decide(Engine *e, int b)
 {
-    const float *c = e->zc.cost[b];
+    const float zc = e->zc.cost[b][0], copies = zc_copies_cost(e, b);
     const int cur = (int)(e->zc.want >> b) & 1;
-    if (c[!cur] > 0.0f && c[!cur] < 0.8f * c[cur]) {
+    const float mine = cur ? copies : zc, other = cur ? zc : copies;
+    if (other > 0.0f && other < 0.8f * mine) {
         e->zc.want ^= 1u << b;
         e->zc.switches++;
     }
 }
 
-/* rank 0: a call of bucket b that copied (or not) took dt ticks */
-static void zc_learn(Engine *e, int b, int copied, uint64_t dt, size_t bytes)
+/* rank 0: a call of bucket b took dt ticks, by way w (0 zero copy, 1 the
+ * copies on plain stores, 2 on non-temporal ones) */
+static void zc_learn(Engine *e, int b, int w, uint64_t dt, size_t bytes)
 {
-    float x = (float)dt * 1024.0f / (float)bytes, *c = e->zc.cost[b];
+    float x = (float)dt * 1024.0f / (float)bytes, *c = &e->zc.cost[b][w];
     const int cur = (int)(e->zc.want >> b) & 1;
-    if (c[copied] > 0.0f && x > 2.0f * c[copied])
-        x = 2.0f * c[copied];
-    c[copied] = c[copied] == 0.0f ? x : c[copied] + (x - c[copied]) * (copied == cur ? 0.25f : 0.5f);
+    if (*c > 0.0f && x > 2.0f * *c)
+        x = 2.0f * *c;
+    *c = *c == 0.0f ? x : *c + (x - *c) * ((w > 0) == cur ? 0.25f : 0.5f);
     zc_decide(e, b);
 }
 
@@ -521,27 +549,35 @@ static void zc_learn(Engine *e, int b, int copied, uint64_t dt, size_t bytes)
  * to 1764 us a call from one call to the next, the copies from 165 to 330):
  * the least of them is its cost from now on, and the other one is tried at
  * once (1: asked), where the capped average took about 100 calls to see it,
- * 0.2-0.5 s at 4-16 MiB.  The next trial comes a whole period after that
+ * 0.2-0.5 s at 4-16 MiB.  What the other one cost was learnt before the
+ * change, so the trial's time replaces it (blended with it, copies that had
+ * cost 8 ms more and now cost nothing more lost to a zero copy 3 ms slower
+ * in a test).  The next trial comes a whole period after that
  * one, not at the next multiple of the period.
  */
 #define ZC_JUMP 3
 
-static int zc_sample(Engine *e, int b, int copied, uint64_t dt, size_t bytes)
+static int zc_sample(Engine *e, int b, int w, uint64_t dt, size_t bytes)
 {
-    const float x = (float)dt * 1024.0f / (float)bytes, c = e->zc.cost[b][copied];
+    const float x = (float)dt * 1024.0f / (float)bytes, c = e->zc.cost[b][w];
     if (!(c > 0.0f && x > 2.0f * c)) {
         e->zc.outliers[b] = 0;
-        zc_learn(e, b, copied, dt, bytes);
+        zc_learn(e, b, w, dt, bytes);
         return 0;
     }
     if (e->zc.outliers[b] == 0 || x < e->zc.outlier[b])
         e->zc.outlier[b] = x;
     e->zc.confirm[b] = e->zc.outliers[b] == 0 ? 2 : 1; /* the second call on, then the next */
     if (++e->zc.outliers[b] < ZC_JUMP) {
-        zc_learn(e, b, copied, dt, bytes);
+        zc_learn(e, b, w, dt, bytes);
         return 0;
     }
-    e->zc.cost[b][copied] = e->zc.outlier[b];
+    float *cost = e->zc.cost[b];
+    cost[w] = e->zc.outlier[b];
+    if (w == 0) /* the other one's costs are from before the change: tried afresh */
+        cost[1] = cost[2] = 0.0f;
+    else
+        cost[0] = 0.0f;
     e->zc.outliers[b] = 0;
     e->zc.jumps++;
     zc_decide(e, b);
@@ -555,41 +591,99 @@ static size_t first_chunk(const ar_plan_t *pl, size_t bytes)
     return bytes < pl->chunk ? bytes : pl->chunk;
 }
 
-/* rank 0: a trial of the copies of `bytes` of dtype begins: their chunks'
- * stores go non-temporal, remembering the kind they had (see above) */
-static void zc_trial_stores(Engine *e, size_t bytes, int dtype)
+/* The stores bucket of the copies of an all_reduce of `bytes` planned as pl
+ * (its first chunk's; -1: none chooses them as it runs) */
+static int plan_store_bucket(const Engine *e, const ar_plan_t *pl, size_t bytes)
+{
+    if (pl->algo != AR_ONESHOT && pl->algo != AR_TWOSHOT)
+        return -1;
+    return store_bucket(e, first_chunk(pl, bytes), pl->algo == AR_TWOSHOT);
+}
+
+/* Whether the copies into the slots of an all_reduce of `bytes` of dtype,
+ * planned as pl, store non-temporal now: as its chunks chose them so far,
+ * or as nt_min fixes them (the copies of its first chunk: a whole chunk, or
+ * two-shot's shards of the peers, the first of which is the smallest) */
+static int plan_stores_nt(const Engine *e, const ar_plan_t *pl, size_t bytes, int dtype)
+{
+    const int b = plan_store_bucket(e, pl, bytes);
+    if (b >= 0)
+        return stores_bit(e, b);
+    const size_t chunk = first_chunk(pl, bytes), es = dt_size[dtype];
+    const size_t copy = pl->algo == AR_TWOSHOT ? shard_start(chunk / es, e->world, 1) * es : chunk;
+    return copy_nt_available() && nt_window(e, copy);
+}
+
+/* The call of a trial that is timed, for an all_reduce of `bytes` of dtype:
+ * the third, or the first after its copies have gone once round their
+ * places in the slots (slot_pos), at most the eighth.  Until they have,
+ * their stores meet lines the peers read more recently than a whole round
+ * of places ago: at 256 KiB (four places) on AMD Zen 4 the first four calls
+ * of the copies after zero copy took 38-57 us, the fifth on 27-29, and the
+ * third timed made the copies look 2.5-3x their steady cost. */
+static unsigned zc_trial_warm(const Engine *e, size_t bytes, int dtype)
 {
     const ar_plan_t pl = ar_plan(e, bytes, dtype, 0);
     if (pl.algo != AR_ONESHOT && pl.algo != AR_TWOSHOT)
-        return;
-    const int sb = store_bucket(e, first_chunk(&pl, bytes), pl.algo == AR_TWOSHOT);
-    if (sb < 0)
-        return;
-    const uint32_t had = atomic_fetch_or_explicit(&HDR(e)->stores, 1u << sb, memory_order_relaxed);
-    e->zc.st_bucket = sb + 1;
-    e->zc.st_had = (int)(had >> sb) & 1;
+        return 3;
+    const size_t span = (first_chunk(&pl, bytes) + PAGE - 1) & ~(size_t)(PAGE - 1);
+    const size_t places = span >= e->slot_move_min ? e->slot_bytes / span : 1;
+    return places + 1 < 3 ? 3 : places + 1 > 8 ? 8 : (unsigned)places + 1;
 }
 
-/* rank 0: that trial is over; where zero copy stays the choice of bucket b,
- * the copies' stores go back to the kind they had */
+/* rank 0: a trial of the copies of `bytes` of dtype, bucket b, begins: their
+ * chunks' stores as they stand on its first, else the other kind than its
+ * last trial's, non-temporal where `jump` (zero copy's cost jumped: the
+ * machine turned slow, which is where the copies need them), remembering
+ * the kind they had (see above) */
+static void zc_trial_stores(Engine *e, int b, size_t bytes, int dtype, int jump)
+{
+    const ar_plan_t pl = ar_plan(e, bytes, dtype, 0);
+    const int sb = plan_store_bucket(e, &pl, bytes);
+    if (sb < 0)
+        return;
+    const int had = stores_bit(e, sb);
+    const int nt = jump || (e->zc.tried[b] ? e->zc.tried[b] == 1 : had);
+    if (nt)
+        atomic_fetch_or_explicit(&HDR(e)->stores, 1u << sb, memory_order_relaxed);
+    else
+        atomic_fetch_and_explicit(&HDR(e)->stores, ~(1u << sb), memory_order_relaxed);
+    e->zc.tried[b] = (uint8_t)(1 + nt);
+    e->zc.st_bucket = sb + 1;
+    e->zc.st_had = had;
+}
+
+/* rank 0: that trial is over; where the copies are now the choice of bucket
+ * b, their stores take the cheaper kind, else the kind they had */
 static void zc_trial_stores_end(Engine *e, int b)
 {
     const int sb = e->zc.st_bucket - 1;
-    if (sb >= 0 && !((e->zc.want >> b) & 1) && !e->zc.st_had)
+    if (sb < 0)
+        return;
+    const float *c = e->zc.cost[b];
+    const int nt = (e->zc.want >> b) & 1 ? c[2] > 0.0f && c[2] == zc_copies_cost(e, b) : e->zc.st_had;
+    if (nt)
+        atomic_fetch_or_explicit(&HDR(e)->stores, 1u << sb, memory_order_relaxed);
+    else
         atomic_fetch_and_explicit(&HDR(e)->stores, ~(1u << sb), memory_order_relaxed);
     e->zc.st_bucket = 0;
 }
 
 /* rank 0, after a call of `bytes` of dtype, bucket b, that ran in state
- * `bits` and took dt ticks: learn from it where it was timed, ask for a
- * trial or for the choice back, and publish what it wants */
-static void zc_after_call(Engine *e, unsigned bits, int b, int copied, uint64_t dt, size_t bytes,
+ * `bits` by way w (zc_learn; -1: the copies, some of them on the stores the
+ * stores' own choice was trying, which tell nothing of either way) and took
+ * dt ticks: learn from it where it was timed, ask for a trial or for the
+ * choice back, and publish what it wants */
+static void zc_after_call(Engine *e, unsigned bits, int b, int w, uint64_t dt, size_t bytes,
                           int dtype)
 {
-    const int tb = zc_trial(e->zc.want); /* the bucket asked to try */
+    const int tb = zc_trial(e->zc.want), copied = w != 0; /* the bucket asked to try */
     if (zc_trial(bits) == b) { /* on trial */
-        if (++e->zc.seen[b] == ZC_TRIAL_WARM) { /* warm (see above) */
-            zc_learn(e, b, copied, dt, bytes);
+        const unsigned warm = zc_trial_warm(e, bytes, dtype);
+        if (w < 0 && e->zc.seen[b] + 1u == warm) {
+            /* the one to time tried the other stores: time the next instead */
+        } else if (++e->zc.seen[b] == warm) { /* warm (see above) */
+            zc_learn(e, b, w, dt, bytes);
             e->zc.trials++;
             e->zc.want = zc_chosen(e->zc.want); /* the choice back after the next call */
             e->zc.asked = 0;
@@ -598,21 +692,25 @@ static void zc_after_call(Engine *e, unsigned bits, int b, int copied, uint64_t 
     } else {
         int now = 0; /* a trial at once (zc_sample) */
         const int confirming = e->zc.outliers[b] > 0;
-        if (e->zc.seen[b] == 0 && (confirming ? --e->zc.confirm[b] == 0 : e->zc.calls[b] % 16 == 5))
-            now = zc_sample(e, b, copied, dt, bytes) && (int)((e->zc.want >> b) & 1) == copied;
+        if (e->zc.seen[b] == 0 && w >= 0 &&
+            (confirming ? --e->zc.confirm[b] == 0 : e->zc.calls[b] % 16 == 5))
+            now = zc_sample(e, b, w, dt, bytes) && (int)((e->zc.want >> b) & 1) == copied;
         e->zc.seen[b] = 0;
         if (e->zc.asked && ++e->zc.asked > 2 * ZC_TRIAL_EVERY) { /* its size stopped coming */
             e->zc.want = zc_chosen(e->zc.want);
             e->zc.asked = 0;
             zc_trial_stores_end(e, tb);
         }
-        if ((++e->zc.calls[b] % ZC_TRIAL_EVERY == 0 || now) && !e->zc.asked) {
+        const uint32_t n = ++e->zc.calls[b];
+        const int first = n == ZC_TRIAL_FIRST && !e->zc.trials_of[b];
+        if ((n % ZC_TRIAL_EVERY == 0 || first || now) && !e->zc.asked) {
             if (now) /* the next trial a whole period after this one */
                 e->zc.calls[b] = 0;
             e->zc.want |= (unsigned)(b + 1) << ZC_TRIAL_SHIFT;
             e->zc.asked = 1;
+            e->zc.trials_of[b] = 1;
             if (!((e->zc.want >> b) & 1)) /* a trial of the copies */
-                zc_trial_stores(e, bytes, dtype);
+                zc_trial_stores(e, b, bytes, dtype, now);
         }
     }
     zc_publish(e, e->zc.want);
@@ -715,6 +813,10 @@ int all_reduce_rounds(Engine *e, char *t, size_t count, int dtype, int op, uint3
     ar_plan_t pl = ar_plan(e, bytes, dtype, sb && !copied);
     if (copied && pl.algo != AR_SINGLE_COPY)
         pl.arg |= ARG_COPIED;
+    /* rank 0 timing it: the way it goes (zc_learn), and whether any chunk
+     * of it used the other stores (store_begin): then not that way */
+    const int way = t0 && copied ? 1 + plan_stores_nt(e, &pl, bytes, dtype) : 0;
+    const uint64_t explored = e->stores.explored;
     PyThreadState *ts = *tsp;
     int st = ST_OK;
     if (pl.algo == AR_ZERO_COPY) { /* the piece's pages in bits 16-31 of arg */
@@ -740,7 +842,8 @@ int all_reduce_rounds(Engine *e, char *t, size_t count, int dtype, int op, uint3
     if (sb && e->rank == 0 && st == ST_OK && (bits & ZC_ON)) {
         if (!copied) /* tests (fault_zero_copy): zero copy made slow, as rank 0 times it */
             spin_for_ns(e->fault.zc_ns);
-        zc_after_call(e, bits, b, copied, ticks() - t0, bytes, dtype);
+        const int w = e->stores.explored != explored ? -1 : way;
+        zc_after_call(e, bits, b, w, ticks() - t0, bytes, dtype);
     }
     e->zc.copied += (uint64_t)copied;
     *tsp = ts;
@@ -771,12 +874,7 @@ PyObject *eng_all_reduce_plan(Engine *e, PyObject *args)
     const ar_plan_t pl = ar_plan(e, nbytes, dtype, symmetric);
     if (pl.algo != AR_ONESHOT && pl.algo != AR_TWOSHOT)
         return Py_BuildValue("(sKs)", names[pl.algo], (unsigned long long)pl.chunk, "");
-    /* the first chunk's copies: a whole chunk (one-shot) or the shards of the
-     * peers (two-shot: their first, which is the smallest of them) */
-    const size_t chunk = first_chunk(&pl, nbytes), es = dt_size[dtype];
-    const int two = pl.algo == AR_TWOSHOT, b = store_bucket(e, chunk, two);
-    const size_t copy = two ? shard_start(chunk / es, e->world, 1) * es : chunk;
-    const int nt = b >= 0 ? stores_bit(e, b) : copy_nt_available() && nt_window(e, copy);
+    const int nt = plan_stores_nt(e, &pl, nbytes, dtype);
     return Py_BuildValue("(sKs)", names[pl.algo], (unsigned long long)pl.chunk, nt ? "nt" : "plain");
 }
 
@@ -833,7 +931,8 @@ PyObject *eng_set_zero_copy_auto(Engine *e, PyObject *arg)
 
 /* zero_copy_state() -> {"auto", "copies": [per bucket, as agreed now],
  * "trial": the bucket trying the other one now (-1: none), "cost": [[zero
- * copy, copies] ticks per KiB] (rank 0), "switches", "trials" (timed trial
+ * copy, the copies on plain stores, on non-temporal ones] ticks per KiB]
+ * (rank 0), "switches", "trials" (timed trial
  * calls, rank 0), "jumps" (costs taken at once, zc_sample, rank 0),
  * "copied", "min_bytes", "word"}: tests, tpcomm doctor */
 PyObject *eng_zero_copy_state(Engine *e, PyObject *unused)
@@ -848,7 +947,8 @@ PyObject *eng_zero_copy_state(Engine *e, PyObject *unused)
     }
     for (int b = 0; b < ZC_BUCKETS; b++) {
         PyList_SET_ITEM(copies, b, PyLong_FromLong((long)(bits >> b) & 1));
-        PyList_SET_ITEM(cost, b, Py_BuildValue("(dd)", (double)e->zc.cost[b][0], (double)e->zc.cost[b][1]));
+        PyList_SET_ITEM(cost, b, Py_BuildValue("(ddd)", (double)e->zc.cost[b][0],
+                                               (double)e->zc.cost[b][1], (double)e->zc.cost[b][2]));
     }
     return Py_BuildValue("{s:O,s:N,s:i,s:N,s:K,s:K,s:K,s:K,s:K,s:K}", "auto",
                          bits & ZC_ON ? Py_True : Py_False, "copies", copies, "trial",

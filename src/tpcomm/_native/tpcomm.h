@@ -322,11 +322,13 @@ typedef struct {
         uint64_t switches;                 /* changes of mind, for tests and doctor */
         uint64_t followed_nt;              /* other collectives' copies that followed a
                                             * non-temporal choice (slot_stores_nt) */
+        uint64_t explored;                 /* chunks that used the other kind */
     } stores;
     /* zero copy or the copies for a comm.empty tensor, chosen as it runs
-     * (allreduce.c): rank 0's costs, [bucket][0 zero copy, 1 copies] */
+     * (allreduce.c): rank 0's costs, [bucket][0 zero copy, 1 the copies on
+     * plain stores, 2 on non-temporal ones] */
     struct {
-        float cost[ZC_BUCKETS][2];    /* ticks per KiB of a whole call (0: unknown) */
+        float cost[ZC_BUCKETS][3];    /* ticks per KiB of a whole call (0: unknown) */
         unsigned want;                /* the state rank 0 wants in force */
         uint32_t calls[ZC_BUCKETS];   /* calls per bucket not on trial */
         uint8_t seen[ZC_BUCKETS];     /* calls on trial so far in a row */
@@ -336,8 +338,11 @@ typedef struct {
         uint8_t confirm[ZC_BUCKETS];  /* calls until the next is timed */
         uint64_t jumps;               /* costs taken at once, ZC_JUMP such calls in a row */
         uint32_t asked;               /* calls since a trial was asked, 0: none */
-        int st_bucket, st_had;        /* the stores bucket a trial of the copies made
-                                       * non-temporal + 1 (0: none), and its kind before */
+        uint8_t trials_of[ZC_BUCKETS]; /* 1: a trial of the bucket was asked */
+        uint8_t tried[ZC_BUCKETS];    /* the stores of the last trial of the copies + 1
+                                       * (1 plain, 2 non-temporal; 0: none yet) */
+        int st_bucket, st_had;        /* the stores bucket a trial of the copies set + 1
+                                       * (0: none), and its kind before */
         uint64_t switches;            /* changes of mind (rank 0) */
         uint64_t trials;              /* trial calls timed (rank 0) */
         uint64_t copied;              /* calls of a symmetric tensor that copied */
