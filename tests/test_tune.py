@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from tpcomm import _testing, tune
+from tpcomm import _env, _testing, tune
 from tpcomm.shm import profile
 from tpcomm.tune import switch_point, window, wins_from, with_float32
 
@@ -231,9 +231,12 @@ def test_every_rank_uses_rank_0s_profile(pools, tmp_path):
     assert [r[6] for r in res] == [(2 << 20, 6 << 20, 7 << 20, 128 << 10, 8 << 20, 9 << 20)] * 2
     # the windows' ends
     assert [r[7] for r in res] == [(11 << 20, 12 << 20, 13 << 20, 14 << 20)] * 2
-    # a profile for world 2 serves world 3 too (the largest world measured up to it)
+    # a profile for world 2 serves world 3 too (the largest world measured up to
+    # it), but for two-shot's window, whose cost at world 2 says nothing of 3:
+    # there the default
     res = pools.run(3, engines_under_profiles, paths + paths[:1], {})
-    assert [r[:2] for r in res] == [want[:2]] * 3
+    assert [r[:2] for r in res] == [(_env.twoshot_min_bytes(3), want[1])] * 3
+    assert [r[4] for r in res] == [_env.twoshot_min_bytes(3)] * 3  # 16-bit's too
     # a setting in the environment wins over the profile, on the ranks that set it
     env = {"TPCOMM_ALLREDUCE_ALGO": "one_shot", "TPCOMM_CMA_MIN_BYTES": "-1"}
     env.update(TPCOMM_NT_MIN_BYTES="-1", TPCOMM_THREADS_MIN_BYTES="4096")
