@@ -186,7 +186,7 @@ int cma_rounds(Engine *e, uint32_t kind, uint32_t dtype, uint64_t numel, uint64_
 
 /*
  * Single-copy all-reduce of `count` elements at t, in place (2026-12-04): the
- * zero-copy algorithm of allreduce.c with the peers' tensors read by
+ * zero-copy algorithm of zerocopy.c with the peers' tensors read by
  * process_vm_readv instead of mapped.
  *   round 1: every rank publishes where its tensor is;
  *   rank r reads shard r of every peer's tensor, a piece at a time, into its

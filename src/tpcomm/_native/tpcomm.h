@@ -14,7 +14,8 @@
  *   kernels_neon.c    the aarch64 NEON float-family kernels
  *   pool.c            a rank's helper threads for large copies and reductions
  *   wait.c            waits, futexes, liveness, aborts, the collective round
- *   allreduce.c       one-shot, two-shot and zero-copy all-reduce; their stores
+ *   allreduce.c       one-shot and two-shot all-reduce, their stores; the plan
+ *   zerocopy.c        zero-copy all-reduce; zero copy or the copies, as it runs
  *   rounds.c          gather / broadcast / reduce-scatter / all-to-all rounds
  *   blocks.c          blocked layouts: the copies along a dim other than 0
  *   cma.c             single-copy reads of a peer's memory (process_vm_readv)
@@ -160,7 +161,7 @@ typedef struct {
     _Alignas(64) _Atomic uint32_t stores; /* rank 0's store choice: bit b, bucket b
                                            * non-temporal (allreduce.c) */
     _Alignas(64) _Atomic uint64_t zc_word; /* rank 0's choice of zero copy or the
-                                            * copies, agreed by round (allreduce.c) */
+                                            * copies, agreed by round (zerocopy.c) */
     _Alignas(64) char _end;
 } hdr_t;
 
@@ -261,9 +262,9 @@ typedef struct pool pool_t;   /* pool.c */
 #define STORE_MIN_LOG2 12
 #define STORE_SIZES 9
 #define STORE_BUCKETS (2 * STORE_SIZES)
-/* zero copy or the copies (allreduce.c): sizes by powers of two from 256 KiB */
+/* zero copy or the copies (zerocopy.c): sizes by powers of two from 256 KiB */
 #define ZC_MIN_LOG2 18
-#define ZC_BUCKETS 11 /* bits 0-10 of the agreed state (allreduce.c) */
+#define ZC_BUCKETS 11 /* bits 0-10 of the agreed state (zerocopy.c) */
 typedef struct tview tview_t; /* torch.c: the torch objects the fast paths compare with */
 
 /* The engine: one communicator's mapping of the segment, by concern. */
@@ -325,7 +326,7 @@ typedef struct {
         uint64_t explored;                 /* chunks that used the other kind */
     } stores;
     /* zero copy or the copies for a comm.empty tensor, chosen as it runs
-     * (allreduce.c): rank 0's costs, [bucket][0 zero copy, 1 the copies on
+     * (zerocopy.c): rank 0's costs, [bucket][0 zero copy, 1 the copies on
      * plain stores, 2 on non-temporal ones] */
     struct {
         float cost[ZC_BUCKETS][3];    /* ticks per KiB of a whole call (0: unknown) */
@@ -708,18 +709,39 @@ typedef struct {
     uint64_t arg; /* the metadata arg (zero copy: where its tensor is goes on top) */
 } ar_plan_t;
 ar_plan_t ar_plan(const Engine *e, size_t bytes, int dtype, int symmetric);
+/* the first chunk of an all_reduce of `bytes` through the slots, planned as
+ * pl (one-shot or two-shot): its bytes */
+static inline size_t first_chunk(const ar_plan_t *pl, size_t bytes)
+{
+    return bytes < pl->chunk ? bytes : pl->chunk;
+}
+int stores_bit(const Engine *e, int b);
+int plan_store_bucket(const Engine *e, const ar_plan_t *pl, size_t bytes);
+int plan_stores_nt(const Engine *e, const ar_plan_t *pl, size_t bytes, int dtype);
 int all_reduce_rounds(Engine *e, char *t, size_t count, int dtype, int op, uint32_t kind, PyThreadState **tsp);
 PyObject *eng_all_reduce_plan(Engine *e, PyObject *args);
-PyObject *eng_set_zero_copy(Engine *e, PyObject *args);
 PyObject *eng_set_chunks(Engine *e, PyObject *args);
-PyObject *eng_set_zero_copy_auto(Engine *e, PyObject *arg);
-PyObject *eng_zero_copy_state(Engine *e, PyObject *unused);
-PyObject *eng_fault_zero_copy(Engine *e, PyObject *arg);
 PyObject *eng_all_reduce(Engine *e, PyObject *const *args, Py_ssize_t nargs);
 PyObject *eng_set_stores_auto(Engine *e, PyObject *arg);
 PyObject *eng_stores(Engine *e, PyObject *unused);
 PyObject *eng_fault_stores(Engine *e, PyObject *args);
 int slot_stores_nt(Engine *e, size_t n);
+
+/* zerocopy.c: the zero-copy all-reduce, and rank 0's choice of zero copy or
+ * the copies for a comm.empty tensor (agreed by round: zc_agreed) */
+#define ZC_ON (1u << 15)   /* in the agreed state: rank 0 chooses at all */
+#define ARG_COPIED 0x80u   /* metadata arg: a comm.empty tensor copied by that choice */
+struct sym *find_sym(Engine *e, const char *t, size_t bytes);
+int zero_copy_all_reduce(Engine *e, struct sym *sb, size_t off, size_t count, size_t piece,
+                         int dtype, int op, uint32_t kind, uint64_t arg, PyThreadState **ts);
+int zc_bucket(size_t bytes);
+unsigned zc_agreed(const Engine *e);
+int zc_copies(unsigned bits, int b);
+void zc_after_call(Engine *e, unsigned bits, int b, int w, uint64_t dt, size_t bytes, int dtype);
+PyObject *eng_set_zero_copy(Engine *e, PyObject *args);
+PyObject *eng_set_zero_copy_auto(Engine *e, PyObject *arg);
+PyObject *eng_zero_copy_state(Engine *e, PyObject *unused);
+PyObject *eng_fault_zero_copy(Engine *e, PyObject *arg);
 
 /* blocks.c */
 void put_blocks(char *out, const char *src, size_t q, size_t n, size_t blk, size_t row, size_t off);

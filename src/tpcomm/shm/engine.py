@@ -174,7 +174,7 @@ def _describe_call(kind: int, dtype: int, op: int, count: int, arg: int | None =
             pages, where = (arg >> 16) & 0xFFFF, f"in buffer {(arg >> 8) & 0xFF} at {arg >> 32}"
             pieces = f", in pieces of {pages * 4} KiB" if pages else ""
             return f"{text}, algorithm=zero-copy {where}{pieces})"
-        # 0x80: a comm.empty tensor copied (zero copy measured slower: allreduce.c)
+        # 0x80: a comm.empty tensor copied (zero copy measured slower: zerocopy.c)
         algo, pages = arg & 0x7F, arg >> 8
         how = ", copying a comm.empty tensor" if arg & 0x80 else ""
         if algo in (1, 2) and pages:  # chunk_bytes at a time
@@ -545,7 +545,7 @@ class ShmEngine:
 
     def zero_copy_state(self) -> dict:
         """What rank 0's choice of zero copy or the copies learnt, and the
-        choice in force per size (_native/allreduce.c)."""
+        choice in force per size (_native/zerocopy.c)."""
         return self._native.zero_copy_state()
 
     def fault_zero_copy(self, us: float) -> None:

@@ -8,7 +8,7 @@ mapped everything) each unlinks its own name, so, as with the segment,
 nothing is left behind.  The engine learns every rank's address of the
 buffer: an all_reduce whose tensor lies in it reads the peers' tensors in
 place instead of copying them in first (see ``zero_copy_all_reduce`` in
-``_native/allreduce.c``).
+``_native/zerocopy.c``).
 
 Reclaiming: the tensors ``empty`` returns view the buffer through one
 memoryview of this rank's mapping.  When the last of them is gone, the
