@@ -277,6 +277,15 @@ static unsigned zc_trial_warm(const Engine *e, size_t bytes, int dtype)
     return places + 1 < 3 ? 3 : places + 1 > 8 ? 8 : (unsigned)places + 1;
 }
 
+/* rank 0: the stores' bit of bucket sb in the header set to nt */
+static void zc_set_stores(Engine *e, int sb, int nt)
+{
+    if (nt)
+        atomic_fetch_or_explicit(&HDR(e)->stores, 1u << sb, memory_order_relaxed);
+    else
+        atomic_fetch_and_explicit(&HDR(e)->stores, ~(1u << sb), memory_order_relaxed);
+}
+
 /* rank 0: a trial of the copies of `bytes` of dtype, bucket b, begins: their
  * chunks' stores as they stand on its first, else the other kind than its
  * last trial's, non-temporal where `jump` (zero copy's cost jumped: the
@@ -290,10 +299,7 @@ static void zc_trial_stores(Engine *e, int b, size_t bytes, int dtype, int jump)
         return;
     const int had = stores_bit(e, sb);
     const int nt = jump || (e->zc.tried[b] ? e->zc.tried[b] == 1 : had);
-    if (nt)
-        atomic_fetch_or_explicit(&HDR(e)->stores, 1u << sb, memory_order_relaxed);
-    else
-        atomic_fetch_and_explicit(&HDR(e)->stores, ~(1u << sb), memory_order_relaxed);
+    zc_set_stores(e, sb, nt);
     e->zc.tried[b] = (uint8_t)(1 + nt);
     e->zc.st_bucket = sb + 1;
     e->zc.st_had = had;
@@ -308,10 +314,7 @@ static void zc_trial_stores_end(Engine *e, int b)
         return;
     const float *c = e->zc.cost[b];
     const int nt = (e->zc.want >> b) & 1 ? c[2] > 0.0f && c[2] == zc_copies_cost(e, b) : e->zc.st_had;
-    if (nt)
-        atomic_fetch_or_explicit(&HDR(e)->stores, 1u << sb, memory_order_relaxed);
-    else
-        atomic_fetch_and_explicit(&HDR(e)->stores, ~(1u << sb), memory_order_relaxed);
+    zc_set_stores(e, sb, nt);
     e->zc.st_bucket = 0;
 }
 
@@ -325,9 +328,9 @@ void zc_after_call(Engine *e, unsigned bits, int b, int w, uint64_t dt, size_t b
     const int tb = zc_trial(e->zc.want), copied = w != 0; /* the bucket asked to try */
     if (zc_trial(bits) == b) { /* on trial */
         const unsigned warm = zc_trial_warm(e, bytes, dtype);
-        if (w < 0 && e->zc.seen[b] + 1u == warm) {
-            /* the one to time tried the other stores: time the next instead */
-        } else if (++e->zc.seen[b] == warm) { /* warm (see above) */
+        /* the one to time tried the other stores: the next is timed instead */
+        const int skip = w < 0 && e->zc.seen[b] + 1u == warm;
+        if (!skip && ++e->zc.seen[b] == warm) { /* warm (see above) */
             zc_learn(e, b, w, dt, bytes);
             e->zc.trials++;
             e->zc.want = zc_chosen(e->zc.want); /* the choice back after the next call */
