@@ -25,9 +25,9 @@ int p2p_check_rank(Engine *e, long r, const char *fn)
  * p2p_slot_of(s, d, k), the sender's line P2P_SENT_LINE(d) counts chunks
  * sent, the receiver's line P2P_DONE_LINE(w, s) counts chunks consumed.
  * Chunk k may be written once chunk k - P2P_RING is consumed.  Chunks are
- * small (p2p_piece: 64 KiB at world 2), so the receiver copies chunk k out
- * while the sender copies chunk k + 1 in: a message costs about one copy, not
- * two in a row.  The byte stream of a message is
+ * small (p2p_piece: 16 KiB at world 2 with 1 MiB slots), so the receiver
+ * copies chunk k out while the sender copies chunk k + 1 in: a message costs
+ * about one copy, not two in a row.  The byte stream of a message is
  * [header length, data length] (16 bytes) + header + data (see shm/messages.py).
  */
 
