@@ -525,6 +525,70 @@ def test_reduce_scatter_fast_and_general_paths_agree(pools):
         assert all(e is not None and "reduce_scatter" in e for e in errs), errs
 
 
+def whole_call_entries(comm):
+    """all_gather_into_tensor and reduce_scatter_tensor are the engine's C
+    entries (as all_reduce is): a positional call of plain tensors never runs
+    the general road (Python's rounds, stubbed to raise here); keywords, op
+    left out, and a strided output take the general road or the C default and
+    agree with it; a wrong call raises TypeError naming the method."""
+    r, w = comm.rank, comm.world_size
+    kinds = {
+        name: type(getattr(comm, name)).__name__
+        for name in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
+    }
+    x = torch.arange(4, dtype=torch.float32) + 10 * r
+    want_ag = torch.cat([torch.arange(4, dtype=torch.float32) + 10 * q for q in range(w)])
+    y = torch.arange(4 * w, dtype=torch.float32) * (r + 1)
+    want_rs = (torch.arange(4 * w, dtype=torch.float32) * sum(range(1, w + 1))).chunk(w)[r]
+
+    def general(*args):
+        raise AssertionError("a plain positional call took the general road")
+
+    ok = []
+    comm._gatherv = general  # the pool's communicator: put back below
+    comm._reduce_scatterv = general
+    try:
+        out = torch.empty(4 * w)
+        ok.append(comm.all_gather_into_tensor(out, x) is out and torch.equal(out, want_ag))
+        o = torch.empty(4)
+        ok.append(comm.reduce_scatter_tensor(o, y) is o and torch.equal(o, want_rs))
+        o = torch.empty(4)
+        got = comm.reduce_scatter_tensor(o, y, tpcomm.ReduceOp.MAX)
+        ok.append(got is o and torch.equal(o, (torch.arange(4 * w) * w).chunk(w)[r].float()))
+    finally:
+        del comm._gatherv, comm._reduce_scatterv
+    # keywords (every rank) and a strided output (rank 1): the general road, the same rounds
+    out = torch.empty(4 * w, 2)[:, 0] if r == 1 else torch.empty(4 * w)
+    got = comm.all_gather_into_tensor(output=out, input=x)
+    ok.append(got is out and torch.equal(out, want_ag))
+    o = torch.empty(4)
+    got = comm.reduce_scatter_tensor(o, input=y, op=tpcomm.ReduceOp.SUM)
+    ok.append(got is o and torch.equal(o, want_rs))
+    errors = []
+    for call in (
+        lambda: comm.all_gather_into_tensor(torch.empty(4 * w)),
+        lambda: comm.reduce_scatter_tensor(torch.empty(4), y, tpcomm.ReduceOp.SUM, 1),
+        lambda: comm.all_gather_into_tensor(torch.empty(4 * w), x, tensor=x),
+    ):
+        try:
+            call()
+            errors.append(None)
+        except TypeError as e:
+            errors.append(str(e))
+    return kinds, ok, errors, comm.all_reduce(torch.ones(2)).tolist()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_whole_call_entries(pools, world):
+    for kinds, ok, errors, y in pools.run(world, whole_call_entries):
+        assert kinds == dict.fromkeys(kinds, "builtin_function_or_method"), kinds
+        assert all(ok), ok
+        assert "all_gather_into_tensor()" in errors[0], errors
+        assert "reduce_scatter_tensor()" in errors[1], errors
+        assert "all_gather_into_tensor()" in errors[2] and "tensor" in errors[2], errors
+        assert y == [float(world)] * 2
+
+
 def all_to_all_cases(comm):
     """Communicator.all_to_all_single against the definition, computed locally
     from every rank's data: even blocks, uneven split sizes with zeros, rows of

@@ -141,7 +141,14 @@ class Communicator:
                 construction.Setup(s.store, r, w, p, f"{s.tag}h", s.timeout, watch=sub)
             )
 
-        made = construction.build(self, s, make_local, weakref.WeakMethod(self._all_reduce_checked))
+        # what the whole-call entries hand the calls they do not take to (the
+        # last two: the class's own methods, which check and name themselves)
+        fallbacks = (
+            weakref.WeakMethod(self._all_reduce_checked),
+            weakref.WeakMethod(cls.all_gather_into_tensor.__get__(self)),
+            weakref.WeakMethod(cls.reduce_scatter_tensor.__get__(self)),
+        )
+        made = construction.build(self, s, make_local, fallbacks)
         self._paths = made.order
         # the views the properties and dup() read; the calls go through _fast
         # (the path whose one-call C entries are tried first: shared memory's,
@@ -152,9 +159,12 @@ class Communicator:
         self._watch = made.watch
         self._fast = made.fast
         if made.shm is not None:
-            # The instance attribute shadows the method below: one C call per
-            # all_reduce in the common case (_native/torch.c fast_all_reduce).
+            # The instance attributes shadow the methods below: one C call per
+            # call in the common case, the rest handed to the fallbacks
+            # (_native/torch.c fast_all_reduce, whole_call).
             self.all_reduce = made.shm.fast_all_reduce
+            self.all_gather_into_tensor = made.shm.whole_all_gather_into_tensor
+            self.reduce_scatter_tensor = made.shm.whole_reduce_scatter_tensor
         self._op_name = custom_ops.register(self, self._fast.ident)
         self._final_stats = None
         stats.start(self, self._fast)

@@ -194,11 +194,12 @@ def build(
     comm: Any,
     s: Setup,
     make_local: Callable[[int, int, str, list, Watch], Any],
-    all_reduce_fallback: Any,
+    fallbacks: tuple,
 ) -> Paths:
     """The paths of ``comm``, in routing's order.  ``make_local(rank, world,
     prefix, members)`` makes a host's own Communicator (a hierarchy's);
-    ``all_reduce_fallback`` is what the one-call all_reduce hands the rest to."""
+    ``fallbacks`` are what the whole-call entries (all_reduce,
+    all_gather_into_tensor, reduce_scatter_tensor) hand the rest of the calls to."""
     dist = dist_path(s)
     cuda = cuda_path(comm, s)
     if s.world == 1:
@@ -222,6 +223,6 @@ def build(
         order = routing.order(s.world, cuda, hier, dist)
         return Paths(order, hier=hier, dist=dist, cuda=cuda, watch=watch)
     engine = open_engine(s.store, s.rank, s.world, s.prefix, s.tag, s.timeout, watch)
-    shm = ShmPath(engine, all_reduce_fallback)
+    shm = ShmPath(engine, fallbacks)
     order = routing.order(s.world, cuda, shm, dist)
     return Paths(order, shm=shm, dist=dist, cuda=cuda, watch=watch)

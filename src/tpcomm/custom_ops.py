@@ -169,7 +169,9 @@ def reduce_scatter_tensor(
 
 
 def _polyfill() -> None:
-    """Make dynamo trace the eager fast path ``Engine.fast_all_reduce`` as the op."""
+    """Make dynamo trace the eager whole-call entries (the Communicator's
+    all_reduce, all_gather_into_tensor and reduce_scatter_tensor are the
+    engine's C methods) as the ops."""
     try:
         from torch._dynamo.decorators import substitute_in_graph
     except ImportError:  # a torch without dynamo: nothing to trace
@@ -179,6 +181,18 @@ def _polyfill() -> None:
     def fast_all_reduce(engine: Any, tensor: torch.Tensor, op: Any = ReduceOp.SUM) -> Any:
         torch.ops.tpcomm.all_reduce_(tensor, _op(op), _engines[id(engine)])
         return tensor
+
+    @substitute_in_graph(NativeEngine.whole_all_gather_into_tensor, skip_signature_check=True)
+    def whole_all_gather_into_tensor(engine: Any, output: torch.Tensor, input: torch.Tensor) -> Any:
+        torch.ops.tpcomm.all_gather_into_tensor_(output, input, _engines[id(engine)])
+        return output
+
+    @substitute_in_graph(NativeEngine.whole_reduce_scatter_tensor, skip_signature_check=True)
+    def whole_reduce_scatter_tensor(
+        engine: Any, output: torch.Tensor, input: torch.Tensor, op: Any = ReduceOp.SUM
+    ) -> Any:
+        torch.ops.tpcomm.reduce_scatter_tensor_(output, input, _op(op), _engines[id(engine)])
+        return output
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):

@@ -727,6 +727,12 @@ static PyMethodDef eng_methods[] = {
     /* -- collectives: the one-call entries (communicator.py via shm/path.py) */
     {"fast_all_reduce", (PyCFunction)(void (*)(void))eng_fast_all_reduce, METH_FASTCALL | METH_KEYWORDS,
      "fast_all_reduce(tensor, op=SUM) -> tensor: all_reduce in one call"},
+    {"whole_all_gather_into_tensor", (PyCFunction)(void (*)(void))eng_whole_all_gather_into_tensor,
+     METH_FASTCALL | METH_KEYWORDS,
+     "whole_all_gather_into_tensor(output, input) -> output: the whole method in one call"},
+    {"whole_reduce_scatter_tensor", (PyCFunction)(void (*)(void))eng_whole_reduce_scatter_tensor,
+     METH_FASTCALL | METH_KEYWORDS,
+     "whole_reduce_scatter_tensor(output, input, op=SUM) -> output: the whole method in one call"},
     {"fast_all_gather", (PyCFunction)(void (*)(void))eng_fast_all_gather, METH_FASTCALL,
      "fast_all_gather(output, input[, fn]) -> True | None"},
     {"fast_gather", (PyCFunction)(void (*)(void))eng_fast_gather, METH_FASTCALL,

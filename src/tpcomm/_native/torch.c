@@ -28,7 +28,8 @@ struct tview {
     PyTypeObject *tensor_type;
     PyObject *ops[OP_COUNT];
     PyObject *dtypes[DT_COUNT];
-    PyObject *fallback; /* a weakref.WeakMethod to Python's general path */
+    PyObject *fallback; /* a weakref.WeakMethod to Python's general all_reduce */
+    PyObject *whole_fb[2]; /* the same for all_gather_into_tensor, reduce_scatter_tensor */
     PyObject *raiser;   /* one to ShmEngine.raise_status(status, fn) */
     PyObject *d_dtype, *d_is_cpu, *d_is_contiguous, *d_data_ptr, *d_numel, *d_is_neg;
     PyObject *d_is_conj, *d_shape;
@@ -89,6 +90,8 @@ void tview_free(Engine *e)
         return;
     Py_CLEAR(v->tensor_type);
     Py_CLEAR(v->fallback);
+    Py_CLEAR(v->whole_fb[0]);
+    Py_CLEAR(v->whole_fb[1]);
     Py_CLEAR(v->raiser);
     Py_CLEAR(v->d_dtype);
     Py_CLEAR(v->d_is_cpu);
@@ -278,15 +281,21 @@ PyObject *eng_fast_all_reduce(Engine *e, PyObject *const *args, Py_ssize_t nargs
     return t;
 }
 
-/* set_fast_path(tensor_type, (ops...), (dtypes...), kind, fallback, raiser):
- * fallback and raiser are weakref.WeakMethods (call_fallback, fast_done) */
+/* set_fast_path(tensor_type, (ops...), (dtypes...), kind, fallback, raiser
+ * [, (gather_fallback, scatter_fallback)]): fallback and raiser are
+ * weakref.WeakMethods (call_fallback, fast_done), and so are the two of the
+ * whole-call entries (whole_call) */
 PyObject *eng_set_fast_path(Engine *e, PyObject *args)
 {
-    PyObject *tt, *ops, *dts, *fb, *raiser;
+    PyObject *tt, *ops, *dts, *fb, *raiser, *whole = NULL;
     unsigned int kind;
-    if (!PyArg_ParseTuple(args, "O!O!O!IOO", &PyType_Type, &tt, &PyTuple_Type, &ops, &PyTuple_Type,
-                          &dts, &kind, &fb, &raiser))
+    if (!PyArg_ParseTuple(args, "O!O!O!IOO|O!", &PyType_Type, &tt, &PyTuple_Type, &ops, &PyTuple_Type,
+                          &dts, &kind, &fb, &raiser, &PyTuple_Type, &whole))
         return NULL;
+    if (whole && PyTuple_GET_SIZE(whole) != 2) {
+        PyErr_SetString(PyExc_ValueError, "set_fast_path: two whole-call fallbacks, or none");
+        return NULL;
+    }
     if (PyTuple_GET_SIZE(ops) != OP_COUNT || PyTuple_GET_SIZE(dts) != DT_COUNT) {
         PyErr_SetString(PyExc_ValueError, "set_fast_path: wrong number of ops or dtypes");
         return NULL;
@@ -305,6 +314,10 @@ PyObject *eng_set_fast_path(Engine *e, PyObject *args)
     Py_XSETREF(e->tv->fallback, fb);
     Py_INCREF(raiser);
     Py_XSETREF(e->tv->raiser, raiser);
+    for (int i = 0; whole && i < 2; i++) {
+        Py_INCREF(PyTuple_GET_ITEM(whole, i));
+        Py_XSETREF(e->tv->whole_fb[i], PyTuple_GET_ITEM(whole, i));
+    }
     /* Resolve the tensor type's accessors once; only C descriptors qualify
      * (a Python override would need the ordinary lookup). */
     PyObject *names[8] = {S_dtype, S_is_cpu, S_is_contiguous, S_data_ptr,
@@ -450,6 +463,59 @@ PyObject *eng_fast_reduce_scatter(Engine *e, PyObject *const *args, Py_ssize_t n
                        flat_key(RS_FLAT, (uint64_t)no, (uint64_t)e->world), 1);
     PyMem_Free(sizes);
     return fast_done(e, st, F_reduce_scatter);
+}
+
+/*
+ * The whole of a Communicator method in one call, as fast_all_reduce is
+ * all_reduce's (the Communicator makes these entries its instance
+ * attributes): a positional call of its case goes by the fast entry (which
+ * answers True: args[0], the output, is returned); anything else (keywords,
+ * another count, a tensor that is not plain, a closed engine) goes to
+ * Python's general method whole_fb[which] with the same arguments, which
+ * checks everything and raises what the method raises.  `fast` takes n
+ * positional arguments; `dflt`, when not NULL, is the last one's default.
+ */
+static PyObject *whole_call(Engine *e, int which,
+                            PyObject *(*fast)(Engine *, PyObject *const *, Py_ssize_t),
+                            Py_ssize_t n, PyObject *dflt, PyObject *const *args, Py_ssize_t nargs,
+                            PyObject *kwnames)
+{
+    if (!kwnames && (nargs == n || (dflt && nargs == n - 1))) {
+        PyObject *full[3] = {args[0], nargs > 1 ? args[1] : NULL, dflt};
+        if (nargs == n)
+            for (Py_ssize_t i = 0; i < n; i++)
+                full[i] = args[i];
+        PyObject *r = fast(e, full, n);
+        if (r != Py_None) {
+            if (r == Py_True) {
+                Py_DECREF(r);
+                Py_INCREF(args[0]);
+                return args[0];
+            }
+            return r; /* NULL: raised */
+        }
+        Py_DECREF(r);
+    }
+    PyObject *target = weak_target(e->tv->whole_fb[which]);
+    if (!target)
+        return NULL;
+    PyObject *res = PyObject_Vectorcall(target, args, (size_t)nargs, kwnames);
+    Py_DECREF(target);
+    return res;
+}
+
+/* all_gather_into_tensor(output, input) -> output (whole_call) */
+PyObject *eng_whole_all_gather_into_tensor(Engine *e, PyObject *const *args, Py_ssize_t nargs,
+                                           PyObject *kwnames)
+{
+    return whole_call(e, 0, eng_fast_all_gather, 2, NULL, args, nargs, kwnames);
+}
+
+/* reduce_scatter_tensor(output, input, op=SUM) -> output (whole_call) */
+PyObject *eng_whole_reduce_scatter_tensor(Engine *e, PyObject *const *args, Py_ssize_t nargs,
+                                          PyObject *kwnames)
+{
+    return whole_call(e, 1, eng_fast_reduce_scatter, 3, e->tv->ops[OP_SUM], args, nargs, kwnames);
 }
 
 /* t.shape into dims (at most max of them): the number of dims, or -1 (no

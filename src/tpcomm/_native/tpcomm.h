@@ -830,6 +830,10 @@ PyObject *eng_set_p2p_dtypes(Engine *e, PyObject *args);
 PyObject *eng_p2p_recv(Engine *e, PyObject *const *args, Py_ssize_t nargs);
 PyObject *eng_message_header(Engine *e, PyObject *seq);
 PyObject *eng_p2p_sendrecv(Engine *e, PyObject *const *args, Py_ssize_t nargs);
+PyObject *eng_whole_all_gather_into_tensor(Engine *e, PyObject *const *args, Py_ssize_t nargs,
+                                           PyObject *kwnames);
+PyObject *eng_whole_reduce_scatter_tensor(Engine *e, PyObject *const *args, Py_ssize_t nargs,
+                                          PyObject *kwnames);
 
 
 #endif /* TPCOMM_NATIVE_H */

@@ -370,6 +370,8 @@ class ShmEngine:
         self.ident = id(n)  # custom_ops.py finds the communicator of a traced call by it
         self.all_reduce_raw = n.all_reduce
         self.fast_all_reduce = n.fast_all_reduce
+        self.whole_all_gather_into_tensor = n.whole_all_gather_into_tensor
+        self.whole_reduce_scatter_tensor = n.whole_reduce_scatter_tensor
         self.fast_all_gather = n.fast_all_gather
         self.fast_gather = n.fast_gather
         self.fast_reduce_scatter = n.fast_reduce_scatter
@@ -406,10 +408,12 @@ class ShmEngine:
             tensor.copy_(work)
         return tensor
 
-    def install_fast_paths(self, fallback: Any) -> None:
-        """Arm the one-call paths: the torch types they accept, Python's general
-        path (``fallback(tensor, op, status)``, a WeakMethod) for the rest of
-        all_reduce, and raise_status for the others' errors."""
+    def install_fast_paths(self, fallbacks: tuple) -> None:
+        """Arm the one-call paths: the torch types they accept; Python's general
+        paths (WeakMethods) for the rest of the calls the whole-call entries
+        take, ``fallbacks``: all_reduce's (tensor, op), all_gather_into_tensor's
+        (output, input) and reduce_scatter_tensor's (output, input, op); and
+        raise_status for the others' errors."""
         import torch
 
         self._native.set_fast_path(
@@ -417,8 +421,9 @@ class ShmEngine:
             tuple(ReduceOp),
             tuple(CODE_DTYPES[i] for i in range(len(CODE_DTYPES))),
             KIND_ALL_REDUCE,
-            fallback,
+            fallbacks[0],
             weakref.WeakMethod(self.raise_status),
+            tuple(fallbacks[1:]),
         )
         self._native.set_p2p_dtypes(tuple(ALL_DTYPES), layout.ANY_SIZE, torch.empty)
 

@@ -49,16 +49,20 @@ class ShmPath(Path):
 
     name = "shm"
 
-    def __init__(self, engine: ShmEngine, all_reduce_fallback: Any):
+    def __init__(self, engine: ShmEngine, fallbacks: tuple):
         self.engine = engine
         self.rank = engine.rank
         self.world = engine.world
         self.ident = engine.ident
-        engine.install_fast_paths(all_reduce_fallback)
-        # the one-call entries, bound C methods (no Python frame in between;
-        # _native/torch.c): each answers None (not its case), or did the call
-        # (its errors raised by the engine's raise_status)
+        engine.install_fast_paths(fallbacks)
+        # the whole-call entries (the Communicator's methods themselves: the
+        # rest of a call goes to the fallbacks) and the one-call entries,
+        # bound C methods (no Python frame in between; _native/torch.c): each
+        # of the latter answers None (not its case), or did the call (its
+        # errors raised by the engine's raise_status)
         self.fast_all_reduce = engine.fast_all_reduce
+        self.whole_all_gather_into_tensor = engine.whole_all_gather_into_tensor
+        self.whole_reduce_scatter_tensor = engine.whole_reduce_scatter_tensor
         self.fast_all_gather = engine.fast_all_gather
         self.fast_gather = engine.fast_gather
         self.fast_reduce_scatter = engine.fast_reduce_scatter
