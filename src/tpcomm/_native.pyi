@@ -92,9 +92,8 @@ class Engine:
         ops: tuple,
         dtypes: tuple,
         kind: int,
-        fallback: Any,
+        fallbacks: tuple,
         raiser: Any,
-        whole: tuple = ...,
     ) -> None: ...
     def whole_all_gather_into_tensor(self, output: Any, input: Any) -> Any: ...
     def whole_reduce_scatter_tensor(self, output: Any, input: Any, op: Any = ...) -> Any: ...

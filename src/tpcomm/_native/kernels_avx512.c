@@ -132,15 +132,14 @@ AVX512 static inline __m512i bf16_pair_finite(__m512 e, __m512 o)
             st16(DT, dst, i, combine16(DT, OP, srcs, w, i, k), k);                              \
         }                                                                                       \
     }
-#define DEF_AVX512_OPS(D, DT)                                                                   \
-    DEF_AVX512(avx512_##D##_sum, DT, OP_SUM)                                                    \
+/* SUM (its instance named SUM: float32's, sumw, takes any number of sources
+ * and two go to a loop of their own), AVG, MAX, MIN */
+#define DEF_AVX512_OPS(D, DT, SUM)                                                              \
+    DEF_AVX512(avx512_##D##_##SUM, DT, OP_SUM)                                                  \
     DEF_AVX512(avx512_##D##_avg, DT, OP_AVG)                                                    \
     DEF_AVX512(avx512_##D##_max, DT, OP_MAX)                                                    \
     DEF_AVX512(avx512_##D##_min, DT, OP_MIN)
-DEF_AVX512(avx512_f32_sumw, DT_F32, OP_SUM)
-DEF_AVX512(avx512_f32_avg, DT_F32, OP_AVG)
-DEF_AVX512(avx512_f32_max, DT_F32, OP_MAX)
-DEF_AVX512(avx512_f32_min, DT_F32, OP_MIN)
+DEF_AVX512_OPS(f32, DT_F32, sumw)
 
 /* two sources, SUM: both pointers held in registers (kernels_avx2.c's
  * avx2_f32_sum says why); with two sources in L1 it did 100-104 GB/s against
@@ -165,7 +164,7 @@ AVX512 static void avx512_f32_sum(void *dst, void *const *srcs, int w, size_t n)
         _mm512_mask_storeu_ps(d + i, k, _mm512_add_ps(_mm512_maskz_loadu_ps(k, a + i), _mm512_maskz_loadu_ps(k, b + i)));
     }
 }
-DEF_AVX512_OPS(f16, DT_F16)
+DEF_AVX512_OPS(f16, DT_F16, sum)
 
 /*
  * bfloat16 with AVX512_BF16, 32 values per step: one 512-bit load per source

@@ -19,6 +19,8 @@
  * through fast_done.
  */
 #define MAX_ANY 32 /* dtypes a point-to-point message may carry */
+/* the entries that hand the calls they do not take back to Python */
+enum { FB_ALL_REDUCE, FB_ALL_GATHER_INTO_TENSOR, FB_REDUCE_SCATTER_TENSOR, FB_COUNT };
 /* the binary header of n tensors, with the two lengths before it (plain_message) */
 #define P2P_HEAD_BYTES (16 + 2 + P2P_MAX_TENSORS * (2 + 8 * P2P_MAX_DIMS))
 
@@ -28,8 +30,10 @@ struct tview {
     PyTypeObject *tensor_type;
     PyObject *ops[OP_COUNT];
     PyObject *dtypes[DT_COUNT];
-    PyObject *fallback; /* a weakref.WeakMethod to Python's general all_reduce */
-    PyObject *whole_fb[2]; /* the same for all_gather_into_tensor, reduce_scatter_tensor */
+    /* weakref.WeakMethods to Python's general paths: all_reduce's
+     * (call_fallback), all_gather_into_tensor's and reduce_scatter_tensor's
+     * (whole_call) */
+    PyObject *fallback[FB_COUNT];
     PyObject *raiser;   /* one to ShmEngine.raise_status(status, fn) */
     PyObject *d_dtype, *d_is_cpu, *d_is_contiguous, *d_data_ptr, *d_numel, *d_is_neg;
     PyObject *d_is_conj, *d_shape;
@@ -89,9 +93,8 @@ void tview_free(Engine *e)
     if (!v)
         return;
     Py_CLEAR(v->tensor_type);
-    Py_CLEAR(v->fallback);
-    Py_CLEAR(v->whole_fb[0]);
-    Py_CLEAR(v->whole_fb[1]);
+    for (int i = 0; i < FB_COUNT; i++)
+        Py_CLEAR(v->fallback[i]);
     Py_CLEAR(v->raiser);
     Py_CLEAR(v->d_dtype);
     Py_CLEAR(v->d_is_cpu);
@@ -148,7 +151,7 @@ static PyObject *weak_target(PyObject *wm)
  * entry does not take */
 static PyObject *call_fallback(Engine *e, PyObject *t, PyObject *op)
 {
-    PyObject *target = weak_target(e->tv->fallback);
+    PyObject *target = weak_target(e->tv->fallback[FB_ALL_REDUCE]);
     if (!target)
         return NULL;
     PyObject *res = PyObject_CallFunctionObjArgs(target, t, op, NULL);
@@ -281,23 +284,19 @@ PyObject *eng_fast_all_reduce(Engine *e, PyObject *const *args, Py_ssize_t nargs
     return t;
 }
 
-/* set_fast_path(tensor_type, (ops...), (dtypes...), kind, fallback, raiser
- * [, (gather_fallback, scatter_fallback)]): fallback and raiser are
- * weakref.WeakMethods (call_fallback, fast_done), and so are the two of the
- * whole-call entries (whole_call) */
+/* set_fast_path(tensor_type, (ops...), (dtypes...), kind, (fallbacks...),
+ * raiser): the fallbacks (FB_COUNT of them, in FB_ order) and raiser are
+ * weakref.WeakMethods (call_fallback and whole_call, fast_done) */
 PyObject *eng_set_fast_path(Engine *e, PyObject *args)
 {
-    PyObject *tt, *ops, *dts, *fb, *raiser, *whole = NULL;
+    PyObject *tt, *ops, *dts, *fbs, *raiser;
     unsigned int kind;
-    if (!PyArg_ParseTuple(args, "O!O!O!IOO|O!", &PyType_Type, &tt, &PyTuple_Type, &ops, &PyTuple_Type,
-                          &dts, &kind, &fb, &raiser, &PyTuple_Type, &whole))
+    if (!PyArg_ParseTuple(args, "O!O!O!IO!O", &PyType_Type, &tt, &PyTuple_Type, &ops, &PyTuple_Type,
+                          &dts, &kind, &PyTuple_Type, &fbs, &raiser))
         return NULL;
-    if (whole && PyTuple_GET_SIZE(whole) != 2) {
-        PyErr_SetString(PyExc_ValueError, "set_fast_path: two whole-call fallbacks, or none");
-        return NULL;
-    }
-    if (PyTuple_GET_SIZE(ops) != OP_COUNT || PyTuple_GET_SIZE(dts) != DT_COUNT) {
-        PyErr_SetString(PyExc_ValueError, "set_fast_path: wrong number of ops or dtypes");
+    if (PyTuple_GET_SIZE(ops) != OP_COUNT || PyTuple_GET_SIZE(dts) != DT_COUNT ||
+        PyTuple_GET_SIZE(fbs) != FB_COUNT) {
+        PyErr_SetString(PyExc_ValueError, "set_fast_path: wrong number of ops, dtypes or fallbacks");
         return NULL;
     }
     Py_INCREF(tt);
@@ -310,14 +309,12 @@ PyObject *eng_set_fast_path(Engine *e, PyObject *args)
         Py_INCREF(PyTuple_GET_ITEM(dts, i));
         Py_XSETREF(e->tv->dtypes[i], PyTuple_GET_ITEM(dts, i));
     }
-    Py_INCREF(fb);
-    Py_XSETREF(e->tv->fallback, fb);
+    for (int i = 0; i < FB_COUNT; i++) {
+        Py_INCREF(PyTuple_GET_ITEM(fbs, i));
+        Py_XSETREF(e->tv->fallback[i], PyTuple_GET_ITEM(fbs, i));
+    }
     Py_INCREF(raiser);
     Py_XSETREF(e->tv->raiser, raiser);
-    for (int i = 0; whole && i < 2; i++) {
-        Py_INCREF(PyTuple_GET_ITEM(whole, i));
-        Py_XSETREF(e->tv->whole_fb[i], PyTuple_GET_ITEM(whole, i));
-    }
     /* Resolve the tensor type's accessors once; only C descriptors qualify
      * (a Python override would need the ordinary lookup). */
     PyObject *names[8] = {S_dtype, S_is_cpu, S_is_contiguous, S_data_ptr,
@@ -471,7 +468,7 @@ PyObject *eng_fast_reduce_scatter(Engine *e, PyObject *const *args, Py_ssize_t n
  * attributes): a positional call of its case goes by the fast entry (which
  * answers True: args[0], the output, is returned); anything else (keywords,
  * another count, a tensor that is not plain, a closed engine) goes to
- * Python's general method whole_fb[which] with the same arguments, which
+ * Python's general method fallback[which] with the same arguments, which
  * checks everything and raises what the method raises.  `fast` takes n
  * positional arguments; `dflt`, when not NULL, is the last one's default.
  */
@@ -481,22 +478,22 @@ static PyObject *whole_call(Engine *e, int which,
                             PyObject *kwnames)
 {
     if (!kwnames && (nargs == n || (dflt && nargs == n - 1))) {
-        PyObject *full[3] = {args[0], nargs > 1 ? args[1] : NULL, dflt};
-        if (nargs == n)
-            for (Py_ssize_t i = 0; i < n; i++)
-                full[i] = args[i];
+        PyObject *full[3];
+        for (Py_ssize_t i = 0; i < nargs; i++)
+            full[i] = args[i];
+        if (nargs < n)
+            full[n - 1] = dflt;
         PyObject *r = fast(e, full, n);
-        if (r != Py_None) {
-            if (r == Py_True) {
-                Py_DECREF(r);
-                Py_INCREF(args[0]);
-                return args[0];
-            }
-            return r; /* NULL: raised */
-        }
+        if (!r) /* raised */
+            return NULL;
+        int done = r == Py_True; /* else None: not its case */
         Py_DECREF(r);
+        if (done) {
+            Py_INCREF(args[0]);
+            return args[0];
+        }
     }
-    PyObject *target = weak_target(e->tv->whole_fb[which]);
+    PyObject *target = weak_target(e->tv->fallback[which]);
     if (!target)
         return NULL;
     PyObject *res = PyObject_Vectorcall(target, args, (size_t)nargs, kwnames);
@@ -508,14 +505,16 @@ static PyObject *whole_call(Engine *e, int which,
 PyObject *eng_whole_all_gather_into_tensor(Engine *e, PyObject *const *args, Py_ssize_t nargs,
                                            PyObject *kwnames)
 {
-    return whole_call(e, 0, eng_fast_all_gather, 2, NULL, args, nargs, kwnames);
+    return whole_call(e, FB_ALL_GATHER_INTO_TENSOR, eng_fast_all_gather, 2, NULL, args, nargs,
+                      kwnames);
 }
 
 /* reduce_scatter_tensor(output, input, op=SUM) -> output (whole_call) */
 PyObject *eng_whole_reduce_scatter_tensor(Engine *e, PyObject *const *args, Py_ssize_t nargs,
                                           PyObject *kwnames)
 {
-    return whole_call(e, 1, eng_fast_reduce_scatter, 3, e->tv->ops[OP_SUM], args, nargs, kwnames);
+    return whole_call(e, FB_REDUCE_SCATTER_TENSOR, eng_fast_reduce_scatter, 3, e->tv->ops[OP_SUM],
+                      args, nargs, kwnames);
 }
 
 /* t.shape into dims (at most max of them): the number of dims, or -1 (no

@@ -421,9 +421,8 @@ class ShmEngine:
             tuple(ReduceOp),
             tuple(CODE_DTYPES[i] for i in range(len(CODE_DTYPES))),
             KIND_ALL_REDUCE,
-            fallbacks[0],
+            tuple(fallbacks),
             weakref.WeakMethod(self.raise_status),
-            tuple(fallbacks[1:]),
         )
         self._native.set_p2p_dtypes(tuple(ALL_DTYPES), layout.ANY_SIZE, torch.empty)
 
