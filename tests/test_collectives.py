@@ -526,15 +526,16 @@ def test_reduce_scatter_fast_and_general_paths_agree(pools):
 
 
 def whole_call_entries(comm):
-    """all_gather_into_tensor and reduce_scatter_tensor are the engine's C
-    entries (as all_reduce is): a positional call of plain tensors never runs
-    the general road (Python's rounds, stubbed to raise here); keywords, op
-    left out, and a strided output take the general road or the C default and
-    agree with it; a wrong call raises TypeError naming the method."""
+    """all_gather_into_tensor, reduce_scatter_tensor and gather are the
+    engine's C entries (as all_reduce is): a positional call of plain tensors
+    (gather: 1-d, its out= too) never runs the general road (Python's rounds,
+    stubbed to raise here); keywords, op left out, and a strided tensor take
+    the general road or the C default and agree with it; a wrong call raises
+    TypeError naming the method."""
     r, w = comm.rank, comm.world_size
     kinds = {
         name: type(getattr(comm, name)).__name__
-        for name in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
+        for name in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "gather")
     }
     x = torch.arange(4, dtype=torch.float32) + 10 * r
     want_ag = torch.cat([torch.arange(4, dtype=torch.float32) + 10 * q for q in range(w)])
@@ -555,6 +556,14 @@ def whole_call_entries(comm):
         o = torch.empty(4)
         got = comm.reduce_scatter_tensor(o, y, tpcomm.ReduceOp.MAX)
         ok.append(got is o and torch.equal(o, (torch.arange(4 * w) * w).chunk(w)[r].float()))
+        # gather: into out= on dst, into a new tensor, with keywords and dim=-1
+        g = torch.full((4 * w,), -1.0)
+        got = comm.gather(x, 0, out=g)
+        ok.append(got is g and torch.equal(g, want_ag) if r == 0 else got is None)
+        got = comm.gather(x, w - 1)
+        ok.append(torch.equal(got, want_ag) if r == w - 1 else got is None)
+        got = comm.gather(tensor=x, dim=-1, dst=1)
+        ok.append(torch.equal(got, want_ag) if r == 1 else got is None)
     finally:
         del comm._gatherv, comm._reduce_scatterv
     # keywords (every rank) and a strided output (rank 1): the general road, the same rounds
@@ -564,11 +573,20 @@ def whole_call_entries(comm):
     o = torch.empty(4)
     got = comm.reduce_scatter_tensor(o, input=y, op=tpcomm.ReduceOp.SUM)
     ok.append(got is o and torch.equal(o, want_rs))
+    # gather of a strided tensor (rank 1) and of rows: the other roads, same result
+    xs = torch.stack([x, x], 1)[:, 0] if r == 1 else x
+    got = comm.gather(xs, 0, 0, out=torch.empty(4 * w))
+    ok.append(torch.equal(got, want_ag) if r == 0 else got is None)
+    got = comm.gather(x.view(2, 2), 0)
+    ok.append(torch.equal(got, want_ag.view(2 * w, 2)) if r == 0 else got is None)
     errors = []
     for call in (
         lambda: comm.all_gather_into_tensor(torch.empty(4 * w)),
         lambda: comm.reduce_scatter_tensor(torch.empty(4), y, tpcomm.ReduceOp.SUM, 1),
         lambda: comm.all_gather_into_tensor(torch.empty(4 * w), x, tensor=x),
+        lambda: comm.gather(),
+        lambda: comm.gather(x, 0, 0, torch.empty(4 * w)),
+        lambda: comm.gather(x, 0, tensor=x),
     ):
         try:
             call()
@@ -586,6 +604,7 @@ def test_whole_call_entries(pools, world):
         assert "all_gather_into_tensor()" in errors[0], errors
         assert "reduce_scatter_tensor()" in errors[1], errors
         assert "all_gather_into_tensor()" in errors[2] and "tensor" in errors[2], errors
+        assert all("gather()" in e for e in errors[3:]), errors
         assert y == [float(world)] * 2
 
 

@@ -142,11 +142,12 @@ class Communicator:
             )
 
         # what the whole-call entries hand the calls they do not take to (the
-        # last two: the class's own methods, which check and name themselves)
+        # last three: the class's own methods, which check and name themselves)
         fallbacks = (
             weakref.WeakMethod(self._all_reduce_checked),
             weakref.WeakMethod(cls.all_gather_into_tensor.__get__(self)),
             weakref.WeakMethod(cls.reduce_scatter_tensor.__get__(self)),
+            weakref.WeakMethod(cls.gather.__get__(self)),
         )
         made = construction.build(self, s, make_local, fallbacks)
         self._paths = made.order
@@ -165,6 +166,7 @@ class Communicator:
             self.all_reduce = made.shm.fast_all_reduce
             self.all_gather_into_tensor = made.shm.whole_all_gather_into_tensor
             self.reduce_scatter_tensor = made.shm.whole_reduce_scatter_tensor
+            self.gather = made.shm.whole_gather
         self._op_name = custom_ops.register(self, self._fast.ident)
         self._final_stats = None
         stats.start(self, self._fast)

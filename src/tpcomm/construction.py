@@ -199,7 +199,8 @@ def build(
     """The paths of ``comm``, in routing's order.  ``make_local(rank, world,
     prefix, members)`` makes a host's own Communicator (a hierarchy's);
     ``fallbacks`` are what the whole-call entries (all_reduce,
-    all_gather_into_tensor, reduce_scatter_tensor) hand the rest of the calls to."""
+    all_gather_into_tensor, reduce_scatter_tensor, gather) hand the rest of the
+    calls to."""
     dist = dist_path(s)
     cuda = cuda_path(comm, s)
     if s.world == 1:

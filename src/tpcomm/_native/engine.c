@@ -733,6 +733,8 @@ static PyMethodDef eng_methods[] = {
     {"whole_reduce_scatter_tensor", (PyCFunction)(void (*)(void))eng_whole_reduce_scatter_tensor,
      METH_FASTCALL | METH_KEYWORDS,
      "whole_reduce_scatter_tensor(output, input, op=SUM) -> output: the whole method in one call"},
+    {"whole_gather", (PyCFunction)(void (*)(void))eng_whole_gather, METH_FASTCALL | METH_KEYWORDS,
+     "whole_gather(tensor, dst=0, dim=0, *, out=None) -> out | tensor | None: the whole method"},
     {"fast_all_gather", (PyCFunction)(void (*)(void))eng_fast_all_gather, METH_FASTCALL,
      "fast_all_gather(output, input[, fn]) -> True | None"},
     {"fast_gather", (PyCFunction)(void (*)(void))eng_fast_gather, METH_FASTCALL,

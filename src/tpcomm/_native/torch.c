@@ -20,7 +20,7 @@
  */
 #define MAX_ANY 32 /* dtypes a point-to-point message may carry */
 /* the entries that hand the calls they do not take back to Python */
-enum { FB_ALL_REDUCE, FB_ALL_GATHER_INTO_TENSOR, FB_REDUCE_SCATTER_TENSOR, FB_COUNT };
+enum { FB_ALL_REDUCE, FB_ALL_GATHER_INTO_TENSOR, FB_REDUCE_SCATTER_TENSOR, FB_GATHER, FB_COUNT };
 /* the binary header of n tensors, with the two lengths before it (plain_message) */
 #define P2P_HEAD_BYTES (16 + 2 + P2P_MAX_TENSORS * (2 + 8 * P2P_MAX_DIMS))
 
@@ -31,12 +31,12 @@ struct tview {
     PyObject *ops[OP_COUNT];
     PyObject *dtypes[DT_COUNT];
     /* weakref.WeakMethods to Python's general paths: all_reduce's
-     * (call_fallback), all_gather_into_tensor's and reduce_scatter_tensor's
-     * (whole_call) */
+     * (call_fallback), all_gather_into_tensor's, reduce_scatter_tensor's
+     * (whole_call) and gather's (eng_whole_gather) */
     PyObject *fallback[FB_COUNT];
     PyObject *raiser;   /* one to ShmEngine.raise_status(status, fn) */
     PyObject *d_dtype, *d_is_cpu, *d_is_contiguous, *d_data_ptr, *d_numel, *d_is_neg;
-    PyObject *d_is_conj, *d_shape;
+    PyObject *d_is_conj, *d_shape, *d_ndim;
     /* point-to-point fast path: every dtype a message may carry, by code */
     PyObject *any_dtypes[MAX_ANY];
     PyObject *empty_fn, *kw_dtype; /* torch.empty and ("dtype",): p2p_recv_new */
@@ -47,7 +47,7 @@ struct tview {
 };
 
 static PyObject *S_dtype, *S_is_cpu, *S_is_contiguous, *S_data_ptr, *S_numel, *S_is_neg;
-static PyObject *S_is_conj, *S_shape;
+static PyObject *S_is_conj, *S_shape, *S_ndim;
 /* the public calls the entries serve, as their errors name them */
 static PyObject *F_all_reduce, *F_all_gather, *F_gather, *F_broadcast, *F_reduce_scatter, *F_all_to_all, *F_send,
     *F_recv, *F_sendrecv;
@@ -63,6 +63,7 @@ int torch_init(void)
     S_is_neg = PyUnicode_InternFromString("is_neg");
     S_is_conj = PyUnicode_InternFromString("is_conj");
     S_shape = PyUnicode_InternFromString("shape");
+    S_ndim = PyUnicode_InternFromString("ndim");
     F_all_reduce = PyUnicode_InternFromString("all_reduce");
     F_all_gather = PyUnicode_InternFromString("all_gather_into_tensor");
     F_gather = PyUnicode_InternFromString("gather");
@@ -73,7 +74,7 @@ int torch_init(void)
     F_recv = PyUnicode_InternFromString("recv");
     F_sendrecv = PyUnicode_InternFromString("sendrecv");
     return S_dtype && S_is_cpu && S_is_contiguous && S_data_ptr && S_numel && S_is_neg &&
-                   S_is_conj && S_shape && F_all_reduce && F_all_gather && F_gather && F_broadcast &&
+                   S_is_conj && S_shape && S_ndim && F_all_reduce && F_all_gather && F_gather && F_broadcast &&
                    F_reduce_scatter && F_all_to_all && F_send && F_recv && F_sendrecv
                ? 0
                : -1;
@@ -104,6 +105,7 @@ void tview_free(Engine *e)
     Py_CLEAR(v->d_is_neg);
     Py_CLEAR(v->d_is_conj);
     Py_CLEAR(v->d_shape);
+    Py_CLEAR(v->d_ndim);
     for (int i = 0; i < v->n_any; i++)
         Py_CLEAR(v->any_dtypes[i]);
     Py_CLEAR(v->empty_fn);
@@ -117,6 +119,7 @@ void tview_free(Engine *e)
 }
 
 static int plain_info(Engine *e, PyObject *t, int *code, char **addr, long long *n);
+static char *data_of(Engine *e, PyObject *t);
 
 /* Call a descriptor resolved on the tensor type once (see set_fast_path):
  * skips the per-call attribute lookup and bound-method object. */
@@ -145,6 +148,19 @@ static PyObject *weak_target(PyObject *wm)
         return NULL;
     }
     return target;
+}
+
+/* A call a whole-call entry does not take, handed with its arguments to
+ * Python's general method fallback[which] */
+static PyObject *hand_back(Engine *e, int which, PyObject *const *args, Py_ssize_t nargs,
+                           PyObject *kwnames)
+{
+    PyObject *target = weak_target(e->tv->fallback[which]);
+    if (!target)
+        return NULL;
+    PyObject *res = PyObject_Vectorcall(target, args, (size_t)nargs, kwnames);
+    Py_DECREF(target);
+    return res;
 }
 
 /* Python's general all_reduce, fallback(tensor, op): every call the one-call
@@ -317,11 +333,12 @@ PyObject *eng_set_fast_path(Engine *e, PyObject *args)
     Py_XSETREF(e->tv->raiser, raiser);
     /* Resolve the tensor type's accessors once; only C descriptors qualify
      * (a Python override would need the ordinary lookup). */
-    PyObject *names[8] = {S_dtype, S_is_cpu, S_is_contiguous, S_data_ptr,
-                          S_numel, S_is_neg, S_is_conj,       S_shape};
-    PyObject **slots[8] = {&e->tv->d_dtype, &e->tv->d_is_cpu, &e->tv->d_is_contiguous, &e->tv->d_data_ptr,
-                           &e->tv->d_numel, &e->tv->d_is_neg, &e->tv->d_is_conj,       &e->tv->d_shape};
-    for (int i = 0; i < 8; i++) {
+    PyObject *names[9] = {S_dtype, S_is_cpu, S_is_contiguous, S_data_ptr, S_numel,
+                          S_is_neg, S_is_conj, S_shape, S_ndim};
+    PyObject **slots[9] = {&e->tv->d_dtype, &e->tv->d_is_cpu, &e->tv->d_is_contiguous,
+                           &e->tv->d_data_ptr, &e->tv->d_numel, &e->tv->d_is_neg,
+                           &e->tv->d_is_conj, &e->tv->d_shape, &e->tv->d_ndim};
+    for (int i = 0; i < 9; i++) {
         PyObject *d = _PyType_Lookup((PyTypeObject *)tt, names[i]);
         if (!d || !(Py_IS_TYPE(d, &PyGetSetDescr_Type) || Py_IS_TYPE(d, &PyMethodDescr_Type))) {
             PyErr_Format(PyExc_TypeError, "set_fast_path: %R.%U is not a C accessor", tt,
@@ -375,30 +392,132 @@ PyObject *eng_fast_all_gather(Engine *e, PyObject *const *args, Py_ssize_t nargs
     return fast_done(e, st, nargs == 3 ? args[2] : F_all_gather);
 }
 
-/*
- * fast_gather(input, out | None, dst): gather's
- * common case in one call (a plain 1-d input; on dst a plain out of the same
- * dtype with world x its elements; the caller checks the dims).  None: the
- * general path.  The key is keys.gather_key's for a flat, even layout with
- * a root: flat_key(KIND_GATHER + ((dst + 1) << 32), n, w).
- */
-PyObject *eng_fast_gather(Engine *e, PyObject *const *args, Py_ssize_t nargs)
+/* A rank given as an exact int (a root), or -1 */
+static int rank_arg(Engine *e, PyObject *v)
 {
-    if (nargs != 3 || !fast_ready(e) || !PyLong_CheckExact(args[2]))
-        Py_RETURN_NONE;
-    long dst = PyLong_AsLong(args[2]);
+    if (!PyLong_CheckExact(v))
+        return -1;
+    long r = PyLong_AsLong(v);
+    if (r == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return -1;
+    }
+    return r >= 0 && r < e->world ? (int)r : -1;
+}
+
+/*
+ * gather's one-call case: input a plain tensor; on dst, out a plain tensor of
+ * the same dtype with world x its elements or, when out is NULL and made is
+ * not, one made here (torch.empty, *made).  Py_True: done; None: not its case
+ * (nothing touched); NULL: raised.  The key is keys.gather_key's for a flat,
+ * even layout with a root: flat_key(KIND_GATHER + ((dst + 1) << 32), n, w).
+ */
+static PyObject *gather_plain(Engine *e, PyObject *input, PyObject *out, int dst, PyObject **made)
+{
     int ci, co;
     char *ai, *ao = NULL;
     long long ni, no;
-    if (dst < 0 || dst >= e->world || plain_info(e, args[0], &ci, &ai, &ni) < 0 ||
-        (dst == e->rank && (args[1] == Py_None || plain_info(e, args[1], &co, &ao, &no) < 0 ||
-                            co != ci || no != ni * e->world))) {
+    if (dst < 0 || dst >= e->world || plain_info(e, input, &ci, &ai, &ni) < 0 ||
+        (dst == e->rank && (out ? plain_info(e, out, &co, &ao, &no) < 0 || co != ci || no != ni * e->world
+                                : !made || !e->tv->empty_fn))) {
         PyErr_Clear();
         Py_RETURN_NONE;
     }
+    if (dst == e->rank && !out) {
+        PyObject *argv[2] = {PyLong_FromLongLong(ni * e->world), e->tv->any_dtypes[ci]};
+        *made = argv[0] ? PyObject_Vectorcall(e->tv->empty_fn, argv, 1, e->tv->kw_dtype) : NULL;
+        Py_XDECREF(argv[0]);
+        if (!*made)
+            return NULL;
+        if (ni > 0 && !(ao = data_of(e, *made))) {
+            Py_CLEAR(*made);
+            PyErr_SetString(PyExc_RuntimeError, "gather: a new tensor has no address");
+            return NULL;
+        }
+    }
     int st = flat_gather(e, KIND_GATHER, (uint64_t)(dst + 1) << 32, ai, ci, ni,
                          (size_t)ni * e->tv->any_size[ci], dst == e->rank ? ao : NULL);
+    if (st != ST_OK && made)
+        Py_CLEAR(*made);
     return fast_done(e, st, F_gather);
+}
+
+/*
+ * fast_gather(input, out | None, dst): gather's common case in one call (a
+ * plain 1-d input; on dst a plain out of the same dtype with world x its
+ * elements; the caller checks the dims).  None: the general path.
+ */
+PyObject *eng_fast_gather(Engine *e, PyObject *const *args, Py_ssize_t nargs)
+{
+    int dst = nargs == 3 && fast_ready(e) ? rank_arg(e, args[2]) : -1;
+    if (dst < 0)
+        Py_RETURN_NONE;
+    return gather_plain(e, args[0], args[1] == Py_None ? NULL : args[1], dst, NULL);
+}
+
+/* whether t is a tensor of the type with exactly one dim (t.ndim; an error: no) */
+static int one_dim(Engine *e, PyObject *t)
+{
+    if (Py_TYPE(t) != e->tv->tensor_type)
+        return 0;
+    PyObject *nd = descr_get(e->tv->d_ndim, t);
+    int one = nd && PyLong_CheckExact(nd) && PyLong_AsLong(nd) == 1;
+    Py_XDECREF(nd);
+    PyErr_Clear();
+    return one;
+}
+
+/*
+ * gather(tensor, dst=0, dim=0, *, out=None) -> out | a new tensor | None: the
+ * whole Communicator method in one call (the Communicator makes this entry
+ * its instance attribute, as whole_call's) for its common case: a plain 1-d
+ * tensor, dst and dim exact ints (dim 0 or -1), out None or a plain 1-d
+ * tensor; on dst the result is out, or a new tensor when out is None.  Any
+ * other call (another dim or shape, a wrong argument, a closed engine) goes
+ * to Python's gather (fallback[FB_GATHER]) with the same arguments, which
+ * checks everything and raises what the method raises.
+ */
+PyObject *eng_whole_gather(Engine *e, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    static const char *const names[4] = {"tensor", "dst", "dim", "out"};
+    PyObject *a[4] = {NULL, NULL, NULL, NULL};
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    int ok = nargs <= 3;
+    for (Py_ssize_t i = 0; ok && i < nargs; i++)
+        a[i] = args[i];
+    for (Py_ssize_t i = 0; ok && i < nkw; i++) {
+        int j = 0;
+        while (j < 4 && PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, i), names[j]))
+            j++;
+        ok = j < 4 && !a[j];
+        if (ok)
+            a[j] = args[nargs + i];
+    }
+    PyObject *out = a[3] == Py_None ? NULL : a[3];
+    const int dst = ok && a[1] ? rank_arg(e, a[1]) : 0;
+    long dim = 0;
+    ok = ok && a[0] && dst >= 0 && (!a[2] || PyLong_CheckExact(a[2]));
+    if (ok && a[2]) {
+        dim = PyLong_AsLong(a[2]);
+        PyErr_Clear();
+    }
+    ok = ok && (dim == 0 || dim == -1);
+    if (ok && fast_ready(e) && one_dim(e, a[0]) && (!out || one_dim(e, out))) {
+        PyObject *made = NULL, *r = gather_plain(e, a[0], out, dst, &made);
+        if (!r) /* raised */
+            return NULL;
+        int done = r == Py_True; /* else None: not its case */
+        Py_DECREF(r);
+        if (done) {
+            if (dst != e->rank)
+                Py_RETURN_NONE;
+            if (made)
+                return made;
+            Py_INCREF(out);
+            return out;
+        }
+    }
+    return hand_back(e, FB_GATHER, args, nargs, kwnames);
 }
 
 /*
@@ -407,14 +526,8 @@ PyObject *eng_fast_gather(Engine *e, PyObject *const *args, Py_ssize_t nargs)
  */
 PyObject *eng_fast_broadcast(Engine *e, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 2 || !fast_ready(e) || !PyLong_CheckExact(args[1]))
-        Py_RETURN_NONE;
-    long src = PyLong_AsLong(args[1]);
-    if (PyErr_Occurred()) {
-        PyErr_Clear();
-        Py_RETURN_NONE;
-    }
-    if (src < 0 || src >= e->world)
+    int src = nargs == 2 && fast_ready(e) ? rank_arg(e, args[1]) : -1;
+    if (src < 0)
         Py_RETURN_NONE;
     int code;
     char *a;
@@ -493,12 +606,7 @@ static PyObject *whole_call(Engine *e, int which,
             return args[0];
         }
     }
-    PyObject *target = weak_target(e->tv->fallback[which]);
-    if (!target)
-        return NULL;
-    PyObject *res = PyObject_Vectorcall(target, args, (size_t)nargs, kwnames);
-    Py_DECREF(target);
-    return res;
+    return hand_back(e, which, args, nargs, kwnames);
 }
 
 /* all_gather_into_tensor(output, input) -> output (whole_call) */
@@ -659,14 +767,8 @@ static int plain_info(Engine *e, PyObject *t, int *code, char **addr, long long 
 /* A valid peer rank given as an exact int, or -1 */
 static int peer_arg(Engine *e, PyObject *v)
 {
-    if (!PyLong_CheckExact(v))
-        return -1;
-    long r = PyLong_AsLong(v);
-    if (r == -1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        return -1;
-    }
-    return r >= 0 && r < e->world && r != e->rank ? (int)r : -1;
+    int r = rank_arg(e, v);
+    return r != e->rank ? r : -1;
 }
 
 /* The (peer, tensors) arguments of the point-to-point fast paths (the

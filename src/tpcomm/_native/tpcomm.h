@@ -834,6 +834,7 @@ PyObject *eng_whole_all_gather_into_tensor(Engine *e, PyObject *const *args, Py_
                                            PyObject *kwnames);
 PyObject *eng_whole_reduce_scatter_tensor(Engine *e, PyObject *const *args, Py_ssize_t nargs,
                                           PyObject *kwnames);
+PyObject *eng_whole_gather(Engine *e, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
 
 
 #endif /* TPCOMM_NATIVE_H */

@@ -372,6 +372,7 @@ class ShmEngine:
         self.fast_all_reduce = n.fast_all_reduce
         self.whole_all_gather_into_tensor = n.whole_all_gather_into_tensor
         self.whole_reduce_scatter_tensor = n.whole_reduce_scatter_tensor
+        self.whole_gather = n.whole_gather
         self.fast_all_gather = n.fast_all_gather
         self.fast_gather = n.fast_gather
         self.fast_reduce_scatter = n.fast_reduce_scatter
@@ -412,7 +413,8 @@ class ShmEngine:
         """Arm the one-call paths: the torch types they accept; Python's general
         paths (WeakMethods) for the rest of the calls the whole-call entries
         take, ``fallbacks``: all_reduce's (tensor, op), all_gather_into_tensor's
-        (output, input) and reduce_scatter_tensor's (output, input, op); and
+        (output, input), reduce_scatter_tensor's (output, input, op) and
+        gather's (tensor, dst, dim, out=); and
         raise_status for the others' errors."""
         import torch
 

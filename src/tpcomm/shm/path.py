@@ -63,6 +63,7 @@ class ShmPath(Path):
         self.fast_all_reduce = engine.fast_all_reduce
         self.whole_all_gather_into_tensor = engine.whole_all_gather_into_tensor
         self.whole_reduce_scatter_tensor = engine.whole_reduce_scatter_tensor
+        self.whole_gather = engine.whole_gather
         self.fast_all_gather = engine.fast_all_gather
         self.fast_gather = engine.fast_gather
         self.fast_reduce_scatter = engine.fast_reduce_scatter
