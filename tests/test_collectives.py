@@ -579,6 +579,11 @@ def whole_call_entries(comm):
     ok.append(torch.equal(got, want_ag) if r == 0 else got is None)
     got = comm.gather(x.view(2, 2), 0)
     ok.append(torch.equal(got, want_ag.view(2 * w, 2)) if r == 0 else got is None)
+    try:  # a dim past a C long is not -1: the method's check raises
+        comm.gather(x, 0, 2**70)
+        ok.append(False)
+    except ValueError as e:
+        ok.append("dim" in str(e))
     errors = []
     for call in (
         lambda: comm.all_gather_into_tensor(torch.empty(4 * w)),

@@ -499,7 +499,10 @@ PyObject *eng_whole_gather(Engine *e, PyObject *const *args, Py_ssize_t nargs, P
     ok = ok && a[0] && dst >= 0 && (!a[2] || PyLong_CheckExact(a[2]));
     if (ok && a[2]) {
         dim = PyLong_AsLong(a[2]);
-        PyErr_Clear();
+        if (PyErr_Occurred()) { /* too large for a long: not 0 or -1 */
+            PyErr_Clear();
+            dim = 1;
+        }
     }
     ok = ok && (dim == 0 || dim == -1);
     if (ok && fast_ready(e) && one_dim(e, a[0]) && (!out || one_dim(e, out))) {
