@@ -110,6 +110,44 @@ def test_survivors_see_peer_failed(tmp_path):
         assert took < SLACK_S
 
 
+def whole_call_survivors(comm, which, outdir):
+    """Rank 1 exits while the others wait in a whole-call C entry (the
+    Communicator's method is the engine's C function): each survivor records
+    the PeerFailedError it got, how long it took, and the method's type."""
+    w = comm.world_size
+    if comm.rank == 1:
+        os._exit(3)
+    x = torch.ones(8)
+    calls = {
+        "all_gather_into_tensor": lambda: comm.all_gather_into_tensor(torch.empty(8 * w), x),
+        "reduce_scatter_tensor": lambda: comm.reduce_scatter_tensor(torch.empty(8), x.repeat(w)),
+        "gather": lambda: comm.gather(x, 0),
+        "gather out=": lambda: comm.gather(x, 2, out=torch.empty(8 * w)),
+    }
+    t0 = time.monotonic()
+    try:
+        calls[which]()
+        res = "no error"
+    except tpcomm.PeerFailedError as e:
+        res = [e.rank, time.monotonic() - t0, type(getattr(comm, which.split()[0])).__name__]
+    _write(os.path.join(outdir, f"rank{comm.rank}"), res)
+    return res
+
+
+@pytest.mark.parametrize(
+    "which", ["all_gather_into_tensor", "reduce_scatter_tensor", "gather", "gather out="]
+)
+def test_whole_call_entries_see_peer_failed(tmp_path, which):
+    with LocalGroup(3, timeout=60) as g, pytest.raises(tpcomm.LaunchError) as info:
+        g.run(whole_call_survivors, which, str(tmp_path), timeout=60)
+    assert info.value.rank == 1
+    for r in (0, 2):
+        peer, took, kind = json.loads((tmp_path / f"rank{r}").read_text())
+        assert peer == 1
+        assert took < SLACK_S
+        assert kind == "builtin_function_or_method"
+
+
 def one_rank_stays_away(comm):
     if comm.rank == 2:
         time.sleep(3.0)  # alive, but never joins the collective
