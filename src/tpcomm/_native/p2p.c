@@ -209,8 +209,8 @@ static int rx_copy(Engine *e, char *dst, size_t n, PyThreadState **ts)
  * object (NULL with an exception set), *st the status (the bytes are empty
  * unless it is ST_OK). */
 /*
- * The binary message header, written and read here only (torch.c's one-call
- * paths and, through them, Python's shm/messages.py use these):
+ * The binary message header, written and read here only (torch.c and
+ * p2p_tensors.c's one-call paths and, through them, Python's shm/messages.py use these):
  *   P2P_BINARY, n (the tensor count), then per tensor: its dtype code, its
  *   ndim, and its dims as little-endian int64s (Python's struct "<BB{nd}q").
  * A header that starts otherwise is pickled (Python's).

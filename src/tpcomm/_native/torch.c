@@ -1,10 +1,12 @@
 /*
- * The only C of the core that knows torch: the one-call fast paths that take
- * tensors (all_reduce, all_gather, gather, broadcast, reduce_scatter, send,
- * recv, sendrecv).  Each reads a tensor's dtype, flags, address and size
- * through descriptors resolved once (set_fast_path, set_p2p_dtypes), then
- * calls the byte-level rounds of the other files; anything unusual goes back
- * to Python's general path.
+ * The only C of the core that knows torch: the one-call fast paths of the
+ * collectives that take tensors (all_reduce, all_gather, gather, broadcast,
+ * reduce_scatter, all_to_all), and for the point-to-point ones
+ * (p2p_tensors.c: send, recv, sendrecv) plain tensors described as messages
+ * (plain_message) and made for them (new_tensor).  Each reads a tensor's
+ * dtype, flags, address and size through descriptors resolved once
+ * (set_fast_path, set_p2p_dtypes), then calls the byte-level rounds of the
+ * other files; anything unusual goes back to Python's general path.
  */
 #include "tpcomm.h"
 
@@ -21,8 +23,6 @@
 #define MAX_ANY 32 /* dtypes a point-to-point message may carry */
 /* the entries that hand the calls they do not take back to Python */
 enum { FB_ALL_REDUCE, FB_ALL_GATHER_INTO_TENSOR, FB_REDUCE_SCATTER_TENSOR, FB_GATHER, FB_COUNT };
-/* the binary header of n tensors, with the two lengths before it (plain_message) */
-#define P2P_HEAD_BYTES (16 + 2 + P2P_MAX_TENSORS * (2 + 8 * P2P_MAX_DIMS))
 
 /* The torch objects an engine's fast paths compare with, and the tensor
  * type's accessors resolved once (set_fast_path, set_p2p_dtypes). */
@@ -39,7 +39,7 @@ struct tview {
     PyObject *d_is_conj, *d_shape, *d_ndim;
     /* point-to-point fast path: every dtype a message may carry, by code */
     PyObject *any_dtypes[MAX_ANY];
-    PyObject *empty_fn, *kw_dtype; /* torch.empty and ("dtype",): p2p_recv_new */
+    PyObject *empty_fn, *kw_dtype; /* torch.empty and ("dtype",): new_tensor */
     size_t any_size[MAX_ANY];
     char any_complex[MAX_ANY]; /* only complex tensors can carry the conj bit */
     int n_any;
@@ -49,8 +49,8 @@ struct tview {
 static PyObject *S_dtype, *S_is_cpu, *S_is_contiguous, *S_data_ptr, *S_numel, *S_is_neg;
 static PyObject *S_is_conj, *S_shape, *S_ndim;
 /* the public calls the entries serve, as their errors name them */
-static PyObject *F_all_reduce, *F_all_gather, *F_gather, *F_broadcast, *F_reduce_scatter, *F_all_to_all, *F_send,
-    *F_recv, *F_sendrecv;
+static PyObject *F_all_reduce, *F_all_gather, *F_gather, *F_broadcast, *F_reduce_scatter, *F_all_to_all;
+PyObject *F_send, *F_recv, *F_sendrecv; /* p2p_tensors.c's */
 
 /* The attribute names, interned once (module init): 0, or -1 with an exception. */
 int torch_init(void)
@@ -183,7 +183,7 @@ static PyObject *call_fallback(Engine *e, PyObject *t, PyObject *op)
  * set_p2p_dtypes).  No: the general road runs, which checks the same states
  * and reports them (call_check).
  */
-static inline int fast_ready(Engine *e)
+int fast_ready(Engine *e)
 {
     return e->base && !other_thread(e) && !e->failed && e->rx.src < 0 && e->tv->n_any &&
            e->tv->d_shape && !take_abort(e);
@@ -195,7 +195,7 @@ static inline int fast_ready(Engine *e)
  * fn (the same words as the general road's); st < 0: the exception already
  * set.
  */
-static PyObject *fast_done(Engine *e, int st, PyObject *fn)
+PyObject *fast_done(Engine *e, int st, PyObject *fn)
 {
     if (st == ST_OK)
         Py_RETURN_TRUE;
@@ -393,7 +393,7 @@ PyObject *eng_fast_all_gather(Engine *e, PyObject *const *args, Py_ssize_t nargs
 }
 
 /* A rank given as an exact int (a root), or -1 */
-static int rank_arg(Engine *e, PyObject *v)
+int rank_arg(Engine *e, PyObject *v)
 {
     if (!PyLong_CheckExact(v))
         return -1;
@@ -424,16 +424,10 @@ static PyObject *gather_plain(Engine *e, PyObject *input, PyObject *out, int dst
         Py_RETURN_NONE;
     }
     if (dst == e->rank && !out) {
-        PyObject *argv[2] = {PyLong_FromLongLong(ni * e->world), e->tv->any_dtypes[ci]};
-        *made = argv[0] ? PyObject_Vectorcall(e->tv->empty_fn, argv, 1, e->tv->kw_dtype) : NULL;
-        Py_XDECREF(argv[0]);
-        if (!*made)
+        const long long total = ni * e->world;
+        size_t nb;
+        if (!(*made = new_tensor(e, ci, &total, 1, &ao, &nb)))
             return NULL;
-        if (ni > 0 && !(ao = data_of(e, *made))) {
-            Py_CLEAR(*made);
-            PyErr_SetString(PyExc_RuntimeError, "gather: a new tensor has no address");
-            return NULL;
-        }
     }
     int st = flat_gather(e, KIND_GATHER, (uint64_t)(dst + 1) << 32, ai, ci, ni,
                          (size_t)ni * e->tv->any_size[ci], dst == e->rank ? ao : NULL);
@@ -767,41 +761,6 @@ static int plain_info(Engine *e, PyObject *t, int *code, char **addr, long long 
     return 0;
 }
 
-/* A valid peer rank given as an exact int, or -1 */
-static int peer_arg(Engine *e, PyObject *v)
-{
-    int r = rank_arg(e, v);
-    return r != e->rank ? r : -1;
-}
-
-/* The (peer, tensors) arguments of the point-to-point fast paths (the
- * caller asked fast_ready): the tensors' items (and *peer, *n), or NULL when
- * the call is not for them (nothing is set as an error: the general path
- * checks and reports). */
-static PyObject **p2p_args(Engine *e, PyObject *const *args, Py_ssize_t nargs, int *peer,
-                           Py_ssize_t *n)
-{
-    if (nargs != 2)
-        return NULL;
-    *peer = peer_arg(e, args[0]);
-    PyObject *seq = args[1];
-    if (*peer < 0 || !(PyList_CheckExact(seq) || PyTuple_CheckExact(seq)))
-        return NULL;
-    *n = PySequence_Fast_GET_SIZE(seq);
-    if (*n > P2P_MAX_TENSORS)
-        return NULL;
-    return PySequence_Fast_ITEMS(seq);
-}
-
-/*
- * p2p_send_tensors(dst, tensors): Communicator.send's common case in one C
- * call (the Python steps cost ~5 us per message on the development VM).  It
- * builds the binary header p2p.c defines.  None means nothing was sent and
- * the general path in Python must run: an argument it would reject or
- * report, more than 255 tensors or 8 dims, a tensor that is not plain (see
- * plain_code), a closed or failed engine.
- */
-
 /* The binary header of n plain tensors into h (p2p.c header_*), and each
  * tensor's data bytes into nbytes: the header's length, or -1 (no exception)
  * when a tensor is not plain or has too many dims (the general path takes
@@ -828,8 +787,8 @@ static Py_ssize_t plain_header(Engine *e, PyObject **items, Py_ssize_t n, char *
  * addr[0]/len[0] point at it, addr[1..]/len[1..] at the tensors' data (empty
  * ones left out); *np pieces in all.  0, or -1 when a tensor is not plain or
  * has too many dims (no exception: the general path takes it). */
-static int plain_message(Engine *e, PyObject **items, Py_ssize_t n, char *head, char **addr,
-                         size_t *len, Py_ssize_t *np)
+int plain_message(Engine *e, PyObject **items, Py_ssize_t n, char *head, char **addr, size_t *len,
+                  Py_ssize_t *np)
 {
     size_t nbytes[P2P_MAX_TENSORS], total = 0;
     Py_ssize_t hl = plain_header(e, items, n, head + 16, nbytes);
@@ -851,22 +810,6 @@ static int plain_message(Engine *e, PyObject **items, Py_ssize_t n, char *head, 
     return 0;
 }
 
-PyObject *eng_p2p_send_tensors(Engine *e, PyObject *const *args, Py_ssize_t nargs)
-{
-    int dst;
-    Py_ssize_t n, np;
-    PyObject **items = fast_ready(e) ? p2p_args(e, args, nargs, &dst, &n) : NULL;
-    if (!items)
-        Py_RETURN_NONE;
-    char head[P2P_HEAD_BYTES];
-    char *addr[P2P_MAX_TENSORS + 1];
-    size_t len[P2P_MAX_TENSORS + 1];
-    if (plain_message(e, items, n, head, addr, len, &np) < 0)
-        Py_RETURN_NONE;
-    pieces_t pc = {addr, len, np};
-    return fast_done(e, send_pieces(e, dst, &pc), F_send);
-}
-
 /*
  * plain(t) -> (dtype code, data address, numel) or None: the checks and
  * accessors of a torch-style collective's tensor in one call (each costs
@@ -881,6 +824,38 @@ PyObject *eng_plain(Engine *e, PyObject *t)
     if (!fast_ready(e) || plain_info(e, t, &code, &a, &n) < 0)
         Py_RETURN_NONE;
     return Py_BuildValue("(iKL)", code, (unsigned long long)(uintptr_t)a, n);
+}
+
+/* A new tensor (torch.empty) of dtype code and shape dims[0..nd): the
+ * tensor, its data address (*addr, NULL when it holds no bytes) and its bytes
+ * (*nbytes); NULL with an exception */
+PyObject *new_tensor(Engine *e, int code, const long long *dims, int nd, char **addr,
+                     size_t *nbytes)
+{
+    PyObject *shape = shape_tuple(dims, nd);
+    long long numel = 1;
+    for (int j = 0; j < nd; j++)
+        numel *= dims[j];
+    PyObject *argv[2] = {shape, e->tv->any_dtypes[code]};
+    PyObject *t = shape ? PyObject_Vectorcall(e->tv->empty_fn, argv, 1, e->tv->kw_dtype) : NULL;
+    Py_XDECREF(shape);
+    if (!t)
+        return NULL;
+    *nbytes = (size_t)numel * e->tv->any_size[code];
+    *addr = NULL;
+    if (*nbytes && !(*addr = data_of(e, t))) {
+        Py_DECREF(t);
+        PyErr_SetString(PyExc_RuntimeError, "tpcomm: a new tensor has no address");
+        return NULL;
+    }
+    return t;
+}
+
+/* The dtype codes a message's tensors may have, 0 until set_p2p_dtypes gave
+ * them with the allocator (new_tensor) */
+int tensor_codes(Engine *e)
+{
+    return e->tv->empty_fn ? e->tv->n_any : 0;
 }
 
 /* set_p2p_dtypes((dtype, ...), (itemsize, ...), empty=None): the dtypes of
@@ -924,64 +899,6 @@ PyObject *eng_set_p2p_dtypes(Engine *e, PyObject *args)
     Py_RETURN_NONE;
 }
 
-/* The next message's header from src, for the one-call receives: the header
- * bytes (*h, *hl: their bytes and length); or NULL, *res being what the call
- * returns (NULL with an exception: fast_done's for a status). */
-static PyObject *fast_head(Engine *e, int src, PyObject **res, const unsigned char **h,
-                           size_t *hl)
-{
-    int st;
-    PyObject *hdr = recv_head(e, src, &st);
-    if (hdr && st == ST_OK) {
-        *h = (const unsigned char *)PyBytes_AS_STRING(hdr);
-        *hl = (size_t)PyBytes_GET_SIZE(hdr);
-        return hdr;
-    }
-    Py_XDECREF(hdr);
-    *res = hdr ? fast_done(e, st, F_recv) : NULL;
-    return NULL;
-}
-
-/*
- * recv with out= (the caller asked fast_ready; src checked): the next
- * message's header is consumed; when it is binary and describes exactly
- * out's plain tensors (same count, dtypes and shapes), the body lands in them
- * and the answer is list(out); else the header bytes, and
- * shm/messages.py recv_rest finishes the receive (it reports the mismatch).
- * None: nothing was received (out is not plain: the general path checks it).
- */
-static PyObject *recv_into(Engine *e, int src, PyObject *out)
-{
-    if (!(PyList_CheckExact(out) || PyTuple_CheckExact(out)))
-        Py_RETURN_NONE;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(out), np;
-    if (n > P2P_MAX_TENSORS)
-        Py_RETURN_NONE;
-    PyObject **items = PySequence_Fast_ITEMS(out);
-    /* the header a message for exactly these tensors has (as sendrecv and
-     * p2p_batch match it), and where their bytes go */
-    char want[P2P_HEAD_BYTES];
-    char *addr[P2P_MAX_TENSORS + 1];
-    size_t len[P2P_MAX_TENSORS + 1];
-    if (plain_message(e, items, n, want, addr, len, &np) < 0)
-        Py_RETURN_NONE; /* the general path checks these before receiving */
-    const unsigned char *h;
-    size_t hl;
-    PyObject *res, *hdr = fast_head(e, src, &res, &h, &hl);
-    if (!hdr)
-        return res;
-    if (hl != len[0] - 16 || memcmp(h, want + 16, hl) != 0)
-        return hdr;
-    pieces_t pc = {addr + 1, len + 1, np - 1};
-    int st = recv_body(e, &pc);
-    if (st < 0) { /* the sizes disagree with the header: let Python report it */
-        PyErr_Clear();
-        return hdr;
-    }
-    Py_DECREF(hdr);
-    return st == ST_OK ? PySequence_List(out) : fast_done(e, st, F_recv);
-}
-
 /* message_header(tensors) -> bytes | None: the binary header a message of
  * these plain tensors carries (None: not plain, or too many of them) */
 PyObject *eng_message_header(Engine *e, PyObject *seq)
@@ -994,145 +911,4 @@ PyObject *eng_message_header(Engine *e, PyObject *seq)
     if (hl < 0)
         Py_RETURN_NONE;
     return PyBytes_FromStringAndSize(h, hl);
-}
-
-/*
- * p2p_recv(src, out=None) -> [tensors] | header bytes | None:
- * Communicator.recv in one C call (its Python steps cost ~17 us per message
- * on the development VM).  With out, recv_into.  Without, the next message's
- * binary header is read, a tensor of each dtype and shape it names is made
- * (torch.empty), and the body lands in them.  None: nothing was received (an
- * argument the general path must check, a closed or failed engine); header
- * bytes: a header this path leaves to shm/messages.py recv_rest (pickled: a
- * dict's values, or one that does not match out).
- */
-PyObject *eng_p2p_recv(Engine *e, PyObject *const *args, Py_ssize_t nargs)
-{
-    int src = nargs >= 1 && nargs <= 2 && fast_ready(e) ? peer_arg(e, args[0]) : -1;
-    if (src < 0 || !e->tv->empty_fn)
-        Py_RETURN_NONE;
-    if (nargs == 2 && args[1] != Py_None)
-        return recv_into(e, src, args[1]);
-    const unsigned char *h;
-    size_t hl, at = 2;
-    PyObject *res, *hdr = fast_head(e, src, &res, &h, &hl);
-    if (!hdr)
-        return res;
-    int st, n = header_count(h, hl);
-    if (n < 0)
-        return hdr;
-    char *addr[P2P_MAX_TENSORS];
-    size_t len[P2P_MAX_TENSORS];
-    Py_ssize_t np = 0;
-    PyObject *list = PyList_New(n);
-    for (int i = 0; list && i < n; i++) {
-        int code, nd;
-        long long dims[P2P_MAX_DIMS];
-        if (header_get(h, hl, &at, e->tv->n_any, &code, &nd, dims) < 0) {
-            Py_CLEAR(list); /* not a header this path knows: Python reports it */
-            return hdr;
-        }
-        PyObject *shape = shape_tuple(dims, nd);
-        long long numel = 1;
-        for (int j = 0; j < nd; j++)
-            numel *= dims[j];
-        PyObject *argv[2] = {shape, e->tv->any_dtypes[code]};
-        PyObject *t = shape ? PyObject_Vectorcall(e->tv->empty_fn, argv, 1, e->tv->kw_dtype) : NULL;
-        Py_XDECREF(shape);
-        if (!t) {
-            Py_CLEAR(list);
-            break;
-        }
-        PyList_SET_ITEM(list, i, t);
-        size_t nbytes = (size_t)numel * e->tv->any_size[code];
-        if (nbytes) {
-            if (!(addr[np] = data_of(e, t))) {
-                PyErr_SetString(PyExc_RuntimeError, "p2p_recv_new: a new tensor has no address");
-                Py_CLEAR(list);
-                break;
-            }
-            len[np++] = nbytes;
-        }
-    }
-    if (list && at != hl) {
-        Py_CLEAR(list);
-        return hdr;
-    }
-    Py_DECREF(hdr);
-    if (!list) { /* no memory: the message stays half read, as in Python */
-        rx_release(e);
-        return NULL;
-    }
-    pieces_t pc = {addr, len, np};
-    st = recv_body(e, &pc);
-    if (st != ST_OK) {
-        Py_DECREF(list);
-        return fast_done(e, st, F_recv);
-    }
-    return list;
-}
-
-/*
- * p2p_sendrecv(dst, tensors, src, out) -> list(out) | (header, data) | None:
- * Communicator.sendrecv with plain tensors in one C call (its Python steps
- * cost ~30 us per call on the development VM, ten times the exchange).  With
- * out=None the message is received whole into a bytearray, as p2p_batch does
- * for a receive that expects nothing, and Python makes the tensors.
- * The send and the receive progress together (batch_progress).  None: nothing was
- * sent or received (a tensor that is not plain, an out that overlaps what is
- * sent, a closed or failed engine...): the general path runs.  (header, data):
- * the message did not match out and was received whole into data (a
- * bytearray), as p2p_batch reports it; out is untouched.
- */
-PyObject *eng_p2p_sendrecv(Engine *e, PyObject *const *args, Py_ssize_t nargs)
-{
-    int dst, src;
-    Py_ssize_t ns, nr, nps, npr;
-    if (nargs != 4 || !fast_ready(e))
-        Py_RETURN_NONE;
-    PyObject **sitems = p2p_args(e, args, 2, &dst, &ns), **ritems = NULL;
-    int into = args[3] != Py_None; /* else new tensors: the message lands in a bytearray */
-    if (!sitems)
-        Py_RETURN_NONE;
-    if (into ? !(ritems = p2p_args(e, args + 2, 2, &src, &nr)) : (src = peer_arg(e, args[2])) < 0)
-        Py_RETURN_NONE;
-    char shead[P2P_HEAD_BYTES], rhead[P2P_HEAD_BYTES];
-    char *saddr[P2P_MAX_TENSORS + 1], *raddr[P2P_MAX_TENSORS + 1];
-    size_t slen[P2P_MAX_TENSORS + 1], rlen[P2P_MAX_TENSORS + 1];
-    if (plain_message(e, sitems, ns, shead, saddr, slen, &nps) < 0 ||
-        (into && plain_message(e, ritems, nr, rhead, raddr, rlen, &npr) < 0))
-        Py_RETURN_NONE;
-    if (!into) { /* an expected header no message has: received whole, aside */
-        npr = 1;
-        rlen[0] = 16;
-    }
-    for (Py_ssize_t i = 1; i < nps; i++) /* receiving into what is sent: Python copies it */
-        for (Py_ssize_t j = 1; j < npr; j++)
-            if (overlap(saddr[i], slen[i], raddr[j], rlen[j]))
-                Py_RETURN_NONE;
-    bop_t ops[2];
-    memset(ops, 0, sizeof ops);
-    ops[0].send = 1;
-    ops[0].peer = dst;
-    ops[0].pc = (pieces_t){saddr, slen, nps};
-    for (Py_ssize_t i = 0; i < nps; i++)
-        ops[0].total += slen[i];
-    ops[1].peer = src;
-    ops[1].pc = (pieces_t){raddr + 1, rlen + 1, npr - 1};
-    ops[1].want = rhead + 16;
-    ops[1].want_len = rlen[0] - 16;
-    int st = batch_progress(e, ops, 2);
-    PyObject *res;
-    if (st < 0)
-        res = PyErr_NoMemory();
-    else if (st == ST_OK && ops[1].drop)
-        res = Py_BuildValue("(y#O)", ops[1].hdr, (Py_ssize_t)ops[1].hl, ops[1].scratch_obj);
-    else if (st == ST_OK)
-        res = PySequence_List(args[3]);
-    else
-        res = fast_done(e, st, F_sendrecv);
-    PyMem_RawFree(ops[0].rbuf);
-    PyMem_RawFree(ops[1].hdr);
-    Py_XDECREF(ops[1].scratch_obj);
-    return res;
 }

@@ -835,6 +835,19 @@ PyObject *eng_whole_all_gather_into_tensor(Engine *e, PyObject *const *args, Py_
 PyObject *eng_whole_reduce_scatter_tensor(Engine *e, PyObject *const *args, Py_ssize_t nargs,
                                           PyObject *kwnames);
 PyObject *eng_whole_gather(Engine *e, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
+/* torch.c's view of tensors, for p2p_tensors.c (whose entries are declared
+ * with torch.c's above) */
+/* the binary header of n tensors, with the two lengths before it (plain_message) */
+#define P2P_HEAD_BYTES (16 + 2 + P2P_MAX_TENSORS * (2 + 8 * P2P_MAX_DIMS))
+extern PyObject *F_send, *F_recv, *F_sendrecv;
+int fast_ready(Engine *e);
+PyObject *fast_done(Engine *e, int st, PyObject *fn);
+int rank_arg(Engine *e, PyObject *v);
+int plain_message(Engine *e, PyObject **items, Py_ssize_t n, char *head, char **addr, size_t *len,
+                  Py_ssize_t *np);
+PyObject *new_tensor(Engine *e, int code, const long long *dims, int nd, char **addr,
+                     size_t *nbytes);
+int tensor_codes(Engine *e);
 
 
 #endif /* TPCOMM_NATIVE_H */
