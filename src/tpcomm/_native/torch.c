@@ -119,7 +119,6 @@ void tview_free(Engine *e)
 }
 
 static int plain_info(Engine *e, PyObject *t, int *code, char **addr, long long *n);
-static char *data_of(Engine *e, PyObject *t);
 
 /* Call a descriptor resolved on the tensor type once (see set_fast_path):
  * skips the per-call attribute lookup and bound-method object. */
