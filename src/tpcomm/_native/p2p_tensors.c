@@ -43,7 +43,6 @@ static PyObject **p2p_args(Engine *e, PyObject *const *args, Py_ssize_t nargs, i
  * report, more than 255 tensors or 8 dims, a tensor that is not plain (see
  * plain_code), a closed or failed engine.
  */
-
 PyObject *eng_p2p_send_tensors(Engine *e, PyObject *const *args, Py_ssize_t nargs)
 {
     int dst;

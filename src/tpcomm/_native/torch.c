@@ -405,9 +405,10 @@ int rank_arg(Engine *e, PyObject *v)
 }
 
 /*
- * gather's one-call case: input a plain tensor; on dst, out a plain tensor of
- * the same dtype with world x its elements or, when out is NULL and made is
- * not, one made here (torch.empty, *made).  Py_True: done; None: not its case
+ * gather's one-call case (dst a rank, as rank_arg gives it): input a plain
+ * tensor; on dst, out a plain tensor of the same dtype with world x its
+ * elements or, when out is NULL and made is not, one made here (new_tensor,
+ * *made).  Py_True: done; None: not its case
  * (nothing touched); NULL: raised.  The key is keys.gather_key's for a flat,
  * even layout with a root: flat_key(KIND_GATHER + ((dst + 1) << 32), n, w).
  */
@@ -416,7 +417,7 @@ static PyObject *gather_plain(Engine *e, PyObject *input, PyObject *out, int dst
     int ci, co;
     char *ai, *ao = NULL;
     long long ni, no;
-    if (dst < 0 || dst >= e->world || plain_info(e, input, &ci, &ai, &ni) < 0 ||
+    if (plain_info(e, input, &ci, &ai, &ni) < 0 ||
         (dst == e->rank && (out ? plain_info(e, out, &co, &ao, &no) < 0 || co != ci || no != ni * e->world
                                 : !made || !e->tv->empty_fn))) {
         PyErr_Clear();
