@@ -14,6 +14,19 @@ of a dtype's block to the float32 block of the same round and variant.
 Every (variant, dtype, size) is checked once against the float64 reference
 (``#wrong``).  The same in-place all_reduce as ``tpcomm perf all_reduce``.
 
+What a 16-bit all_reduce costs beyond float32's is its reduce: converting
+every value to float32 and back takes more instructions than float32's add.
+So each round also times, in the same ranks right after the all_reduce
+blocks, the reduce kernel alone on the values this rank reduces in such a
+call (one-shot: the whole tensor; two-shot and single copy: its 1/world
+share), two sources into the first as the engine calls it, in cache, from
+Python.  ``extra``: the 16-bit all_reduce's time over float32's; ``kernel``:
+the 16-bit kernel's over the float32 kernel's (the call from Python cancels
+out); both medians of each round's own difference.  Where ``kernel`` is more
+than 0.15x float32's all_reduce, 1.15x needs the arithmetic hidden behind the
+reads of the peer's lines; where ``extra`` is above ``kernel``, the
+arithmetic and those reads add up instead of overlapping.
+
 Run by `make bench`: python benchmarks/dtypes.py [-J FILE] [-b 1K -e 64M -f 4]
 """
 
@@ -26,11 +39,12 @@ import statistics
 
 import torch
 
+from tpcomm.construction import engine_of
 from tpcomm.launch import LocalGroup
-from tpcomm.ops import ReduceOp
+from tpcomm.ops import DTYPE_CODES, ReduceOp
 from tpcomm.perf.table import data, expected, parse_size
 from tpcomm.perf.timing import agree, timed
-from tpcomm.shm.engine import isa_variants, kernel_isa, select_kernels
+from tpcomm.shm.engine import isa_variants, kernel_isa, reduce_kernel, select_kernels
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -47,16 +61,41 @@ def _use(variant: str) -> str:
     return kernel_isa()
 
 
+def reduced(comm, size: int, d: torch.dtype) -> int:
+    """The values one rank's reduce covers in a plain all_reduce of ``size``
+    bytes of ``d`` as the engine now plans it (one-shot: all of them; the
+    others: its 1/world share)."""
+    count = max(1, size // d.itemsize)
+    algo = engine_of(comm).all_reduce_plan(size, d)[0]
+    return count if algo == "one-shot" else -(-count // comm.world_size)
+
+
+def kernel_call(n: int, d: torch.dtype):
+    """The reduce kernel alone on ``n`` values of ``d``, SUM of two sources
+    into the first, as a one-shot reduces its own tensor and the peer's slot
+    into the tensor (the second source zeros, so that the first keeps its
+    values however often it runs), its buffers made once: a call to time."""
+    a, b = torch.randn(n).to(d), torch.zeros(n, dtype=d)
+    srcs, dst, code = [a.data_ptr(), b.data_ptr()], a.data_ptr(), DTYPE_CODES[d]
+
+    def run(buffers=(a, b)):  # the default keeps the buffers alive
+        reduce_kernel(code, ReduceOp.SUM.value, dst, srcs, n)
+
+    return run
+
+
 def rank(comm, sizes: list, variants: list, rounds: int, seconds: float) -> dict:
     """One rank: per (variant, dtype, size) its time per call in every round,
-    and the values that differ from the reference."""
+    the kernel's alone on what such a call reduces, and the values that differ
+    from the reference."""
     torch.set_num_threads(1)
     world = comm.world_size
-    times, wrong = {}, {}
+    times, kernel, wrong = {}, {}, {}
     why = {v: _use(v) for v in variants}
     combos = [(v, d) for v in variants for d in DTYPES]
     for size in sizes:
         xs = {}
+        kern = {}
         for d in DTYPES:
             count = max(1, size // d.itemsize)
             xs[d] = data(comm.rank, count, d, 0)
@@ -68,6 +107,7 @@ def rank(comm, sizes: list, variants: list, rounds: int, seconds: float) -> dict
                 wrong[(v, NAMES[d], size)] = int((chk != want).sum())
                 for _ in range(3):  # warm-up
                     comm.all_reduce(xs[d])
+                kern[(v, d)] = kernel_call(reduced(comm, size, d), d)
         _use(variants[0])
         probe = timed(lambda x=xs[torch.float32]: comm.all_reduce(x), 5)
         per_block = seconds / (rounds * len(combos))
@@ -80,8 +120,13 @@ def rank(comm, sizes: list, variants: list, rounds: int, seconds: float) -> dict
                 comm.barrier()
                 t = timed(lambda x=x: comm.all_reduce(x), iters)
                 times.setdefault((v, NAMES[d], size), []).append(t)
+            for v, d in combos[k:] + combos[:k]:
+                _use(v)
+                kern[(v, d)]()
+                t = timed(kern[(v, d)], iters)
+                kernel.setdefault((v, NAMES[d], size), []).append(t)
     _use("auto")
-    return {"times": times, "wrong": wrong, "why": why}
+    return {"times": times, "kernel": kernel, "wrong": wrong, "why": why}
 
 
 def summarise(per_rank: list, sizes: list, variants: list) -> dict:
@@ -94,13 +139,21 @@ def summarise(per_rank: list, sizes: list, variants: list) -> dict:
                 n: [max(ts) for ts in zip(*(r["times"][(v, n, size)] for r in per_rank))]
                 for n in NAMES.values()
             }
+            # the kernel: rank 0's (both ranks reduce the same amount at once)
+            kern = {n: per_rank[0]["kernel"][(v, n, size)] for n in NAMES.values()}
             row = {"size": size}
             for n, b in blocks.items():
                 row[n] = statistics.median(b)
+                row[f"{n}_kernel"] = statistics.median(kern[n])
                 row[f"{n}_wrong"] = sum(r["wrong"][(v, n, size)] for r in per_rank)
                 if n != "float32":
-                    pairs = [t / f for t, f in zip(b, blocks["float32"])]
-                    row[f"{n}/float32"] = statistics.median(pairs)
+                    f32 = blocks["float32"]
+                    row[f"{n}/float32"] = statistics.median(t / f for t, f in zip(b, f32))
+                    row[f"{n}_extra"] = statistics.median(t - f for t, f in zip(b, f32))
+                    k32 = kern["float32"]
+                    row[f"{n}_kernel_extra"] = statistics.median(
+                        t - f for t, f in zip(kern[n], k32)
+                    )
             rows.append(row)
         out[v] = {"kernels": per_rank[0]["why"][v], "rows": rows}
     return out
@@ -158,16 +211,20 @@ def main(argv=None) -> int:
             f"{' (TPCOMM_ISA=' + v + ')' if v != 'auto' else ''}"
         )
         print(f"# time per call (us): median over {args.rounds} rounds of blocks in turns")
+        print("# extra: over float32's time; kernel: the reduce kernel's alone over float32's")
         print(
             f"# {'size':>8} {'float32':>10} {'bfloat16':>10} {'float16':>10}"
-            f" {'bf16/f32':>9} {'f16/f32':>8} {'#wrong':>7}"
+            f" {'bf16/f32':>9} {'f16/f32':>8} {'bf16 extra':>11} {'kernel':>7}"
+            f" {'f16 extra':>10} {'kernel':>7} {'#wrong':>7}"
         )
         for r in s["rows"]:
             bad = sum(r[f"{n}_wrong"] for n in NAMES.values())
             print(
                 f"  {human(r['size']):>8} {r['float32'] * 1e6:>10.2f} {r['bfloat16'] * 1e6:>10.2f}"
                 f" {r['float16'] * 1e6:>10.2f} {r['bfloat16/float32']:>8.2f}x"
-                f" {r['float16/float32']:>7.2f}x {bad:>7}"
+                f" {r['float16/float32']:>7.2f}x {r['bfloat16_extra'] * 1e6:>11.2f}"
+                f" {r['bfloat16_kernel_extra'] * 1e6:>7.2f} {r['float16_extra'] * 1e6:>10.2f}"
+                f" {r['float16_kernel_extra'] * 1e6:>7.2f} {bad:>7}"
             )
     if args.json:
         cmd = (

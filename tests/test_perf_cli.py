@@ -302,6 +302,13 @@ def test_dtypes_benchmark_and_page(tmp_path):
         for row in v["rows"]:
             assert all(row[f"{n}_wrong"] == 0 and row[n] > 0 for n in DTYPES)
             assert row["bfloat16/float32"] > 0 and row["float16/float32"] > 0
+            # the kernels alone, timed in the same rounds; the extras are
+            # differences of such times, so any sign, but never far past them
+            assert all(row[f"{n}_kernel"] > 0 for n in DTYPES)
+            for n in ("bfloat16", "float16"):
+                assert abs(row[f"{n}_extra"]) < 2 * max(row[n], row["float32"])
+                k = max(row[f"{n}_kernel"], row["float32_kernel"])
+                assert abs(row[f"{n}_kernel_extra"]) < 2 * k
     page = subprocess.run(
         [sys.executable, str(root / "scripts" / "perf_page.py"), str(tmp_path)],
         capture_output=True,
@@ -313,6 +320,8 @@ def test_dtypes_benchmark_and_page(tmp_path):
     first = data["variants"]["auto"]["rows"][0]
     want = f"| 1 KiB | {first['float32'] * 1e6:.2f} | {first['bfloat16'] * 1e6:.2f} |"
     assert want in page.stdout, page.stdout
+    tail = f"| {first['float16_extra'] * 1e6:.2f} | {first['float16_kernel_extra'] * 1e6:.2f} | 0 |"
+    assert tail in page.stdout, page.stdout
 
 
 def _perf(args: list, timeout: int) -> subprocess.CompletedProcess:
