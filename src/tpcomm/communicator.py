@@ -2,10 +2,10 @@
 
 Every public method reads the same way: where one exists, the one-call C
 entry of the shared-memory path for the common case (``shm/path.py``,
-``_native/torch.c``: the measured hot path); else the argument checks
-(``checks.py``, which raise before anything is touched), then
-``routing.route`` over this communicator's paths, then that path's method
-(``paths.Path``: every path has the same methods).  How a Communicator is
+``_native/torch.c`` and ``coll_tensors.c``: the measured hot path); else
+the argument checks (``checks.py``, which raise before anything is
+touched), then ``routing.route`` over this communicator's paths, then that
+path's method (``paths.Path``: every path has the same methods).  How a Communicator is
 made, and which paths it gets, is ``construction.py``.
 """
 
@@ -162,7 +162,7 @@ class Communicator:
         if made.shm is not None:
             # The instance attributes shadow the methods below: one C call per
             # call in the common case, the rest handed to the fallbacks
-            # (_native/torch.c fast_all_reduce, whole_call).
+            # (_native/torch.c fast_all_reduce, coll_tensors.c whole_call).
             self.all_reduce = made.shm.fast_all_reduce
             self.all_gather_into_tensor = made.shm.whole_all_gather_into_tensor
             self.reduce_scatter_tensor = made.shm.whole_reduce_scatter_tensor

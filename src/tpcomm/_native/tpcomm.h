@@ -21,7 +21,10 @@
  *   cma.c             single-copy reads of a peer's memory (process_vm_readv)
  *   p2p.c             point-to-point channels: send, receive head and body
  *   p2p_batch.c       point-to-point operations progressed together
- *   torch.c           the only C that knows torch: one-call fast paths
+ *   torch.c           the only C that knows torch: all_reduce's one-call
+ *                     entry, and the view of tensors the other entries use
+ *   coll_tensors.c    the other collectives' one-call entries
+ *   p2p_tensors.c     the point-to-point one-call entries
  *   engine.c          the Engine object: life cycle, entering calls, methods
  *   module.c          the module: its functions, constants and init
  *
@@ -819,35 +822,52 @@ int tview_new(Engine *e);
 void tview_free(Engine *e);
 PyObject *eng_fast_all_reduce(Engine *e, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
 PyObject *eng_set_fast_path(Engine *e, PyObject *args);
-PyObject *eng_fast_all_gather(Engine *e, PyObject *const *args, Py_ssize_t nargs);
-PyObject *eng_fast_gather(Engine *e, PyObject *const *args, Py_ssize_t nargs);
-PyObject *eng_fast_broadcast(Engine *e, PyObject *const *args, Py_ssize_t nargs);
-PyObject *eng_fast_reduce_scatter(Engine *e, PyObject *const *args, Py_ssize_t nargs);
-PyObject *eng_fast_all_to_all(Engine *e, PyObject *const *args, Py_ssize_t nargs);
-PyObject *eng_p2p_send_tensors(Engine *e, PyObject *const *args, Py_ssize_t nargs);
 PyObject *eng_plain(Engine *e, PyObject *t);
 PyObject *eng_set_p2p_dtypes(Engine *e, PyObject *args);
-PyObject *eng_p2p_recv(Engine *e, PyObject *const *args, Py_ssize_t nargs);
 PyObject *eng_message_header(Engine *e, PyObject *seq);
-PyObject *eng_p2p_sendrecv(Engine *e, PyObject *const *args, Py_ssize_t nargs);
-PyObject *eng_whole_all_gather_into_tensor(Engine *e, PyObject *const *args, Py_ssize_t nargs,
-                                           PyObject *kwnames);
-PyObject *eng_whole_reduce_scatter_tensor(Engine *e, PyObject *const *args, Py_ssize_t nargs,
-                                          PyObject *kwnames);
-PyObject *eng_whole_gather(Engine *e, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
-/* torch.c's view of tensors, for p2p_tensors.c (whose entries are declared
- * with torch.c's above) */
+/* torch.c's view of tensors, for coll_tensors.c and p2p_tensors.c */
 /* the binary header of n tensors, with the two lengths before it (plain_message) */
 #define P2P_HEAD_BYTES (16 + 2 + P2P_MAX_TENSORS * (2 + 8 * P2P_MAX_DIMS))
+/* the entries that hand the calls they do not take back to Python (hand_back) */
+enum { FB_ALL_REDUCE, FB_ALL_GATHER_INTO_TENSOR, FB_REDUCE_SCATTER_TENSOR, FB_GATHER, FB_COUNT };
+/* the public calls the entries serve, as their errors name them */
+extern PyObject *F_all_gather, *F_gather, *F_broadcast, *F_reduce_scatter, *F_all_to_all;
 extern PyObject *F_send, *F_recv, *F_sendrecv;
 int fast_ready(Engine *e);
 PyObject *fast_done(Engine *e, int st, PyObject *fn);
+PyObject *hand_back(Engine *e, int which, PyObject *const *args, Py_ssize_t nargs,
+                    PyObject *kwnames);
 int rank_arg(Engine *e, PyObject *v);
+int plain_info(Engine *e, PyObject *t, int *code, char **addr, long long *n);
+int one_dim(Engine *e, PyObject *t);
+int rows_of(Engine *e, PyObject *t, size_t es, uint64_t *rows, uint64_t *row);
+size_t code_size(Engine *e, int code);
+PyObject *op_object(Engine *e, int op);
+int op_code(Engine *e, PyObject *op);
+int reduce_code(Engine *e, int code);
+int can_make(Engine *e);
 int plain_message(Engine *e, PyObject **items, Py_ssize_t n, char *head, char **addr, size_t *len,
                   Py_ssize_t *np);
 PyObject *new_tensor(Engine *e, int code, const long long *dims, int nd, char **addr,
                      size_t *nbytes);
 int tensor_codes(Engine *e);
+
+/* coll_tensors.c */
+PyObject *eng_fast_all_gather(Engine *e, PyObject *const *args, Py_ssize_t nargs);
+PyObject *eng_fast_gather(Engine *e, PyObject *const *args, Py_ssize_t nargs);
+PyObject *eng_fast_broadcast(Engine *e, PyObject *const *args, Py_ssize_t nargs);
+PyObject *eng_fast_reduce_scatter(Engine *e, PyObject *const *args, Py_ssize_t nargs);
+PyObject *eng_fast_all_to_all(Engine *e, PyObject *const *args, Py_ssize_t nargs);
+PyObject *eng_whole_all_gather_into_tensor(Engine *e, PyObject *const *args, Py_ssize_t nargs,
+                                           PyObject *kwnames);
+PyObject *eng_whole_reduce_scatter_tensor(Engine *e, PyObject *const *args, Py_ssize_t nargs,
+                                          PyObject *kwnames);
+PyObject *eng_whole_gather(Engine *e, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
+
+/* p2p_tensors.c */
+PyObject *eng_p2p_send_tensors(Engine *e, PyObject *const *args, Py_ssize_t nargs);
+PyObject *eng_p2p_recv(Engine *e, PyObject *const *args, Py_ssize_t nargs);
+PyObject *eng_p2p_sendrecv(Engine *e, PyObject *const *args, Py_ssize_t nargs);
 
 
 #endif /* TPCOMM_NATIVE_H */

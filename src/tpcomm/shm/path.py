@@ -11,8 +11,9 @@ rounds' loops run in C (``_native/rounds.c``); this module passes addresses,
 sizes and layout keys (``keys.py``) and turns a status into an exception.
 Messages are ``messages.py``.
 
-The common cases also have one-call C entries (``fast_*``: ``_native/torch.c``,
-and ``_native/p2p_tensors.c`` for send, recv and sendrecv) that the
+The common cases also have one-call C entries (``fast_*``: ``_native/torch.c``
+for all_reduce, ``_native/coll_tensors.c`` for the other collectives and
+``_native/p2p_tensors.c`` for send, recv and sendrecv) that the
 Communicator tries first; they compute the same metadata as the general
 methods here, so ranks on either road meet the same rounds.
 """
@@ -58,8 +59,8 @@ class ShmPath(Path):
         engine.install_fast_paths(fallbacks)
         # the whole-call entries (the Communicator's methods themselves: the
         # rest of a call goes to the fallbacks) and the one-call entries,
-        # bound C methods (no Python frame in between; _native/torch.c and
-        # p2p_tensors.c): each of the latter answers None (not its case), or
+        # bound C methods (no Python frame in between; _native/torch.c,
+        # coll_tensors.c and p2p_tensors.c): each of the latter answers None (not its case), or
         # did the call (its errors raised by the engine's raise_status)
         self.fast_all_reduce = engine.fast_all_reduce
         self.whole_all_gather_into_tensor = engine.whole_all_gather_into_tensor
