@@ -17,15 +17,18 @@ Every (variant, dtype, size) is checked once against the float64 reference
 What a 16-bit all_reduce costs beyond float32's is its reduce: converting
 every value to float32 and back takes more instructions than float32's add.
 So each round also times, in the same ranks right after the all_reduce
-blocks, the reduce kernel alone on the values this rank reduces in such a
+blocks, the reduce kernel alone on the bytes this rank reduces in a 16-bit
 call (one-shot: the whole tensor; two-shot and single copy: its 1/world
-share), two sources into the first as the engine calls it, in cache, from
-Python.  ``extra``: the 16-bit all_reduce's time over float32's; ``kernel``:
-the 16-bit kernel's over the float32 kernel's (the call from Python cancels
-out); both medians of each round's own difference.  Where ``kernel`` is more
-than 0.15x float32's all_reduce, 1.15x needs the arithmetic hidden behind the
-reads of the peer's lines; where ``extra`` is above ``kernel``, the
-arithmetic and those reads add up instead of overlapping.
+share), two sources into the first as the engine calls it, from Python.
+``extra``: the 16-bit all_reduce's time over float32's; ``kernel``: the
+16-bit kernel's over the float32 kernel's on those bytes (the call from
+Python cancels out), what the 16-bit call's reduce costs beyond the same
+bytes at float32's speed; both medians of each round's own difference.
+``algorithm``: float32's, and the 16-bit floats' where theirs differs (they
+have a switch point of their own).  Where both take one algorithm and
+``kernel`` is more than 0.15x float32's time, 1.15x needs the arithmetic
+hidden behind the reads of the peer's lines; where ``extra`` is above
+``kernel`` there, the two add up instead of overlapping.
 
 Run by `make bench`: python benchmarks/dtypes.py [-J FILE] [-b 1K -e 64M -f 4]
 """
@@ -61,13 +64,15 @@ def _use(variant: str) -> str:
     return kernel_isa()
 
 
-def reduced(comm, size: int, d: torch.dtype) -> int:
-    """The values one rank's reduce covers in a plain all_reduce of ``size``
-    bytes of ``d`` as the engine now plans it (one-shot: all of them; the
-    others: its 1/world share)."""
-    count = max(1, size // d.itemsize)
-    algo = engine_of(comm).all_reduce_plan(size, d)[0]
-    return count if algo == "one-shot" else -(-count // comm.world_size)
+def reduced(comm, size: int) -> int:
+    """The bytes one rank's reduce covers in a plain all_reduce of ``size``
+    bytes of a 16-bit float as the engine now plans it (one-shot: all of
+    them; the others: its 1/world share).  The kernels of every dtype are
+    timed on these bytes: float32's may plan another algorithm for the same
+    size (its own switch point), and its kernel on other bytes would say
+    nothing of what the 16-bit call's arithmetic costs."""
+    algo = engine_of(comm).all_reduce_plan(size, torch.bfloat16)[0]
+    return size if algo == "one-shot" else -(-size // comm.world_size)
 
 
 def kernel_call(n: int, d: torch.dtype):
@@ -90,7 +95,7 @@ def rank(comm, sizes: list, variants: list, rounds: int, seconds: float) -> dict
     from the reference."""
     torch.set_num_threads(1)
     world = comm.world_size
-    times, kernel, wrong = {}, {}, {}
+    times, kernel, wrong, algos = {}, {}, {}, {}
     why = {v: _use(v) for v in variants}
     combos = [(v, d) for v in variants for d in DTYPES]
     for size in sizes:
@@ -107,7 +112,7 @@ def rank(comm, sizes: list, variants: list, rounds: int, seconds: float) -> dict
                 wrong[(v, NAMES[d], size)] = int((chk != want).sum())
                 for _ in range(3):  # warm-up
                     comm.all_reduce(xs[d])
-                kern[(v, d)] = kernel_call(reduced(comm, size, d), d)
+                kern[(v, d)] = kernel_call(max(1, reduced(comm, size) // d.itemsize), d)
         _use(variants[0])
         probe = timed(lambda x=xs[torch.float32]: comm.all_reduce(x), 5)
         per_block = seconds / (rounds * len(combos))
@@ -125,8 +130,10 @@ def rank(comm, sizes: list, variants: list, rounds: int, seconds: float) -> dict
                 kern[(v, d)]()
                 t = timed(kern[(v, d)], iters)
                 kernel.setdefault((v, NAMES[d], size), []).append(t)
+        plan = engine_of(comm).all_reduce_plan
+        algos[size] = [plan(size, d)[0] for d in (torch.float32, torch.bfloat16)]
     _use("auto")
-    return {"times": times, "kernel": kernel, "wrong": wrong, "why": why}
+    return {"times": times, "kernel": kernel, "wrong": wrong, "why": why, "algos": algos}
 
 
 def summarise(per_rank: list, sizes: list, variants: list) -> dict:
@@ -141,7 +148,8 @@ def summarise(per_rank: list, sizes: list, variants: list) -> dict:
             }
             # the kernel: rank 0's (both ranks reduce the same amount at once)
             kern = {n: per_rank[0]["kernel"][(v, n, size)] for n in NAMES.values()}
-            row = {"size": size}
+            a32, a16 = per_rank[0]["algos"][size]
+            row = {"size": size, "algorithm": a32 if a16 == a32 else f"{a32} / {a16}"}
             for n, b in blocks.items():
                 row[n] = statistics.median(b)
                 row[f"{n}_kernel"] = statistics.median(kern[n])
@@ -215,7 +223,7 @@ def main(argv=None) -> int:
         print(
             f"# {'size':>8} {'float32':>10} {'bfloat16':>10} {'float16':>10}"
             f" {'bf16/f32':>9} {'f16/f32':>8} {'bf16 extra':>11} {'kernel':>7}"
-            f" {'f16 extra':>10} {'kernel':>7} {'#wrong':>7}"
+            f" {'f16 extra':>10} {'kernel':>7} {'#wrong':>7}  algorithm"
         )
         for r in s["rows"]:
             bad = sum(r[f"{n}_wrong"] for n in NAMES.values())
@@ -224,7 +232,7 @@ def main(argv=None) -> int:
                 f" {r['float16'] * 1e6:>10.2f} {r['bfloat16/float32']:>8.2f}x"
                 f" {r['float16/float32']:>7.2f}x {r['bfloat16_extra'] * 1e6:>11.2f}"
                 f" {r['bfloat16_kernel_extra'] * 1e6:>7.2f} {r['float16_extra'] * 1e6:>10.2f}"
-                f" {r['float16_kernel_extra'] * 1e6:>7.2f} {bad:>7}"
+                f" {r['float16_kernel_extra'] * 1e6:>7.2f} {bad:>7}  {r['algorithm']}"
             )
     if args.json:
         cmd = (

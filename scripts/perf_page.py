@@ -281,10 +281,11 @@ def dtype_tables(bench_dir: str) -> list[str]:
             "two ranks; the ratios are the medians of each round's own ratio (a row whose "
             "times are several times its neighbours' ran in this VM's slow mode, Known limits: "
             "the kernels' share, and so the ratio's meaning, is lost there). extra: the "
-            "16-bit call's time over float32's; kernel: the reduce kernel's alone over "
-            "float32's, on the values a rank reduces in that call, in cache, timed in the same "
-            "rounds (medians of each round's own difference; the docstring of "
-            "benchmarks/dtypes.py says how to read them)."
+            "16-bit call's time over float32's; kernel: the 16-bit reduce kernel's alone over "
+            "float32's on the bytes a rank reduces in the 16-bit call, timed in the same rounds "
+            "(medians of each round's own difference; the docstring of benchmarks/dtypes.py "
+            "says how to read them); algorithm: float32's, then the 16-bit floats' where it "
+            "differs."
             + (
                 " What a CPU without AVX-512 (AMD Zen 1-3, Intel before Ice Lake) runs; "
                 "its memory and caches are not this CPU's."
@@ -296,14 +297,14 @@ def dtype_tables(bench_dir: str) -> list[str]:
         head = ["size", "float32 (us)", "bfloat16 (us)", "float16 (us)"]
         head += ["bfloat16 / float32", "float16 / float32"]
         head += ["bfloat16 extra (us)", "kernel (us)", "float16 extra (us)", "kernel (us)"]
-        head += ["#wrong"]
+        head += ["#wrong", "algorithm"]
         out += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
         for r in v["rows"]:
             row = [human(r["size"])] + [fmt(r[n] * 1e6) for n in DTYPES]
             row += [f"{r['bfloat16/float32']:.2f}x", f"{r['float16/float32']:.2f}x"]
             for n in ("bfloat16", "float16"):
                 row += [f"{r[f'{n}_extra'] * 1e6:.2f}", f"{r[f'{n}_kernel_extra'] * 1e6:.2f}"]
-            row += [str(sum(r[f"{n}_wrong"] for n in DTYPES))]
+            row += [str(sum(r[f"{n}_wrong"] for n in DTYPES)), r["algorithm"]]
             out.append("| " + " | ".join(row) + " |")
         out.append("")
     return out

@@ -320,7 +320,9 @@ def test_dtypes_benchmark_and_page(tmp_path):
     first = data["variants"]["auto"]["rows"][0]
     want = f"| 1 KiB | {first['float32'] * 1e6:.2f} | {first['bfloat16'] * 1e6:.2f} |"
     assert want in page.stdout, page.stdout
+    assert first["algorithm"] == "one-shot"  # 1 KiB: every dtype's default
     tail = f"| {first['float16_extra'] * 1e6:.2f} | {first['float16_kernel_extra'] * 1e6:.2f} | 0 |"
+    tail += " one-shot |"
     assert tail in page.stdout, page.stdout
 
 
