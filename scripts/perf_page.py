@@ -460,7 +460,7 @@ def main(bench_dir: str) -> None:
         'yields at once (docs/ENGINE.md, "Waiting"); the 4- and 8-rank tables above are such '
         "worlds on this machine's cores (rank r pinned to CPU r mod the CPU count).",
         "- What was tried and not kept, and why the switch points are where they are: "
-        'docs/ENGINE.md ("Measured decisions") and docs/COLLECTIVES.md.',
+        "docs/DECISIONS.md.",
         "",
     ]
     sys.stdout.write("\n".join(out))

@@ -24,24 +24,28 @@ SIZES = 9  # buckets per algorithm: then two-shot's
 EXPLORE = 256  # rounds between two chunks of the other kind
 
 
-def calls_until_settled(comm, plain_us, nt_us, algo="one-shot", n=16384 // 4):
-    """Slow one kind down by the fault knob, run all_reduces of 16 KiB by algo
-    until every rank took the other kind (at most 8 exploring periods); the
-    kind in use then, the wrong results, the calls it took, and the stores
-    the engine names for that size."""
+def calls_until_settled(comm, plain_us, nt_us, algo="one-shot", dtype=torch.float32):
+    """Slow one kind down by the fault knob, run all_reduces of 16 KiB of
+    dtype by algo until every rank took the other kind (at most 8 exploring
+    periods); the kind in use then, the wrong results, the calls it took, and
+    the stores the engine names for that size."""
     _testing.set_twoshot_min(comm, -1 if algo == "one-shot" else 0)
     bucket = BUCKET + (SIZES if algo == "two-shot" else 0)
     _testing.fault_stores(comm, plain_us, nt_us)
     want = 1 if plain_us > nt_us else 0
-    xs = [make(r, n, torch.float32, 3).double() for r in range(comm.world_size)]
+    n = 16384 // dtype.itemsize
+    xs = [make(r, n, dtype, 3).double() for r in range(comm.world_size)]
     ref = sum(xs)
     wrong, calls = 0, 0
     try:
         for calls in range(1, 8 * EXPLORE + 1):
-            x = make(comm.rank, n, torch.float32, 3)
+            x = make(comm.rank, n, dtype, 3)
             comm.all_reduce(x)
             if calls % 97 == 0:  # a sample of the results, against float64
-                wrong += not torch.allclose(x.double(), ref, 1e-5, 1e-4)
+                if dtype == torch.float32:
+                    wrong += not torch.allclose(x.double(), ref, 1e-5, 1e-4)
+                else:  # two values summed in float32, rounded once
+                    wrong += not torch.equal(x, ref.to(dtype))
             done = _testing.stores(comm)["nt"][bucket] == want
             # the ranks decide apart: stop together, once every rank chose
             if calls % 64 == 0:
@@ -49,7 +53,7 @@ def calls_until_settled(comm, plain_us, nt_us, algo="one-shot", n=16384 // 4):
                 comm.all_reduce(flag)
                 if flag.item() == 0:
                     break
-        named = engine_of(comm).stores_in_use(4 * n, torch.float32)  # what tpcomm perf says
+        named = engine_of(comm).stores_in_use(16384, dtype)  # what tpcomm perf says
     finally:
         _testing.fault_stores(comm, 0, 0)
         _testing.set_twoshot_min(comm, None)
@@ -83,6 +87,39 @@ def test_the_cheaper_stores_take_over_on_every_rank(algo):
             assert (plain, nt) == (0.0, 0.0)
         other = BUCKET + SIZES - bucket  # the other algorithm's 16 KiB
         assert after["cost"][other] == (0.0, 0.0) and after["nt"][other] == 0
+
+
+def two_classes(comm):
+    """bfloat16 calls with plain stores made slow, then float32 calls: what
+    each taught rank 0."""
+    first = calls_until_settled(comm, 40.0, 0.0, dtype=torch.bfloat16)
+    after16 = _testing.stores(comm)
+    x = torch.ones(4096)
+    for _ in range(3 * EXPLORE):
+        comm.all_reduce(x.fill_(1))
+    return first, after16, _testing.stores(comm), x.tolist() == [2.0] * 4096
+
+
+@pytest.mark.skipif(not NT_KERNELS, reason="no non-temporal copy here: the choice is off")
+def test_the_16_bit_floats_keep_costs_of_their_own():
+    """Their reduce costs more a byte, so a trial of one kind on a float32
+    chunk against the other kind's average of bfloat16 chunks would flip the
+    choice for no change of the machine: rank 0 keeps their costs apart, and
+    each class decides on its own (the choice itself is one per size)."""
+    with LocalGroup(2, timeout=120) as g:
+        res = g.run(two_classes, timeout=300)
+    for r, (first, after16, after, ok) in enumerate(res):
+        assert first[:2] == (1, 0), first  # bfloat16 alone chose non-temporal
+        assert ok
+        if r == 0:
+            assert all(c > 0 for c in after16["cost16"][BUCKET])  # both kinds timed
+            assert after16["cost"][BUCKET] == (0.0, 0.0)  # float32's untouched
+            # float32 timed its own (without the fault it may choose plain
+            # again), and left the 16-bit floats' costs as they were
+            assert any(c > 0 for c in after["cost"][BUCKET])
+            assert after["cost16"][BUCKET] == after16["cost16"][BUCKET]
+        else:  # the others time nothing
+            assert after["cost"][BUCKET] == after["cost16"][BUCKET] == (0.0, 0.0)
 
 
 def stores_state(comm):

@@ -25,7 +25,11 @@
  * header, which every rank reads before its copy.  Two chunks in every
  * STORE_EXPLORE rounds use the other kind, on every rank at once (the round
  * numbers are the same everywhere), the second timed; a kind that costs under
- * 0.8 of the one in use takes over.  A timed part that took more than twice
+ * 0.8 of the one in use takes over.  The averages are kept apart for the
+ * 16-bit floats, whose reduce costs more a byte (their costs against their
+ * own; a trial on a float32 chunk measured against the average of bfloat16
+ * ones would flip the choice for no change of state); the choice itself is
+ * one per bucket, the machine's state moving both alike.  A timed part that took more than twice
  * the average counts as twice (a preempted call moves it a little; a change
  * of state moves it sample by sample).  Only the copies' speed changes: the
  * bytes, so the bits, are the same either way, and a rank that reads the
@@ -38,6 +42,7 @@
 
 typedef struct {
     int b;          /* bucket, -1: not chosen as it runs (nt_min decides) */
+    int cls;        /* reduce class: 1 for bfloat16 and float16, else 0 */
     int nt;         /* the stores of this chunk (when b >= 0) */
     int timed;      /* rank 0 times this chunk */
     uint64_t spent; /* ticks in the timed parts so far */
@@ -69,8 +74,6 @@ static inline int nt_window(const Engine *e, size_t n)
     return n >= e->nt_min && n <= e->nt_max;
 }
 
-/* A chunk of `bytes` by `algo` (0 one-shot, 1 two-shot: `rounds` rounds a
- * chunk) begins: its bucket, stores and whether it is timed. */
 /* The bucket of a chunk of `bytes` by `algo` (0 one-shot, 1 two-shot) whose
  * stores are chosen as it runs, -1 where nt_min decides them */
 static int store_bucket(const Engine *e, size_t bytes, int algo)
@@ -80,9 +83,12 @@ static int store_bucket(const Engine *e, size_t bytes, int algo)
     return size_bucket(bytes, STORE_MIN_LOG2, STORE_SIZES) + algo * STORE_SIZES;
 }
 
-static stores_t store_begin(Engine *e, size_t bytes, int algo, unsigned rounds)
+/* A chunk of `bytes` of dtype by `algo` (0 one-shot, 1 two-shot: `rounds`
+ * rounds a chunk) begins: its bucket, reduce class, stores and whether it is
+ * timed. */
+static stores_t store_begin(Engine *e, size_t bytes, int dtype, int algo, unsigned rounds)
 {
-    stores_t sc = {store_bucket(e, bytes, algo), 0, 0, 0, 0};
+    stores_t sc = {store_bucket(e, bytes, algo), dtype == DT_BF16 || dtype == DT_F16, 0, 0, 0, 0};
     if (sc.b < 0)
         return sc;
     const unsigned phase = (unsigned)(e->round & (STORE_EXPLORE - 1));
@@ -137,9 +143,13 @@ static void store_resume(stores_t *sc)
         sc->mark = ticks();
 }
 
+/* whether any chunk of bucket b was timed (either reduce class) */
 static int store_timed(const Engine *e, int b)
 {
-    return e->stores.cost[b][0] > 0.0f || e->stores.cost[b][1] > 0.0f;
+    for (int k = 0; k < 2; k++)
+        if (e->stores.cost[k][b][0] > 0.0f || e->stores.cost[k][b][1] > 0.0f)
+            return 1;
+    return 0;
 }
 
 /*
@@ -183,7 +193,7 @@ static void store_end(Engine *e, stores_t *sc, size_t bytes)
     if (!sc->timed)
         return;
     store_pause(sc);
-    float x = (float)sc->spent * 1024.0f / (float)bytes, *c = e->stores.cost[sc->b];
+    float x = (float)sc->spent * 1024.0f / (float)bytes, *c = e->stores.cost[sc->cls][sc->b];
     const int nt = sc->nt, cur = e->stores.nt[sc->b], first = !store_timed(e, sc->b);
     if (c[nt] > 0.0f && x > 2.0f * c[nt])
         x = 2.0f * c[nt];
@@ -236,7 +246,8 @@ PyObject *eng_set_stores_auto(Engine *e, PyObject *arg)
 }
 
 /* stores() -> {"on", "nt": [per bucket], "cost": [[plain, nt] ticks per KiB],
- * "switches", "followed_nt", "min_bytes", "sizes", "nt_copies"}: what the
+ * "cost16": the same for bfloat16 and float16, "switches", "followed_nt",
+ * "min_bytes", "sizes", "nt_copies"}: what the
  * all_reduce chunks learnt; the buckets: one-shot by size (a power of two
  * from min_bytes; `sizes` of them, the last from 1 MiB up), then two-shot the
  * same; followed_nt: the other collectives' copies that followed a
@@ -246,18 +257,22 @@ PyObject *eng_stores(Engine *e, PyObject *unused)
 {
     (void)unused;
     PyObject *nt = PyList_New(STORE_BUCKETS), *cost = PyList_New(STORE_BUCKETS);
-    if (!nt || !cost) {
+    PyObject *cost16 = PyList_New(STORE_BUCKETS);
+    if (!nt || !cost || !cost16) {
         Py_XDECREF(nt);
         Py_XDECREF(cost);
+        Py_XDECREF(cost16);
         return NULL;
     }
     for (int b = 0; b < STORE_BUCKETS; b++) {
         PyList_SET_ITEM(nt, b, PyLong_FromLong(e->stores.nt[b]));
-        PyList_SET_ITEM(cost, b, Py_BuildValue("(dd)", (double)e->stores.cost[b][0],
-                                               (double)e->stores.cost[b][1]));
+        const float *c = e->stores.cost[0][b], *c16 = e->stores.cost[1][b];
+        PyList_SET_ITEM(cost, b, Py_BuildValue("(dd)", (double)c[0], (double)c[1]));
+        PyList_SET_ITEM(cost16, b, Py_BuildValue("(dd)", (double)c16[0], (double)c16[1]));
     }
-    return Py_BuildValue("{s:O,s:N,s:N,s:K,s:K,s:K,s:i,s:O}", "on",
-                         e->stores.on ? Py_True : Py_False, "nt", nt, "cost", cost, "switches",
+    return Py_BuildValue("{s:O,s:N,s:N,s:N,s:K,s:K,s:K,s:i,s:O}", "on",
+                         e->stores.on ? Py_True : Py_False, "nt", nt, "cost", cost, "cost16",
+                         cost16, "switches",
                          (unsigned long long)e->stores.switches, "followed_nt",
                          (unsigned long long)e->stores.followed_nt, "min_bytes",
                          (unsigned long long)(1u << STORE_MIN_LOG2), "sizes", STORE_SIZES,
@@ -286,7 +301,7 @@ static int twoshot_chunk(Engine *e, char *src, size_t m, int dtype, int op, uint
     const int p = (int)(n & 1);
     const size_t in_at = slot_pos(e, n, m * es), out_at = slot_pos(e, n + 1, m * es);
     char *in = slot_of(e, me, p) + in_at;
-    stores_t sc = store_begin(e, m * es, 1, 2);
+    stores_t sc = store_begin(e, m * es, dtype, 1, 2);
     par_copy(e->pool, in, src, lo * es, store_nt(e, &sc, lo * es));
     par_copy(e->pool, in + hi * es, src + hi * es, (m - hi) * es, store_nt(e, &sc, (m - hi) * es));
     int st = sync_untimed(e, &sc, kind, dtype, op, count, arg, ts);
@@ -319,7 +334,7 @@ static int oneshot_chunk(Engine *e, char *src, size_t m, int dtype, int op, uint
     const uint64_t n = e->round + 1;
     const int p = (int)(n & 1);
     const size_t at = slot_pos(e, n, bytes);
-    stores_t sc = store_begin(e, bytes, 0, 1);
+    stores_t sc = store_begin(e, bytes, dtype, 0, 1);
     par_copy(e->pool, slot_of(e, e->rank, p) + at, src, bytes, store_nt(e, &sc, bytes));
     int st = sync_untimed(e, &sc, kind, dtype, op, count, arg, ts);
     if (st != ST_OK)

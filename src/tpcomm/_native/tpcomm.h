@@ -322,7 +322,10 @@ typedef struct {
     struct {
         int on;                            /* set_stores_auto; off: nt_min decides */
         uint8_t nt[STORE_BUCKETS];         /* in use per size: 1 non-temporal */
-        float cost[STORE_BUCKETS][2];      /* ticks per KiB out of the waits (0: unknown) */
+        /* ticks per KiB out of the waits (0: unknown), per reduce class
+         * (0: float32 and the integers; 1: bfloat16 and float16, whose
+         * reduce costs more a byte), bucket and kind */
+        float cost[2][STORE_BUCKETS][2];
         uint64_t switches;                 /* changes of mind, for tests and doctor */
         uint64_t followed_nt;              /* other collectives' copies that followed a
                                             * non-temporal choice (slot_stores_nt) */
