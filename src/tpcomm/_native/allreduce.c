@@ -26,23 +26,32 @@
  * STORE_EXPLORE rounds use the other kind, on every rank at once (the round
  * numbers are the same everywhere), the second timed; a kind that costs under
  * 0.8 of the one in use takes over.  The averages are kept apart for the
- * 16-bit floats, whose reduce costs more a byte (their costs against their
- * own; a trial on a float32 chunk measured against the average of bfloat16
- * ones would flip the choice for no change of state); the choice itself is
- * one per bucket, the machine's state moving both alike.  A timed part that took more than twice
- * the average counts as twice (a preempted call moves it a little; a change
- * of state moves it sample by sample).  Only the copies' speed changes: the
- * bytes, so the bits, are the same either way, and a rank that reads the
- * choice a chunk late is merely slower for a chunk.  Off where an explicit
+ * 16-bit floats, whose reduce costs more a byte (wide_floats: their costs
+ * against their own; a trial on a float32 chunk measured against the average
+ * of bfloat16 ones would flip the choice for no change of state); the choice
+ * itself is one per bucket, the machine's state moving both alike.  A timed
+ * part that took more than twice the average counts as twice (a preempted
+ * call moves it a little; a change of state moves it sample by sample).
+ * Only the copies' speed changes: the bytes, so the bits, are the same
+ * either way, and a rank that reads the choice a chunk late is merely slower
+ * for a chunk.  Off where an explicit
  * TPCOMM_NT_MIN_BYTES fixes the stores (then nt_min decides), where no
  * non-temporal copy exists (copy_nt_available), and for a chunk that a
  * rank's threads share.
  */
 #define STORE_EXPLORE 256u
 
+/* bfloat16 and float16: a reduce that costs more a byte than float32's (the
+ * conversions), so their own two-shot switch point and their own costs of
+ * the stores */
+static inline int wide_floats(int dtype)
+{
+    return dtype == DT_BF16 || dtype == DT_F16;
+}
+
 typedef struct {
     int b;          /* bucket, -1: not chosen as it runs (nt_min decides) */
-    int cls;        /* reduce class: 1 for bfloat16 and float16, else 0 */
+    int cls;        /* reduce class: wide_floats(dtype) */
     int nt;         /* the stores of this chunk (when b >= 0) */
     int timed;      /* rank 0 times this chunk */
     uint64_t spent; /* ticks in the timed parts so far */
@@ -88,7 +97,7 @@ static int store_bucket(const Engine *e, size_t bytes, int algo)
  * timed. */
 static stores_t store_begin(Engine *e, size_t bytes, int dtype, int algo, unsigned rounds)
 {
-    stores_t sc = {store_bucket(e, bytes, algo), dtype == DT_BF16 || dtype == DT_F16, 0, 0, 0, 0};
+    stores_t sc = {store_bucket(e, bytes, algo), wide_floats(dtype), 0, 0, 0, 0};
     if (sc.b < 0)
         return sc;
     const unsigned phase = (unsigned)(e->round & (STORE_EXPLORE - 1));
@@ -398,7 +407,7 @@ ar_plan_t ar_plan(const Engine *e, size_t bytes, int dtype, int symmetric)
         pl.chunk = 0;
         pl.arg = ARG_SINGLE_COPY;
     } else {
-        const int wide = dtype == DT_BF16 || dtype == DT_F16;
+        const int wide = wide_floats(dtype);
         const uint64_t two_min = wide ? e->twoshot_min16 : e->twoshot_min;
         const uint64_t two_max = wide ? e->twoshot_max16 : e->twoshot_max;
         pl.algo = bytes >= two_min && bytes <= two_max ? AR_TWOSHOT : AR_ONESHOT;
