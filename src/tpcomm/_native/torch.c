@@ -255,12 +255,10 @@ PyObject *eng_fast_all_reduce(Engine *e, PyObject *const *args, Py_ssize_t nargs
     }
     if (!op)
         op = e->tv->ops[OP_SUM];
-    int opc = -1, dtc = -1;
+    int dtc = -1;
     if (!fast_ready(e) || Py_TYPE(t) != e->tv->tensor_type)
         return call_fallback(e, t, op);
-    for (int i = 0; i < OP_COUNT; i++)
-        if (op == e->tv->ops[i])
-            opc = i;
+    const int opc = op_code(e, op);
     PyObject *dt = descr_get(e->tv->d_dtype, t);
     if (!dt)
         return NULL;
