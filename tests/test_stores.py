@@ -24,14 +24,17 @@ SIZES = 9  # buckets per algorithm: then two-shot's
 EXPLORE = 256  # rounds between two chunks of the other kind
 
 
-def calls_until_settled(comm, plain_us, nt_us, algo="one-shot", dtype=torch.float32):
-    """Slow one kind down by the fault knob, run all_reduces of 16 KiB of
-    dtype by algo until every rank took the other kind (at most 8 exploring
-    periods); the kind in use then, the wrong results, the calls it took, and
-    the stores the engine names for that size."""
+def calls_until_settled(
+    comm, plain_us, nt_us, algo="one-shot", dtype=torch.float32, leftover=(0.0, 0)
+):
+    """Slow one kind down by the fault knob (and the first leftover[1] plain
+    chunks after non-temporal ones by leftover[0] us), run all_reduces of 16
+    KiB of dtype by algo until every rank took the other kind (at most 8
+    exploring periods); the kind in use then, the wrong results, the calls it
+    took, and the stores the engine names for that size."""
     _testing.set_twoshot_min(comm, -1 if algo == "one-shot" else 0)
     bucket = BUCKET + (SIZES if algo == "two-shot" else 0)
-    _testing.fault_stores(comm, plain_us, nt_us)
+    _testing.fault_stores(comm, plain_us, nt_us, *leftover)
     want = 1 if plain_us > nt_us else 0
     n = 16384 // dtype.itemsize
     xs = [make(r, n, dtype, 3).double() for r in range(comm.world_size)]
@@ -46,7 +49,8 @@ def calls_until_settled(comm, plain_us, nt_us, algo="one-shot", dtype=torch.floa
                     wrong += not torch.allclose(x.double(), ref, 1e-5, 1e-4)
                 else:  # two values summed in float32, rounded once
                     wrong += not torch.equal(x, ref.to(dtype))
-            done = _testing.stores(comm)["nt"][bucket] == want
+            state = _testing.stores(comm)
+            done = state["nt"][bucket] == want and bucket not in state["trying"]
             # the ranks decide apart: stop together, once every rank chose
             if calls % 64 == 0:
                 flag = torch.tensor([0 if done else 1])
@@ -87,6 +91,75 @@ def test_the_cheaper_stores_take_over_on_every_rank(algo):
             assert (plain, nt) == (0.0, 0.0)
         other = BUCKET + SIZES - bucket  # the other algorithm's 16 KiB
         assert after["cost"][other] == (0.0, 0.0) and after["nt"][other] == 0
+
+
+def leftovers(comm):
+    """Non-temporal stores chosen (plain made slow); then non-temporal ones
+    cost 10 us more a chunk and plain ones nothing once settled, but 12 us
+    more on each of their first 4 chunks after non-temporal ones: what the
+    lines non-temporal stores sent to memory cost the plain stores after
+    them, and all a trial's second chunk sees of plain stores."""
+    first = calls_until_settled(comm, 40.0, 0.0)
+    before = _testing.stores(comm)
+    back = calls_until_settled(comm, 0.0, 10.0, leftover=(12.0, 4))
+    return first, before, back, _testing.stores(comm)
+
+
+@pytest.mark.skipif(not NT_KERNELS, reason="no non-temporal copy here: the choice is off")
+def test_plain_stores_that_pay_for_leftovers_on_trial_still_take_back_over():
+    """A trial of plain stores after non-temporal ones costs more than plain
+    stores do once settled (1 MiB on AMD Zen 4: 2.1-2.8x), about what the
+    non-temporal ones cost: alone it would never switch back.  A probation
+    runs them long enough to see their steady cost, and keeps them."""
+    with LocalGroup(2, timeout=120) as g:
+        res = g.run(leftovers, timeout=300)
+    for r, (first, before, back, after) in enumerate(res):
+        assert first[:2] == (1, 0), first
+        assert back[:2] == (0, 0), back  # plain again, results right
+        assert back[3] == "plain"
+        if r == 0:  # rank 0 put each kind on probation and kept it
+            assert after["probations"] > before["probations"] >= 1
+            assert after["kept"] > before["kept"] >= 1
+            assert after["trying"] == []
+            plain, nt = after["cost"][BUCKET]
+            assert plain < 0.9 * nt  # plain's cost is its settled one
+        else:
+            assert after["probations"] == after["kept"] == 0
+
+
+def failed_probations(comm, periods):
+    """Non-temporal stores chosen (plain made slow) and kept that way for
+    `periods` exploring periods more: how many probations of plain stores
+    rank 0 ran in them, and the kind in use after."""
+    first = calls_until_settled(comm, 40.0, 0.0)
+    _testing.set_twoshot_min(comm, -1)
+    _testing.fault_stores(comm, 40.0, 0.0)
+    try:
+        before = _testing.stores(comm)["probations"]
+        x = torch.ones(4096)
+        for _ in range(periods * EXPLORE):
+            comm.all_reduce(x.fill_(1))
+        state = _testing.stores(comm)
+    finally:
+        _testing.fault_stores(comm, 0.0, 0.0)
+        _testing.set_twoshot_min(comm, None)
+    return first, state["probations"] - before, state["nt"][BUCKET], x.tolist() == [2.0] * 4096
+
+
+@pytest.mark.skipif(not NT_KERNELS, reason="no non-temporal copy here: the choice is off")
+def test_failed_probations_of_plain_stores_come_ever_more_rarely():
+    """Where non-temporal stores do cost less, each probation of plain ones
+    fails and doubles the trials before the next (1, 2, 4 ... 128): in 40
+    exploring periods about 5 probations, not 40."""
+    with LocalGroup(2, timeout=120) as g:
+        res = g.run(failed_probations, 40, timeout=300)
+    for r, (first, probations, nt, ok) in enumerate(res):
+        assert first[:2] == (1, 0), first
+        assert nt == 1 and ok
+        if r == 0:
+            assert 3 <= probations <= 6, probations
+        else:
+            assert probations == 0
 
 
 def two_classes(comm):

@@ -253,12 +253,19 @@ def learning_afresh(comm):
     return eng
 
 
+def chosen_stores(eng):
+    """Each size's stores as rank 0 chose them (1: non-temporal): the bits in
+    use, but the kind it had where a probation tries the other one."""
+    st = eng.stores()
+    return [nt ^ (b in st["trying"]) for b, nt in enumerate(st["nt"])]
+
+
 def with_slow_stores(comm, calls, zc_us, plain_us, nt_us):
     """Zero copy made zc_us slower on rank 0 and the copies slower by
     plain_us on plain stores, nt_us on non-temporal ones, the stores starting
     plain: each call's rounds (3: zero copy; 2: the copies, two-shot),
     whether every result was right, the choice at the end for this size (1:
-    the copies), the stores' bits (1: non-temporal) and rank 0's costs for
+    the copies), the stores chosen (1: non-temporal) and rank 0's costs for
     the size (zero copy, the copies on plain stores, on non-temporal ones)."""
     eng = learning_afresh(comm)
     x = comm.empty((1 << 17,), torch.float32)
@@ -268,7 +275,7 @@ def with_slow_stores(comm, calls, zc_us, plain_us, nt_us):
             eng.fault_stores(plain_us, nt_us)
         rounds, right = counted_calls(comm, x, calls)
         st = eng.zero_copy_state()
-        return rounds, right, st["copies"][1], eng.stores()["nt"], st["cost"][1]
+        return rounds, right, st["copies"][1], chosen_stores(eng), st["cost"][1]
     finally:
         eng.fault_zero_copy(0.0)
         eng.fault_stores(0.0, 0.0)
@@ -318,7 +325,7 @@ def turns_slow(comm):
     machine "turns slow": zero copy 20 ms slower, the copies 40 ms slower on
     plain stores, not at all on non-temporal ones (more than a VM's pause).  Each call's rounds in
     the second phase, whether every result was right, the choice at the end
-    (1: the copies) and the stores' bits."""
+    (1: the copies) and the stores chosen."""
     eng = learning_afresh(comm)
     x = comm.empty((1 << 17,), torch.float32)
     try:
@@ -329,7 +336,7 @@ def turns_slow(comm):
             eng.fault_zero_copy(20000.0)
             eng.fault_stores(40000.0, 0.0)
         rounds, ok = counted_calls(comm, x, 80)
-        state = eng.zero_copy_state()["copies"][1], eng.stores()["nt"]
+        state = eng.zero_copy_state()["copies"][1], chosen_stores(eng)
     finally:
         eng.fault_zero_copy(0.0)
         eng.fault_stores(0.0, 0.0)

@@ -123,10 +123,14 @@ def stores(comm: Any) -> dict:
     return _eng(comm).stores()
 
 
-def fault_stores(comm: Any, plain_us: float, nt_us: float) -> None:
+def fault_stores(
+    comm: Any, plain_us: float, nt_us: float, leftover_us: float = 0.0, chunks: int = 0
+) -> None:
     """Make the plain / non-temporal copies of all_reduce chunks (those that
-    choose their stores as they run) this much slower."""
-    _eng(comm).fault_stores(plain_us, nt_us)
+    choose their stores as they run) this much slower, and the first ``chunks``
+    plain ones of a size after a non-temporal one ``leftover_us`` more (the
+    lines non-temporal stores left in memory)."""
+    _eng(comm).fault_stores(plain_us, nt_us, leftover_us, chunks)
 
 
 def fault_check_delay(comm: Any, us: float) -> None:

@@ -24,8 +24,9 @@
  * every rank must store alike: rank 0 decides and writes its choice into the
  * header, which every rank reads before its copy.  Two chunks in every
  * STORE_EXPLORE rounds use the other kind, on every rank at once (the round
- * numbers are the same everywhere), the second timed; a kind that costs under
- * 0.8 of the one in use takes over.  The averages are kept apart for the
+ * numbers are the same everywhere), the second timed.  A trial does not
+ * switch by itself: it starts a probation (below), in which the other kind
+ * runs and rank 0 times it once settled.  The averages are kept apart for the
  * 16-bit floats, whose reduce costs more a byte (wide_floats: their costs
  * against their own; a trial on a float32 chunk measured against the average
  * of bfloat16 ones would flip the choice for no change of state); the choice
@@ -41,6 +42,40 @@
  */
 #define STORE_EXPLORE 256u
 
+/*
+ * Probation.  A trial's second chunk tells the steady cost of non-temporal
+ * stores (they take no line first), but not that of plain ones after
+ * non-temporal ones: the lines they write were sent to memory, not left in
+ * any cache, and a plain store must first take each back.  That lasts until
+ * the copies have gone once round their places in the slots (trial_warm):
+ * a 1 MiB two-shot all_reduce on AMD Zen 4 took 84, 79, 79, 63, then 52 us
+ * after the switch, and its trials timed plain stores at 2.1-2.8x their
+ * steady cost, about what non-temporal ones cost; a run that had chosen
+ * non-temporal stores on its first calls (which pay for the segment's first
+ * touch) kept them for seconds at 1.65x the time (docs/DECISIONS.md).
+ *
+ * So a trial of the other kind that costs under 0.8 of the kind in use, or
+ * any trial of plain stores once `wait` such trials have passed, puts the
+ * bucket on probation: rank 0 times STORE_PROBATION chunks of the kind in
+ * use afresh (its average may be of another minute), then flips the
+ * bucket's choice, and its chunks run the other kind (every rank stores
+ * alike: they follow the header); each time it lets trial_warm chunks pass
+ * first (a trial's chunks of the other kind came just before).  The other
+ * kind's mean under STORE_KEEP of the first keeps it; over twice the first
+ * after two chunks, or not under it after all, and the choice goes back,
+ * and the wait before the next probation of plain
+ * stores doubles (1, 2, 4 ... 128 trials).  Where non-temporal stores do
+ * cost less, by seconds on a shared VM, plain ones can cost 6x them (1 MiB
+ * two-shot on AMD Zen 4: 480 against 80 us a call); a probation then ends
+ * two timed chunks after its warm-up, and in the long run one comes every
+ * 128 x 256 rounds.
+ * Non-temporal stores are not tried on probation unless their trial says
+ * so: they leave nothing behind that their trial would miss.
+ */
+#define STORE_PROBATION 8
+#define STORE_KEEP 0.9f
+#define STORE_BACKOFF_MAX 7 /* wait: uint8_t */
+
 /* bfloat16 and float16: a reduce that costs more a byte than float32's (the
  * conversions), so their own two-shot switch point and their own costs of
  * the stores */
@@ -54,6 +89,7 @@ typedef struct {
     int cls;        /* reduce class: wide_floats(dtype) */
     int nt;         /* the stores of this chunk (when b >= 0) */
     int timed;      /* rank 0 times this chunk */
+    int prob;       /* ... for its bucket's probation */
     uint64_t spent; /* ticks in the timed parts so far */
     uint64_t mark;  /* when the current part began */
 } stores_t;
@@ -97,14 +133,18 @@ static int store_bucket(const Engine *e, size_t bytes, int algo)
  * timed. */
 static stores_t store_begin(Engine *e, size_t bytes, int dtype, int algo, unsigned rounds)
 {
-    stores_t sc = {store_bucket(e, bytes, algo), wide_floats(dtype), 0, 0, 0, 0};
+    stores_t sc = {store_bucket(e, bytes, algo), wide_floats(dtype), 0, 0, 0, 0, 0};
     if (sc.b < 0)
         return sc;
     const unsigned phase = (unsigned)(e->round & (STORE_EXPLORE - 1));
     const int explore = phase < 2 * rounds;
     sc.nt = store_choice(e, sc.b) ^ explore;
     e->stores.explored += (uint64_t)explore;
-    sc.timed = e->rank == 0 && ((phase >= rounds && phase < 2 * rounds) || (phase / rounds) % 16 == 5);
+    if (e->rank == 0 && e->stores.prob[sc.b]) /* on probation: its class's own chunks */
+        sc.timed = sc.prob = !explore && e->stores.prob[sc.b] == sc.cls + 1;
+    else
+        sc.timed = e->rank == 0 &&
+                   ((phase >= rounds && phase < 2 * rounds) || (phase / rounds) % 16 == 5);
     if (sc.timed)
         sc.mark = ticks();
     return sc;
@@ -194,23 +234,110 @@ static void store_spread(Engine *e)
         atomic_store_explicit(&HDR(e)->stores, want, memory_order_relaxed);
 }
 
+/* rank 0: bucket b's choice in the header set to nt */
+static void store_set(Engine *e, int b, int nt)
+{
+    if (nt)
+        atomic_fetch_or_explicit(&HDR(e)->stores, 1u << b, memory_order_relaxed);
+    else
+        atomic_fetch_and_explicit(&HDR(e)->stores, ~(1u << b), memory_order_relaxed);
+}
+
+/* rank 0: bucket b goes on probation for the chunks of reduce class cls,
+ * `bytes` each, the kind in use `cur` */
+static void store_probation_begin(Engine *e, int b, int cls, int cur, size_t bytes)
+{
+    e->stores.prob[b] = (uint8_t)(cls + 1);
+    e->stores.prob_stage[b] = 1;
+    e->stores.prob_kind[b] = (uint8_t)cur;
+    e->stores.prob_warm[b] = (uint8_t)trial_warm(e, bytes);
+    e->stores.prob_n[b] = 0;
+    e->stores.prob_sum[b] = 0.0f;
+    e->stores.probations++;
+}
+
+/* rank 0: a timed chunk of bucket b's probation, x ticks per KiB */
+static void store_probation(Engine *e, const stores_t *sc, float x, size_t bytes)
+{
+    const int b = sc->b, cls = sc->cls, had = e->stores.prob_kind[b];
+    const int stage = e->stores.prob_stage[b];
+    if (sc->nt != (stage == 1 ? had : !had)) { /* a zero-copy trial took the bucket */
+        e->stores.prob[b] = 0;
+        return;
+    }
+    if (e->stores.prob_warm[b]) {
+        e->stores.prob_warm[b]--;
+        return;
+    }
+    e->stores.prob_sum[b] += x;
+    const float mean = e->stores.prob_sum[b] / (float)++e->stores.prob_n[b];
+    if (stage == 1) { /* the kind in use, timed afresh: now the other */
+        if (e->stores.prob_n[b] < STORE_PROBATION)
+            return;
+        e->stores.prob_base[b] = mean;
+        e->stores.prob_stage[b] = 2;
+        e->stores.prob_warm[b] = (uint8_t)trial_warm(e, bytes);
+        e->stores.prob_n[b] = 0;
+        e->stores.prob_sum[b] = 0.0f;
+        store_set(e, b, !had);
+        return;
+    }
+    const float base = e->stores.prob_base[b];
+    if (e->stores.prob_n[b] < STORE_PROBATION && !(e->stores.prob_n[b] >= 2 && mean > 2.0f * base))
+        return;
+    float *c = e->stores.cost[cls][b];
+    c[had] = base;
+    c[!had] = mean;
+    e->stores.prob[b] = 0;
+    if (mean < STORE_KEEP * base) {
+        e->stores.kept++;
+        e->stores.backoff[cls][b] = 0;
+        e->stores.wait[cls][b] = 0;
+        store_spread(e);
+        return;
+    }
+    store_set(e, b, had);
+    if (had) { /* plain stores failed theirs: wait longer for the next */
+        if (e->stores.backoff[cls][b] < STORE_BACKOFF_MAX)
+            e->stores.backoff[cls][b]++;
+        e->stores.wait[cls][b] = (uint8_t)(1u << e->stores.backoff[cls][b]);
+    }
+}
+
 /* The chunk is done (rank 0: learn from it) */
 static void store_end(Engine *e, stores_t *sc, size_t bytes)
 {
-    if (sc->b >= 0) /* tests (fault_stores): one kind of store made slow */
-        spin_for_ns(e->fault.store_ns[sc->nt]);
+    if (sc->b >= 0) { /* tests (fault_stores): one kind of store made slow */
+        uint64_t ns = e->fault.store_ns[sc->nt];
+        if (sc->nt != e->fault.last_nt[sc->b])
+            e->fault.since[sc->b] = 0;
+        e->fault.last_nt[sc->b] = (uint8_t)sc->nt;
+        if (!sc->nt && e->fault.since[sc->b]++ < e->fault.leftover_chunks)
+            ns += e->fault.leftover_ns;
+        spin_for_ns(ns);
+    }
     if (!sc->timed)
         return;
     store_pause(sc);
     float x = (float)sc->spent * 1024.0f / (float)bytes, *c = e->stores.cost[sc->cls][sc->b];
-    const int nt = sc->nt, cur = e->stores.nt[sc->b], first = !store_timed(e, sc->b);
+    if (sc->prob) {
+        store_probation(e, sc, x, bytes);
+        return;
+    }
+    const int b = sc->b, cls = sc->cls, nt = sc->nt, cur = e->stores.nt[b];
+    const int first = !store_timed(e, b);
     if (c[nt] > 0.0f && x > 2.0f * c[nt])
         x = 2.0f * c[nt];
     c[nt] = c[nt] == 0.0f ? x : c[nt] + (x - c[nt]) * (nt == cur ? 0.25f : 0.5f);
-    const int flip = c[!cur] > 0.0f && c[!cur] < 0.8f * c[cur];
-    if (flip)
-        atomic_fetch_xor_explicit(&HDR(e)->stores, 1u << sc->b, memory_order_relaxed);
-    if (flip || first)
+    if (nt != cur && c[cur] > 0.0f && e->zc.st_bucket - 1 != b) { /* a trial */
+        const int wins = c[nt] < 0.8f * c[cur];
+        const int due = !nt && !e->stores.wait[cls][b];
+        if (!nt && e->stores.wait[cls][b])
+            e->stores.wait[cls][b]--;
+        if (wins || due)
+            store_probation_begin(e, b, cls, cur, bytes);
+    }
+    if (first)
         store_spread(e);
 }
 
@@ -226,14 +353,19 @@ static int sync_untimed(Engine *e, stores_t *sc, uint32_t kind, int dtype, int o
 
 /* Fault injection for tests: the copies of an all_reduce chunk whose stores
  * are chosen as it runs (allreduce.c) take this many more microseconds,
- * plain and non-temporal ones apart. */
+ * plain and non-temporal ones apart, and the first `chunks` plain ones of a
+ * bucket after a non-temporal one `leftover` more (what the lines that
+ * non-temporal stores sent to memory cost the plain ones after them). */
 PyObject *eng_fault_stores(Engine *e, PyObject *args)
 {
-    double us[2];
-    if (!PyArg_ParseTuple(args, "dd", &us[0], &us[1]))
+    double us[2], left = 0.0;
+    unsigned chunks = 0;
+    if (!PyArg_ParseTuple(args, "dd|dI", &us[0], &us[1], &left, &chunks))
         return NULL;
     for (int k = 0; k < 2; k++)
         e->fault.store_ns[k] = us[k] > 0 ? (uint64_t)(us[k] * 1e3) : 0;
+    e->fault.leftover_ns = left > 0 ? (uint64_t)(left * 1e3) : 0;
+    e->fault.leftover_chunks = chunks;
     Py_RETURN_NONE;
 }
 
@@ -256,7 +388,8 @@ PyObject *eng_set_stores_auto(Engine *e, PyObject *arg)
 
 /* stores() -> {"on", "nt": [per bucket], "cost": [[plain, nt] ticks per KiB],
  * "cost16": the same for bfloat16 and float16, "switches", "followed_nt",
- * "min_bytes", "sizes", "nt_copies"}: what the
+ * "min_bytes", "sizes", "nt_copies", "probations", "kept", "trying": the
+ * buckets whose probation runs the other kind now (rank 0)}: what the
  * all_reduce chunks learnt; the buckets: one-shot by size (a power of two
  * from min_bytes; `sizes` of them, the last from 1 MiB up), then two-shot the
  * same; followed_nt: the other collectives' copies that followed a
@@ -266,11 +399,12 @@ PyObject *eng_stores(Engine *e, PyObject *unused)
 {
     (void)unused;
     PyObject *nt = PyList_New(STORE_BUCKETS), *cost = PyList_New(STORE_BUCKETS);
-    PyObject *cost16 = PyList_New(STORE_BUCKETS);
-    if (!nt || !cost || !cost16) {
+    PyObject *cost16 = PyList_New(STORE_BUCKETS), *trying = PyList_New(0);
+    if (!nt || !cost || !cost16 || !trying) {
         Py_XDECREF(nt);
         Py_XDECREF(cost);
         Py_XDECREF(cost16);
+        Py_XDECREF(trying);
         return NULL;
     }
     for (int b = 0; b < STORE_BUCKETS; b++) {
@@ -278,14 +412,26 @@ PyObject *eng_stores(Engine *e, PyObject *unused)
         const float *c = e->stores.cost[0][b], *c16 = e->stores.cost[1][b];
         PyList_SET_ITEM(cost, b, Py_BuildValue("(dd)", (double)c[0], (double)c[1]));
         PyList_SET_ITEM(cost16, b, Py_BuildValue("(dd)", (double)c16[0], (double)c16[1]));
+        PyObject *bo = e->stores.prob[b] && e->stores.prob_stage[b] == 2 ? PyLong_FromLong(b) : NULL;
+        if (bo && PyList_Append(trying, bo) < 0) {
+            Py_DECREF(bo);
+            Py_DECREF(nt);
+            Py_DECREF(cost);
+            Py_DECREF(cost16);
+            Py_DECREF(trying);
+            return NULL;
+        }
+        Py_XDECREF(bo);
     }
-    return Py_BuildValue("{s:O,s:N,s:N,s:N,s:K,s:K,s:K,s:i,s:O}", "on",
+    return Py_BuildValue("{s:O,s:N,s:N,s:N,s:K,s:K,s:K,s:i,s:O,s:K,s:K,s:N}", "on",
                          e->stores.on ? Py_True : Py_False, "nt", nt, "cost", cost, "cost16",
                          cost16, "switches",
                          (unsigned long long)e->stores.switches, "followed_nt",
                          (unsigned long long)e->stores.followed_nt, "min_bytes",
                          (unsigned long long)(1u << STORE_MIN_LOG2), "sizes", STORE_SIZES,
-                         "nt_copies", copy_nt_available() ? Py_True : Py_False);
+                         "nt_copies", copy_nt_available() ? Py_True : Py_False, "probations",
+                         (unsigned long long)e->stores.probations, "kept",
+                         (unsigned long long)e->stores.kept, "trying", trying);
 }
 
 /*

@@ -687,7 +687,8 @@ static PyMethodDef eng_methods[] = {
     {"all_reduce_plan", (PyCFunction)eng_all_reduce_plan, METH_VARARGS,
      "all_reduce_plan(nbytes, dtype, symmetric) -> (algorithm, chunk, stores)"},
     {"fault_stores", (PyCFunction)eng_fault_stores, METH_VARARGS,
-     "fault_stores(plain_us, nt_us): copy-ins take this much longer (tests)"},
+     "fault_stores(plain_us, nt_us, leftover_us=0, chunks=0): copy-ins take this much longer "
+     "(tests)"},
     {"set_twoshot_min", (PyCFunction)eng_set_twoshot_min, METH_O,
      "set_twoshot_min(nbytes): the all-reduce switch point"},
     {"set_twoshot_min16", (PyCFunction)eng_set_twoshot_min16, METH_O,

@@ -330,6 +330,17 @@ typedef struct {
         uint64_t followed_nt;              /* other collectives' copies that followed a
                                             * non-temporal choice (slot_stores_nt) */
         uint64_t explored;                 /* chunks that used the other kind */
+        /* rank 0's probations (allreduce.c): per bucket, the reduce class on
+         * probation + 1 (0: none), its stage (1: the kind it had, timed
+         * afresh; 2: the other kind), that kind, chunks still to pass
+         * untimed, chunks timed and their ticks per KiB, and stage 1's mean;
+         * per class and bucket, trials to let pass before the next one of
+         * plain stores, and log2 of that wait */
+        uint8_t prob[STORE_BUCKETS], prob_stage[STORE_BUCKETS], prob_kind[STORE_BUCKETS];
+        uint8_t prob_warm[STORE_BUCKETS], prob_n[STORE_BUCKETS];
+        float prob_sum[STORE_BUCKETS], prob_base[STORE_BUCKETS];
+        uint8_t wait[2][STORE_BUCKETS], backoff[2][STORE_BUCKETS];
+        uint64_t probations, kept;         /* begun, and ended with the other kind kept */
     } stores;
     /* zero copy or the copies for a comm.empty tensor, chosen as it runs
      * (zerocopy.c): rank 0's costs, [bucket][0 zero copy, 1 the copies on
@@ -428,6 +439,10 @@ typedef struct {
         uint64_t check_delay_ns; /* sleep before a batch's verdicts */
         int cma_addr;            /* publish an unreadable input address */
         uint64_t store_ns[2];    /* spin this long after a plain / non-temporal copy-in */
+        uint64_t leftover_ns;    /* and this long after the first leftover_chunks plain */
+        unsigned leftover_chunks; /* ones of a bucket after a non-temporal one */
+        uint8_t last_nt[STORE_BUCKETS];   /* per bucket: its last chunk's kind, */
+        unsigned since[STORE_BUCKETS];    /* and its chunks since the kind changed */
         uint64_t zc_ns;          /* spin this long in every zero-copy all-reduce */
     } fault;
 } Engine;
@@ -518,6 +533,22 @@ static inline size_t slot_pos(const Engine *e, uint64_t n, size_t span)
     span = (span + PAGE - 1) & ~(size_t)(PAGE - 1);
     const uint64_t k = span >= e->slot_move_min ? e->slot_bytes / span : 0;
     return k > 1 ? (size_t)((n >> 1) % k) * span : 0;
+}
+
+/*
+ * The calls of copies of `span` bytes a trial of other stores (allreduce.c's
+ * probation) or of the copies (zerocopy.c) lets pass before it times one:
+ * one more than their places in a slot (slot_pos), from 3 to 8.  Until the
+ * copies have gone once round those places, their stores meet lines that the
+ * last way left behind (non-temporal ones: in memory, not in this core's
+ * cache; zero copy's: read by the peers more recently than a round of places
+ * ago), and they cost 1.5-3x their steady time (docs/DECISIONS.md).
+ */
+static inline unsigned trial_warm(const Engine *e, size_t span)
+{
+    span = (span + PAGE - 1) & ~(size_t)(PAGE - 1);
+    const size_t places = span >= e->slot_move_min ? e->slot_bytes / span : 1;
+    return places + 1 < 3 ? 3 : places + 1 > 8 ? 8 : (unsigned)places + 1;
 }
 
 /* where chunk k of the channel from rank s to rank d goes: piece k % P2P_RING

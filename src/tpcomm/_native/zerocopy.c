@@ -272,9 +272,7 @@ static unsigned zc_trial_warm(const Engine *e, size_t bytes, int dtype)
     const ar_plan_t pl = ar_plan(e, bytes, dtype, 0);
     if (pl.algo != AR_ONESHOT && pl.algo != AR_TWOSHOT)
         return 3;
-    const size_t span = (first_chunk(&pl, bytes) + PAGE - 1) & ~(size_t)(PAGE - 1);
-    const size_t places = span >= e->slot_move_min ? e->slot_bytes / span : 1;
-    return places + 1 < 3 ? 3 : places + 1 > 8 ? 8 : (unsigned)places + 1;
+    return trial_warm(e, first_chunk(&pl, bytes));
 }
 
 /* rank 0: the stores' bit of bucket sb in the header set to nt */

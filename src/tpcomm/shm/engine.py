@@ -546,8 +546,10 @@ class ShmEngine:
         """What the all_reduce chunks learnt about their stores (_native/allreduce.c)."""
         return self._native.stores()
 
-    def fault_stores(self, plain_us: float, nt_us: float) -> None:
-        self._native.fault_stores(plain_us, nt_us)
+    def fault_stores(
+        self, plain_us: float, nt_us: float, leftover_us: float = 0.0, chunks: int = 0
+    ) -> None:
+        self._native.fault_stores(plain_us, nt_us, leftover_us, chunks)
 
     def zero_copy_state(self) -> dict:
         """What rank 0's choice of zero copy or the copies learnt, and the
