@@ -113,7 +113,8 @@ def main(argv=None) -> int:
     st = res[0]["stores"]
     n = st["sizes"]
     print(f"# rank 0's choice at the end, by size from 4 KiB (1: non-temporal): one-shot "
-          f"{st['nt'][:n]}, two-shot {st['nt'][n:]}; {st['switches']} changes of mind")  # fmt: skip
+          f"{st['nt'][:n]}, two-shot {st['nt'][n:]}; {st['switches']} changes of mind, "
+          f"{st['kept']} of {st['probations']} probations kept")  # fmt: skip
     return 0
 
 
