@@ -162,6 +162,48 @@ def test_failed_probations_of_plain_stores_come_ever_more_rarely():
             assert probations == 0
 
 
+def probation_left_alone(comm):
+    """bfloat16 calls with plain stores made slow until rank 0's probation
+    runs non-temporal stores; then only float32 calls of the same size: the
+    choice, the probation and the results after 70 of them."""
+    _testing.set_twoshot_min(comm, -1)
+    _testing.fault_stores(comm, 40.0, 0.0)
+    n = 16384 // 2
+    try:
+        for _ in range(4 * EXPLORE):
+            comm.all_reduce(torch.ones(n, dtype=torch.bfloat16))
+            flag = torch.tensor([int(BUCKET in _testing.stores(comm)["trying"])])
+            comm.broadcast(flag, 0)
+            if flag.item():
+                break
+        during = _testing.stores(comm), engine_of(comm).stores_in_use(16384, torch.float32)
+        _testing.fault_stores(comm, 0.0, 0.0)
+        x = torch.ones(4096)
+        for _ in range(70):
+            comm.all_reduce(x.fill_(1))
+        after = _testing.stores(comm), engine_of(comm).stores_in_use(16384, torch.float32)
+    finally:
+        _testing.fault_stores(comm, 0.0, 0.0)
+        _testing.set_twoshot_min(comm, None)
+    return during, after, x.tolist() == [2.0] * 4096
+
+
+@pytest.mark.skipif(not NT_KERNELS, reason="no non-temporal copy here: the choice is off")
+def test_a_probation_whose_class_stops_coming_is_dropped():
+    """A probation times its own reduce class's chunks only.  Where they stop
+    coming, the other class's chunks would run its trial kind for good,
+    untimed: after 64 of them it is dropped, the choice as it was."""
+    with LocalGroup(2, timeout=120) as g:
+        res = g.run(probation_left_alone, timeout=300)
+    for r, ((during, named), (after, named_after), ok) in enumerate(res):
+        assert ok
+        assert named == "nt"  # the probation's trial kind, on every rank
+        assert named_after == "plain"  # as before it
+        if r == 0:
+            assert during["trying"] == [BUCKET] and after["trying"] == []
+            assert after["kept"] == during["kept"]
+
+
 def two_classes(comm):
     """bfloat16 calls with plain stores made slow, then float32 calls: what
     each taught rank 0."""

@@ -75,6 +75,10 @@
 #define STORE_PROBATION 8
 #define STORE_KEEP 0.9f
 #define STORE_BACKOFF_MAX 7 /* wait: uint8_t */
+/* chunks of the other reduce class after which a probation is dropped,
+ * its choice as it was: where its own class stopped coming, the others
+ * would run its trial kind for good, untimed */
+#define STORE_OTHERS 64
 
 /* bfloat16 and float16: a reduce that costs more a byte than float32's (the
  * conversions), so their own two-shot switch point and their own costs of
@@ -131,6 +135,8 @@ static int store_bucket(const Engine *e, size_t bytes, int algo)
 /* A chunk of `bytes` of dtype by `algo` (0 one-shot, 1 two-shot: `rounds`
  * rounds a chunk) begins: its bucket, reduce class, stores and whether it is
  * timed. */
+static void store_probation_drop(Engine *e, int b);
+
 static stores_t store_begin(Engine *e, size_t bytes, int dtype, int algo, unsigned rounds)
 {
     stores_t sc = {store_bucket(e, bytes, algo), wide_floats(dtype), 0, 0, 0, 0, 0};
@@ -140,9 +146,11 @@ static stores_t store_begin(Engine *e, size_t bytes, int dtype, int algo, unsign
     const int explore = phase < 2 * rounds;
     sc.nt = store_choice(e, sc.b) ^ explore;
     e->stores.explored += (uint64_t)explore;
-    if (e->rank == 0 && e->stores.prob[sc.b]) /* on probation: its class's own chunks */
+    if (e->rank == 0 && e->stores.prob[sc.b]) { /* on probation: its class's own chunks */
         sc.timed = sc.prob = !explore && e->stores.prob[sc.b] == sc.cls + 1;
-    else
+        if (!explore && !sc.prob && ++e->stores.prob_other[sc.b] >= STORE_OTHERS)
+            store_probation_drop(e, sc.b);
+    } else
         sc.timed = e->rank == 0 &&
                    ((phase >= rounds && phase < 2 * rounds) || (phase / rounds) % 16 == 5);
     if (sc.timed)
@@ -252,8 +260,17 @@ static void store_probation_begin(Engine *e, int b, int cls, int cur, size_t byt
     e->stores.prob_kind[b] = (uint8_t)cur;
     e->stores.prob_warm[b] = (uint8_t)trial_warm(e, bytes);
     e->stores.prob_n[b] = 0;
+    e->stores.prob_other[b] = 0;
     e->stores.prob_sum[b] = 0.0f;
     e->stores.probations++;
+}
+
+/* rank 0: bucket b's probation ends undecided, its choice as it was */
+static void store_probation_drop(Engine *e, int b)
+{
+    if (e->stores.prob_stage[b] == 2)
+        store_set(e, b, e->stores.prob_kind[b]);
+    e->stores.prob[b] = 0;
 }
 
 /* rank 0: a timed chunk of bucket b's probation, x ticks per KiB */

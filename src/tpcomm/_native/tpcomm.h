@@ -333,11 +333,12 @@ typedef struct {
         /* rank 0's probations (allreduce.c): per bucket, the reduce class on
          * probation + 1 (0: none), its stage (1: the kind it had, timed
          * afresh; 2: the other kind), that kind, chunks still to pass
-         * untimed, chunks timed and their ticks per KiB, and stage 1's mean;
+         * untimed, chunks timed and their ticks per KiB, chunks of the other
+         * class seen (STORE_OTHERS), and stage 1's mean;
          * per class and bucket, trials to let pass before the next one of
          * plain stores, and log2 of that wait */
         uint8_t prob[STORE_BUCKETS], prob_stage[STORE_BUCKETS], prob_kind[STORE_BUCKETS];
-        uint8_t prob_warm[STORE_BUCKETS], prob_n[STORE_BUCKETS];
+        uint8_t prob_warm[STORE_BUCKETS], prob_n[STORE_BUCKETS], prob_other[STORE_BUCKETS];
         float prob_sum[STORE_BUCKETS], prob_base[STORE_BUCKETS];
         uint8_t wait[2][STORE_BUCKETS], backoff[2][STORE_BUCKETS];
         uint64_t probations, kept;         /* begun, and ended with the other kind kept */
