@@ -242,8 +242,8 @@ static void store_spread(Engine *e)
         atomic_store_explicit(&HDR(e)->stores, want, memory_order_relaxed);
 }
 
-/* rank 0: bucket b's choice in the header set to nt */
-static void store_set(Engine *e, int b, int nt)
+/* rank 0: bucket b's choice in the header set to nt (zerocopy.c's trials too) */
+void store_set(Engine *e, int b, int nt)
 {
     if (nt)
         atomic_fetch_or_explicit(&HDR(e)->stores, 1u << b, memory_order_relaxed);

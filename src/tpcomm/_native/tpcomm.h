@@ -754,6 +754,7 @@ static inline size_t first_chunk(const ar_plan_t *pl, size_t bytes)
     return bytes < pl->chunk ? bytes : pl->chunk;
 }
 int stores_bit(const Engine *e, int b);
+void store_set(Engine *e, int b, int nt);
 int plan_store_bucket(const Engine *e, const ar_plan_t *pl, size_t bytes);
 int plan_stores_nt(const Engine *e, const ar_plan_t *pl, size_t bytes, int dtype);
 int all_reduce_rounds(Engine *e, char *t, size_t count, int dtype, int op, uint32_t kind, PyThreadState **tsp);

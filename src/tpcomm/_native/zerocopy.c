@@ -275,15 +275,6 @@ static unsigned zc_trial_warm(const Engine *e, size_t bytes, int dtype)
     return trial_warm(e, first_chunk(&pl, bytes));
 }
 
-/* rank 0: the stores' bit of bucket sb in the header set to nt */
-static void zc_set_stores(Engine *e, int sb, int nt)
-{
-    if (nt)
-        atomic_fetch_or_explicit(&HDR(e)->stores, 1u << sb, memory_order_relaxed);
-    else
-        atomic_fetch_and_explicit(&HDR(e)->stores, ~(1u << sb), memory_order_relaxed);
-}
-
 /* rank 0: a trial of the copies of `bytes` of dtype, bucket b, begins: their
  * chunks' stores as they stand on its first, else the other kind than its
  * last trial's, non-temporal where `jump` (zero copy's cost jumped: the
@@ -297,7 +288,7 @@ static void zc_trial_stores(Engine *e, int b, size_t bytes, int dtype, int jump)
         return;
     const int had = stores_bit(e, sb);
     const int nt = jump || (e->zc.tried[b] ? e->zc.tried[b] == 1 : had);
-    zc_set_stores(e, sb, nt);
+    store_set(e, sb, nt);
     e->zc.tried[b] = (uint8_t)(1 + nt);
     e->zc.st_bucket = sb + 1;
     e->zc.st_had = had;
@@ -312,7 +303,7 @@ static void zc_trial_stores_end(Engine *e, int b)
         return;
     const float *c = e->zc.cost[b];
     const int nt = (e->zc.want >> b) & 1 ? c[2] > 0.0f && c[2] == zc_copies_cost(e, b) : e->zc.st_had;
-    zc_set_stores(e, sb, nt);
+    store_set(e, sb, nt);
     e->zc.st_bucket = 0;
 }
 
