@@ -5,9 +5,10 @@ Each engine runs in a process of its own, in the Python that has vLLM (and
 tpcomm, installed as a user installs it: ``make bench-vllm`` makes that
 environment).  A small Llama (a ``config.json`` this script writes; random
 weights, ``load_format="dummy"``: nothing is fetched) decodes greedily at
-batch 1, 16 and 64 and prefills 512 tokens; rounds interleave the
-communicators (their order turns each round), and each ratio is the median of
-each round's own ratio to vLLM's.
+batch 1, 16 and 64 and prefills 512 tokens (three new prompts each time, the
+median; prefix caching off, so that every prompt is computed whole); rounds
+interleave the communicators (their order turns each round), and each ratio
+is the median of each round's own ratio to vLLM's.
 
     python benchmarks/vllm_decode.py --python .venv-vllm/bin/python --rounds 3
     python benchmarks/vllm_decode.py --engine tpcomm --batches 1 --tokens 32  # one engine, JSON
@@ -35,6 +36,9 @@ import subprocess
 import sys
 import tempfile
 import time
+
+# prefills timed per round and communicator (their median counts)
+PREFILLS = 3
 
 MODES = {"vllm": "0", "tpcomm": "1", "gloo": "torch", "none": "1"}
 
@@ -142,17 +146,22 @@ def run_engine(args: argparse.Namespace) -> dict:
         out["decode"][str(b)] = {"s": dt, "tok_s": sum(map(len, toks)) / dt, "tokens": toks}
     if args.prefill:
         one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, detokenize=False)
-        ps = prompts(1, args.prefill)
-        llm.generate(ps, one, use_tqdm=False)
-        t = time.perf_counter()
-        res = llm.generate(ps, one, use_tqdm=False)
-        dt = time.perf_counter() - t
-        out["prefill"] = {
-            "s": dt,
-            "tok_s": args.prefill / dt,
-            "tokens": list(res[0].outputs[0].token_ids),
-        }
+        llm.generate(prompts(1, args.prefill, 97), one, use_tqdm=False)  # warm-up
+        dt, toks = prefills(llm, one, args.prefill)
+        out["prefill"] = {"s": dt, "tok_s": args.prefill / dt, "tokens": toks}
     return out
+
+
+def prefills(llm, one, length: int) -> tuple:
+    """The median time of PREFILLS prefills of ``length`` tokens, each prompt
+    new (prefix caching is off too: engine_kwargs), and the token each chose."""
+    times, toks = [], []
+    for i in range(PREFILLS):
+        t = time.perf_counter()
+        res = llm.generate(prompts(1, length, 1 + i), one, use_tqdm=False)
+        times.append(time.perf_counter() - t)
+        toks.append(res[0].outputs[0].token_ids[0])
+    return statistics.median(times), toks
 
 
 class NoExchange:
@@ -273,7 +282,7 @@ def run_switch(args: argparse.Namespace) -> dict:
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, detokenize=False)
     llm.generate(prompts(1, 16, 99), greedy, use_tqdm=False)  # warm-up
     if args.prefill:
-        llm.generate(prompts(1, args.prefill), one, use_tqdm=False)
+        llm.generate(prompts(1, args.prefill, 97), one, use_tqdm=False)
     rounds = []
     for r in range(args.rounds):
         order = args.modes[r % len(args.modes) :] + args.modes[: r % len(args.modes)]
@@ -297,10 +306,8 @@ def run_switch(args: argparse.Namespace) -> dict:
             recs = llm.collective_rpc(_worker_use, args=(m,))
             got[m] = {"decode": cells, "records": recs if m.startswith("tpcomm") else None}
             if args.prefill:
-                t = time.perf_counter()
-                llm.generate(prompts(1, args.prefill), one, use_tqdm=False)
-                dt = time.perf_counter() - t
-                got[m]["prefill"] = {"s": dt, "tok_s": args.prefill / dt}
+                dt, toks = prefills(llm, one, args.prefill)
+                got[m]["prefill"] = {"s": dt, "tok_s": args.prefill / dt, "tokens": toks}
         rounds.append(got)
         print(round_line(args, r, got), flush=True)
     llm.collective_rpc(_worker_use, args=("tpcomm",))
@@ -320,6 +327,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_model_len=1024,
         max_num_seqs=max(args.batches + [1]),
         max_num_batched_tokens=max(1024, args.prefill),
+        # every prompt computed whole: with prefix caching on (vLLM's default
+        # for Llama), a prompt seen before costs its last block only
+        enable_prefix_caching=False,
         seed=0,
     )
 
@@ -474,6 +484,10 @@ def report(args: argparse.Namespace, rounds: list) -> None:
             g[m]["decode"][str(b)]["tokens"] == g[base]["decode"][str(b)]["tokens"]
             for g in rounds
             for b in args.batches
+        ) and all(
+            g[m]["prefill"]["tokens"] == g[base]["prefill"]["tokens"]
+            for g in rounds
+            if args.prefill
         )
         print(f"# {m}: greedy tokens {'identical to' if eq else 'DIFFER from'} {base}'s")
 
