@@ -176,6 +176,8 @@ def closed_by_another_thread(comm, where, closed_mark):
                 comm.all_reduce(torch.ones(4))
             elif where == "large all_reduce":  # the GIL is released for the whole call
                 comm.all_reduce(torch.ones(1 << 21))
+            elif where == "sendrecv":  # a small one: the wait lets the GIL go once it yields
+                comm.sendrecv([torch.ones(4)], 1, 1, out=[torch.empty(4)])
             else:
                 comm.recv(src=1)
             box["err"] = "no error"
@@ -195,7 +197,7 @@ def closed_by_another_thread(comm, where, closed_mark):
     return box["err"], box["t"], closing, comm.closed
 
 
-@pytest.mark.parametrize("where", ["all_reduce", "large all_reduce", "recv"])
+@pytest.mark.parametrize("where", ["all_reduce", "large all_reduce", "recv", "sendrecv"])
 def test_close_from_another_thread_aborts_the_call(where, tmp_path):
     mark = str(tmp_path / "closed")
     with LocalGroup(2, timeout=60) as g:  # the communicators' own timeout: 300 s

@@ -387,12 +387,13 @@ static int eng_init(Engine *e, PyObject *args, PyObject *kw)
     }
     e->mapping = (PyObject *)mp;
     PyMem_Free(e->p2p_sent);
-    e->p2p_sent = PyMem_Calloc((size_t)world * 2, sizeof(uint64_t));
+    e->p2p_sent = PyMem_Calloc((size_t)world * 3, sizeof(uint64_t));
     if (!e->p2p_sent) {
         PyErr_NoMemory();
         return -1;
     }
     e->p2p_recvd = e->p2p_sent + world;
+    e->p2p_seen = e->p2p_sent + 2 * world;
     e->fd = myfd;
     live_add(e);
     set_layout(e, mp->base, (size_t)size, rank, world, slot_bytes, timeout, spin_us, yield_us);

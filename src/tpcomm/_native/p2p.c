@@ -78,7 +78,12 @@ int bsend_step(Engine *e, bop_t *o)
     }
     while (o->pos < o->total) {
         uint64_t k = o->k + 1;
-        if (k > P2P_RING && atomic_load_explicit(done, memory_order_acquire) < k - P2P_RING)
+        /* room: the receiver's count as last read, read again only when
+         * that is short (it is the receiver's line, which each of its reads
+         * writes: one transfer between cores saved on most chunks) */
+        if (k > P2P_RING && e->p2p_seen[o->peer] < k - P2P_RING &&
+            (e->p2p_seen[o->peer] = atomic_load_explicit(done, memory_order_acquire)) <
+                k - P2P_RING)
             break;
         char *slot = p2p_slot_of(e, e->rank, o->peer, k);
         size_t fill = 0;

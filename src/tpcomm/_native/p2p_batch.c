@@ -33,13 +33,15 @@ static int brecv_check(bop_t *o, PyThreadState **ts)
     o->drop = o->hl != o->want_len || memcmp(o->hdr, o->want, o->hl) != 0 || o->dl != room;
     if (!o->drop)
         return 0;
-    PyEval_RestoreThread(*ts);
+    if (*ts) /* the GIL back for the allocation (a small batch keeps it) */
+        PyEval_RestoreThread(*ts);
     o->scratch_obj = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)o->dl);
     if (o->scratch_obj)
         o->scratch = PyByteArray_AS_STRING(o->scratch_obj);
     else
         PyErr_Clear(); /* reported as no memory */
-    *ts = PyEval_SaveThread();
+    if (*ts)
+        *ts = PyEval_SaveThread();
     return o->scratch_obj ? 0 : -1;
 }
 
@@ -118,6 +120,8 @@ static int brecv_step(Engine *e, bop_t *o, PyThreadState **ts)
         o->hdr = PyMem_RawMalloc(o->hl + 16 * (size_t)o->np + 1);
         if (!o->hdr)
             return -1;
+        if (o->dl >= GIL_RELEASE_BYTES && !*ts) /* a large receive: as call_begin */
+            *ts = PyEval_SaveThread();
         o->pos = 0;
         o->used = 16;
         o->limit = o->total < cap ? o->total : cap;
@@ -234,8 +238,13 @@ static _Atomic uint64_t *batch_sleep_on(Engine *e, waiter_t *w, uint64_t *want)
 int batch_progress(Engine *e, bop_t *ops, Py_ssize_t n)
 {
     int receives = 0;
-    for (Py_ssize_t i = 0; i < n; i++)
+    size_t bytes = 0; /* what the sends move: the GIL is released from GIL_RELEASE_BYTES
+                       * as send_pieces does it (a receive: once its header says
+                       * so, brecv_step), else when the wait stops spinning */
+    for (Py_ssize_t i = 0; i < n; i++) {
         receives |= !ops[i].send;
+        bytes += ops[i].send ? ops[i].total : 0;
+    }
     for (Py_ssize_t i = 0; receives && i < n; i++) {
         bop_t *o = &ops[i];
         Py_ssize_t pieces = o->pc.n;
@@ -245,7 +254,7 @@ int batch_progress(Engine *e, bop_t *ops, Py_ssize_t n)
         }
     }
     PyThreadState *ts = NULL;
-    call_begin(e, GIL_RELEASE_BYTES, &ts); /* always released: the steps expect it */
+    call_begin(e, bytes, &ts);
     batch_wait_t b = {{batch_poll, batch_verdict, batch_sleep_on, 200000, -1}, ops, n, NULL};
     int st = wait_until(e, &b.w, &ts);
     return call_end(e, st, ts);

@@ -412,8 +412,11 @@ typedef struct {
     } err;
 
     /* point to point (p2p.c, p2p_batch.c): chunks sent to / received from
-     * each rank; the sender p2p_wait_any found last (it scans from the next) */
-    uint64_t *p2p_sent, *p2p_recvd;
+     * each rank, and each receiver's count of chunks consumed as last read
+     * (a send reads the receiver's line again only when this leaves the
+     * ring no room); the sender p2p_wait_any found last (it scans from the
+     * next) */
+    uint64_t *p2p_sent, *p2p_recvd, *p2p_seen;
     int any_last;
     /* the receive in progress, between p2p_recv_head and p2p_recv_body */
     struct {
