@@ -176,6 +176,18 @@ def bad_p2p(comm):
                 TypeError,
                 "tensors[0] must be",
             ),
+            # arguments of the wrong form: as Python reports them
+            (
+                lambda: comm.sendrecv([torch.ones(2)], 1 - comm.rank, 1 - comm.rank, bogus=1),
+                TypeError,
+                "bogus",
+            ),
+            (lambda: comm.sendrecv([torch.ones(2)], 1 - comm.rank), TypeError, "src"),
+            (
+                lambda: comm.sendrecv([torch.ones(2)], 1 - comm.rank, 1 - comm.rank, None, 5),
+                TypeError,
+                "positional",
+            ),
         ]
     )
 
@@ -458,6 +470,12 @@ def shifts_and_exchanges(comm):
         res["wrong out"] = str(e)
     got = comm.sendrecv([torch.full((2,), float(r))], right, left)
     res["in step"] = got[0].tolist() == [float(left)] * 2
+    # every way of naming the arguments: out positional, all by keyword
+    into = torch.empty(2)
+    got = comm.sendrecv([torch.full((2,), float(r))], right, left, [into])
+    res["out positional"] = got[0] is into and into.tolist() == [float(left)] * 2
+    got = comm.sendrecv(src=left, out=(into,), dst=right, tensors=(torch.full((2,), 7.0 + r),))
+    res["by keyword"] = got[0] is into and into.tolist() == [7.0 + left] * 2
     return res
 
 
