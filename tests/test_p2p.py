@@ -452,6 +452,14 @@ def shifts_and_exchanges(comm):
     res["mixed"] = all(
         g.dtype == x.dtype and g.shape == x.shape and torch.equal(g, x) for g, x in zip(got, want)
     )
+    # into new tensors made from the header as it arrives, an empty one among them
+    got = comm.sendrecv(mixed + [torch.empty(0, 3, dtype=torch.float16)], right, left)
+    res["mixed into new, with an empty one"] = (
+        len(got) == 5
+        and all(g.dtype == x.dtype and torch.equal(g, x) for g, x in zip(got, want))
+        and got[4].shape == (0, 3)
+        and got[4].dtype == torch.float16
+    )
     # the same into out= (one C call), with an empty tensor, and a transposed
     # (not contiguous) tensor sent: the C call declines it, the general path runs
     outs = [torch.empty_like(x) for x in want] + [torch.empty(0, 3)]
@@ -477,6 +485,31 @@ def shifts_and_exchanges(comm):
     got = comm.sendrecv(src=left, out=(into,), dst=right, tensors=(torch.full((2,), 7.0 + r),))
     res["by keyword"] = got[0] is into and into.tolist() == [7.0 + left] * 2
     return res
+
+
+def sendrecv_meets_a_dict(comm):
+    """Rank 1's sendrecv (no out=) receives a dict rank 0 sent: its header is
+    pickled, so no tensors are made from it: the message is received aside and
+    reported, and the channels stay in step."""
+    if comm.rank == 0:
+        comm.send_tensor_dict({"w": torch.ones(2)}, 1)
+        (got,) = comm.recv(1)
+        res = got.tolist()
+    else:
+        try:
+            comm.sendrecv([torch.full((3,), 5.0)], 0, 0)
+            res = "no error"
+        except tpcomm.CommError as e:
+            res = str(e)
+    comm.barrier()
+    return res, comm.all_reduce(torch.ones(2)).tolist()
+
+
+def test_sendrecv_into_new_tensors_reports_a_dict(pools):
+    (got0, sum0), (err, sum1) = pools.run(2, sendrecv_meets_a_dict)
+    assert got0 == [5.0, 5.0, 5.0]
+    assert "rank 0 sent a dict" in err, err
+    assert sum0 == sum1 == [2.0, 2.0]
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

@@ -739,7 +739,7 @@ class Communicator:
 
         Args:
             out: optional contiguous tensors to receive into, as for ``recv``;
-                without them the message lands in new tensors (one copy more).
+                without them the message lands in new tensors.
 
         Returns:
             The received tensors (``out``'s when given).

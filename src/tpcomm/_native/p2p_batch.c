@@ -24,8 +24,9 @@
 
 /* The whole header is in: does the message fit the receive?  If not, its
  * data goes to a new bytearray, which Python gets without another copy (the
- * GIL is taken for that moment). 0, or -1: no memory. */
-static int brecv_check(bop_t *o, PyThreadState **ts)
+ * GIL is taken for that moment).  A receive with a land function first asks
+ * it for tensors made from the header.  0, or -1: no memory. */
+static int brecv_check(Engine *e, bop_t *o, PyThreadState **ts)
 {
     size_t room = 0;
     for (Py_ssize_t i = 0; i < o->pc.n; i++)
@@ -35,14 +36,22 @@ static int brecv_check(bop_t *o, PyThreadState **ts)
         return 0;
     if (*ts) /* the GIL back for the allocation (a small batch keeps it) */
         PyEval_RestoreThread(*ts);
-    o->scratch_obj = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)o->dl);
+    Py_ssize_t np = 0;
+    if (o->land && (o->made = o->land(e, (const unsigned char *)o->hdr, o->hl, o->dl,
+                                      o->made_addr, o->made_len, &np))) {
+        o->pc = (pieces_t){o->made_addr, o->made_len, np};
+        o->piece = 0;
+        o->off = 0;
+        o->drop = 0;
+    } else
+        o->scratch_obj = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)o->dl);
     if (o->scratch_obj)
         o->scratch = PyByteArray_AS_STRING(o->scratch_obj);
-    else
+    else if (!o->made)
         PyErr_Clear(); /* reported as no memory */
     if (*ts)
         *ts = PyEval_SaveThread();
-    return o->scratch_obj ? 0 : -1;
+    return o->scratch_obj || o->made ? 0 : -1;
 }
 
 /* Copy n bytes at from (stream offset at) to where the receive puts them.
@@ -56,7 +65,7 @@ static int brecv_put(Engine *e, bop_t *o, const char *from, size_t n, size_t at,
             m = 16 + o->hl - at < n ? 16 + o->hl - at : n;
             memcpy(o->hdr + (at - 16), from, m);
             o->got += m;
-            if (o->got == o->hl && brecv_check(o, ts) < 0)
+            if (o->got == o->hl && brecv_check(e, o, ts) < 0)
                 return -1;
         } else if (o->np) { /* by reference: where the data is, then the data */
             m = n;
@@ -127,7 +136,7 @@ static int brecv_step(Engine *e, bop_t *o, PyThreadState **ts)
         o->limit = o->total < cap ? o->total : cap;
         o->started = 1;
         moved = 1;
-        if (o->hl == 0 && brecv_check(o, ts) < 0) /* an empty header: decide now */
+        if (o->hl == 0 && brecv_check(e, o, ts) < 0) /* an empty header: decide now */
             return -1;
     }
     for (;;) {
@@ -268,6 +277,7 @@ static void bops_free(bop_t *ops, Py_ssize_t n)
         PyMem_RawFree(ops[i].rbuf);
         PyMem_RawFree(ops[i].hdr);
         Py_XDECREF(ops[i].scratch_obj);
+        Py_XDECREF(ops[i].made);
     }
     PyMem_Free(ops);
 }

@@ -661,6 +661,15 @@ typedef struct {
     char *by_addr[1];      /* send by reference: pc's one piece */
     size_t by_len[1];
     int err;               /* recv: the status of a failed read by reference */
+    /* recv without tensors to land in (p2p_tensors.c's sendrecv without out=):
+     * makes them from the header (NULL, no exception: received aside as a
+     * message that does not match), their data's pieces into made_addr and
+     * made_len, their count into the last argument */
+    PyObject *(*land)(Engine *e, const unsigned char *h, size_t hl, size_t dl, char **addr,
+                      size_t *len, Py_ssize_t *np);
+    PyObject *made;        /* the tensors land made (a list) */
+    char *made_addr[P2P_MAX_TENSORS];
+    size_t made_len[P2P_MAX_TENSORS];
 } bop_t;
 
 /* ------------------------------------------------------------------------ */
