@@ -595,3 +595,52 @@ def test_recv_any_times_out_when_nobody_sends():
         (err, took), _ = g.run(nothing_comes, timeout=60)
     assert err[0] == "CommTimeoutError" and "from any rank" in err[1], err
     assert took < 1.0 + SLACK_S
+
+
+def lying_header(comm, how, carried):
+    """Rank 0 sends a binary header for one float32 tensor of 4 (16 bytes) with
+    ``carried`` bytes of data, then a good message; rank 1 receives the first
+    by ``how``, then the second by recv."""
+    import struct
+
+    from tpcomm.ops import ANY_DTYPE_CODES
+
+    if comm.rank == 0:
+        header = bytes([0xB1, 1, ANY_DTYPE_CODES[torch.float32], 1]) + struct.pack("<q", 4)
+        data = b"\x01" * carried
+        _testing.send_raw(comm, 1, struct.pack("<QQ", len(header), len(data)) + header + data)
+        comm.send([torch.tensor([7.0])], 1)
+        if how.startswith("sendrecv"):
+            comm.recv(1)
+        return None
+    out = [torch.full((4,), -1.0)]
+    calls = {
+        "recv": lambda: comm.recv(0),
+        "recv out=": lambda: comm.recv(0, out=out),
+        "sendrecv": lambda: comm.sendrecv([torch.ones(2)], 0, 0),
+        "sendrecv out=": lambda: comm.sendrecv([torch.ones(2)], 0, 0, out=out),
+    }
+    if how == "batch":
+        (err,) = comm.batch_isend_irecv([("recv", out, 0)])
+        first = [type(err).__name__, str(err)]
+    else:
+        first = comm_error_of(calls[how])
+    return first, out[0].tolist(), comm.recv(0)[0].tolist()
+
+
+@pytest.mark.parametrize("carried", [8, 24])
+@pytest.mark.parametrize("how", ["recv", "recv out=", "sendrecv", "sendrecv out=", "batch"])
+def test_a_header_that_lies_about_its_data_is_an_error_and_the_channel_stays_in_step(how, carried):
+    """A binary header whose tensors do not add up to the data the message
+    carries (a peer's bug): every receive raises (batch: reports) a CommError
+    naming the sender and both sizes, out= is untouched, and the message is
+    received and dropped, so the next one arrives whole."""
+    with LocalGroup(2, timeout=20) as g:
+        first, out, nxt = g.run(lying_header, how, carried, timeout=60)[1]
+    assert first == [
+        "CommError",
+        f"{how.split()[0] if how != 'batch' else 'batch_isend_irecv'}: rank 0 sent a message "
+        f"whose header describes 16 bytes of data, but it carried {carried}",
+    ], first
+    assert out == [-1.0] * 4
+    assert nxt == [7.0]

@@ -161,9 +161,12 @@ PyObject *eng_p2p_send(Engine *e, PyObject *args)
         for (Py_ssize_t i = 0; i < pc.n; i++)
             total += pc.len[i];
         uint64_t chunks = total ? (total + e->p2p_piece - 1) / e->p2p_piece : 1;
-        uint64_t done = atomic_load_explicit(
-            &ctrl_line(e, dst, P2P_DONE_LINE(e->world, e->rank))->seq, memory_order_acquire);
-        if (e->p2p_sent[dst] + chunks > done + P2P_RING) {
+        uint64_t need = e->p2p_sent[dst] + chunks; /* the receiver's count as bsend_step reads it */
+        if (need > e->p2p_seen[dst] + P2P_RING &&
+            need > (e->p2p_seen[dst] = atomic_load_explicit(
+                        &ctrl_line(e, dst, P2P_DONE_LINE(e->world, e->rank))->seq,
+                        memory_order_acquire)) +
+                       P2P_RING) {
             PyMem_Free(pc.addr);
             PyMem_Free(pc.len);
             Py_RETURN_NONE;
@@ -448,6 +451,12 @@ void rx_release(Engine *e)
     }
 }
 
+/* The data bytes of the message whose header recv_head read */
+size_t rx_left(const Engine *e)
+{
+    return e->rx.np ? e->rx.dl : e->rx.total - e->rx.pos - e->rx.used;
+}
+
 /* Receive the rest of the message (the header is read) into the pieces,
  * which must hold exactly its bytes.  -1 with an exception if they do not. */
 int recv_body(Engine *e, const pieces_t *pc)
@@ -455,7 +464,7 @@ int recv_body(Engine *e, const pieces_t *pc)
     size_t total = 0;
     for (Py_ssize_t i = 0; i < pc->n; i++)
         total += pc->len[i];
-    size_t left = e->rx.np ? e->rx.dl : e->rx.total - e->rx.pos - e->rx.used;
+    size_t left = rx_left(e);
     if (total != left) {
         PyErr_Format(PyExc_ValueError, "p2p_recv_body: %zu bytes expected, %zu given", left,
                      total);
@@ -489,7 +498,26 @@ int recv_body(Engine *e, const pieces_t *pc)
     return st;
 }
 
-/* p2p_recv_body([(address, nbytes), ...]) -> status: the rest of the message */
+/* The rest of the message received into a buffer of its own and dropped:
+ * a status, or -1 with an exception (no memory: the message stays unread). */
+static int recv_aside(Engine *e)
+{
+    size_t left = rx_left(e);
+    char *aside = PyMem_RawMalloc(left ? left : 1);
+    if (!aside) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    pieces_t one = {&aside, &left, left ? 1 : 0};
+    int st = recv_body(e, &one);
+    PyMem_RawFree(aside);
+    return st;
+}
+
+/* p2p_recv_body([(address, nbytes), ...]) -> status: the rest of the message.
+ * Pieces that do not hold exactly its data (a header whose tensors do not
+ * add up to it): the data is received aside and dropped, so that the channel
+ * stays in step, and ValueError says both sizes. */
 PyObject *eng_p2p_recv_body(Engine *e, PyObject *list)
 {
     pieces_t pc;
@@ -504,8 +532,17 @@ PyObject *eng_p2p_recv_body(Engine *e, PyObject *list)
     }
     if (parse_pieces(list, &pc) < 0)
         return NULL;
-    st = recv_body(e, &pc);
+    size_t total = 0, left = rx_left(e);
+    for (Py_ssize_t i = 0; i < pc.n; i++)
+        total += pc.len[i];
+    if (total == left)
+        st = recv_body(e, &pc);
     PyMem_Free(pc.addr);
     PyMem_Free(pc.len);
+    if (total != left && (st = recv_aside(e)) == ST_OK) {
+        PyErr_Format(PyExc_ValueError, "header describes %zu bytes of data, but it carried %zu",
+                     total, left);
+        return NULL;
+    }
     return status_result(st);
 }

@@ -105,16 +105,71 @@ static PyObject *recv_into(Engine *e, int src, PyObject *out)
     PyObject *res, *hdr = fast_head(e, src, &res, &h, &hl);
     if (!hdr)
         return res;
-    if (hl != len[0] - 16 || memcmp(h, want + 16, hl) != 0)
+    uint64_t lens[2]; /* out's: the header's and the data's */
+    memcpy(lens, want, sizeof lens);
+    /* another header, or data of another size than it says: Python reports it */
+    if (hl != lens[0] || memcmp(h, want + 16, hl) != 0 || rx_left(e) != lens[1])
         return hdr;
     pieces_t pc = {addr + 1, len + 1, np - 1};
     int st = recv_body(e, &pc);
-    if (st < 0) { /* the sizes disagree with the header: let Python report it */
-        PyErr_Clear();
-        return hdr;
-    }
     Py_DECREF(hdr);
     return st == ST_OK ? PySequence_List(out) : fast_done(e, st, F_recv);
+}
+
+/* One tensor a binary header names */
+typedef struct {
+    int code, nd;
+    long long dims[P2P_MAX_DIMS];
+} tspec_t;
+
+/* The tensors a binary header h of hl bytes names, into spec (their count:
+ * *n), checked to hold dl bytes together: 0, or -1, no exception, for a
+ * header these receives leave to Python (pickled, a code or dims this reader
+ * does not know, sizes that do not add up to dl).  Nothing is made yet. */
+static int header_specs(Engine *e, const unsigned char *h, size_t hl, size_t dl, int codes,
+                        tspec_t *spec, int *n)
+{
+    *n = header_count(h, hl);
+    if (!codes || *n < 0 || *n > P2P_MAX_TENSORS)
+        return -1;
+    size_t at = 2, sum = 0;
+    for (int i = 0; i < *n; i++) {
+        tspec_t *s = &spec[i];
+        if (header_get(h, hl, &at, codes, &s->code, &s->nd, s->dims) < 0)
+            return -1;
+        size_t bytes = code_size(e, s->code);
+        for (int j = 0; j < s->nd; j++) {
+            if (s->dims[j] < 0 || (s->dims[j] && bytes > (size_t)P2P_MAX_DATA / (size_t)s->dims[j]))
+                return -1;
+            bytes *= (size_t)s->dims[j];
+        }
+        sum += bytes;
+        if (sum > dl)
+            return -1;
+    }
+    return at == hl && sum == dl ? 0 : -1;
+}
+
+/* The n tensors of spec, made (new_tensor), as a new list; their data's
+ * pieces in addr/len (*np of them: empty tensors have none).  NULL with an
+ * exception (no memory). */
+static PyObject *make_tensors(Engine *e, const tspec_t *spec, int n, char **addr, size_t *len,
+                              Py_ssize_t *np)
+{
+    PyObject *list = PyList_New(n);
+    *np = 0;
+    for (int i = 0; list && i < n; i++) {
+        size_t nbytes;
+        PyObject *t = new_tensor(e, spec[i].code, spec[i].dims, spec[i].nd, &addr[*np], &nbytes);
+        if (!t) {
+            Py_CLEAR(list);
+            break;
+        }
+        PyList_SET_ITEM(list, i, t);
+        if (nbytes)
+            len[(*np)++] = nbytes;
+    }
+    return list;
 }
 
 /*
@@ -136,45 +191,25 @@ PyObject *eng_p2p_recv(Engine *e, PyObject *const *args, Py_ssize_t nargs)
     if (nargs == 2 && args[1] != Py_None)
         return recv_into(e, src, args[1]);
     const unsigned char *h;
-    size_t hl, at = 2;
+    size_t hl;
     PyObject *res, *hdr = fast_head(e, src, &res, &h, &hl);
     if (!hdr)
         return res;
-    int st, n = header_count(h, hl);
-    if (n < 0)
-        return hdr;
+    tspec_t spec[P2P_MAX_TENSORS];
+    int n;
+    if (header_specs(e, h, hl, rx_left(e), codes, spec, &n) < 0)
+        return hdr; /* Python receives the rest and reports what is wrong */
+    Py_DECREF(hdr);
     char *addr[P2P_MAX_TENSORS];
     size_t len[P2P_MAX_TENSORS];
-    Py_ssize_t np = 0;
-    PyObject *list = PyList_New(n);
-    for (int i = 0; list && i < n; i++) {
-        int code, nd;
-        long long dims[P2P_MAX_DIMS];
-        if (header_get(h, hl, &at, codes, &code, &nd, dims) < 0) {
-            Py_CLEAR(list); /* not a header this path knows: Python reports it */
-            return hdr;
-        }
-        size_t nbytes;
-        PyObject *t = new_tensor(e, code, dims, nd, &addr[np], &nbytes);
-        if (!t) {
-            Py_CLEAR(list);
-            break;
-        }
-        PyList_SET_ITEM(list, i, t);
-        if (nbytes)
-            len[np++] = nbytes;
-    }
-    if (list && at != hl) {
-        Py_CLEAR(list);
-        return hdr;
-    }
-    Py_DECREF(hdr);
+    Py_ssize_t np;
+    PyObject *list = make_tensors(e, spec, n, addr, len, &np);
     if (!list) { /* no memory: the message stays half read, as in Python */
         rx_release(e);
         return NULL;
     }
     pieces_t pc = {addr, len, np};
-    st = recv_body(e, &pc);
+    int st = recv_body(e, &pc);
     if (st != ST_OK) {
         Py_DECREF(list);
         return fast_done(e, st, F_recv);
@@ -184,52 +219,22 @@ PyObject *eng_p2p_recv(Engine *e, PyObject *const *args, Py_ssize_t nargs)
 
 /*
  * A batch receive's land function (bop_t): the tensors a binary header h of
- * hl bytes names, made (new_tensor) once their bytes are known to add up to
- * the message's dl, as a new list, their data's pieces in addr/len (*np of
- * them: empty tensors have none).  NULL, no exception: a header this path
- * does not know (pickled, a code or dims it cannot make), sizes that do not
- * add up, or no memory: the batch receives the message aside instead, and
- * Python judges it, as before.
+ * hl bytes names (header_specs, so only once their bytes add up to the
+ * message's dl), made as a new list, their data's pieces in addr/len (*np of
+ * them).  NULL, no exception: a header this path leaves to Python, or no
+ * memory: the batch receives the message aside instead, and Python judges
+ * it, as before.
  */
 static PyObject *land_tensors(Engine *e, const unsigned char *h, size_t hl, size_t dl,
                               char **addr, size_t *len, Py_ssize_t *np)
 {
-    const int codes = tensor_codes(e), n = header_count(h, hl);
-    if (!codes || n < 0 || n > P2P_MAX_TENSORS)
+    tspec_t spec[P2P_MAX_TENSORS];
+    int n;
+    if (header_specs(e, h, hl, dl, tensor_codes(e), spec, &n) < 0)
         return NULL;
-    int code[P2P_MAX_TENSORS], nd[P2P_MAX_TENSORS];
-    long long dims[P2P_MAX_TENSORS][P2P_MAX_DIMS];
-    size_t at = 2, sum = 0;
-    for (int i = 0; i < n; i++) { /* first the sizes: nothing is made for a header that lies */
-        if (header_get(h, hl, &at, codes, &code[i], &nd[i], dims[i]) < 0)
-            return NULL;
-        size_t bytes = code_size(e, code[i]);
-        for (int j = 0; j < nd[i]; j++) {
-            if (dims[i][j] < 0 ||
-                (dims[i][j] && bytes > (size_t)P2P_MAX_DATA / (size_t)dims[i][j]))
-                return NULL;
-            bytes *= (size_t)dims[i][j];
-        }
-        sum += bytes;
-        if (sum > dl)
-            return NULL;
-    }
-    if (at != hl || sum != dl)
-        return NULL;
-    PyObject *list = PyList_New(n);
-    *np = 0;
-    for (int i = 0; list && i < n; i++) {
-        size_t nbytes;
-        PyObject *t = new_tensor(e, code[i], dims[i], nd[i], &addr[*np], &nbytes);
-        if (!t) {
-            PyErr_Clear();
-            Py_CLEAR(list);
-            break;
-        }
-        PyList_SET_ITEM(list, i, t);
-        if (nbytes)
-            len[(*np)++] = nbytes;
-    }
+    PyObject *list = make_tensors(e, spec, n, addr, len, np);
+    if (!list)
+        PyErr_Clear();
     return list;
 }
 
@@ -237,8 +242,9 @@ static PyObject *land_tensors(Engine *e, const unsigned char *h, size_t hl, size
  * p2p_sendrecv(dst, tensors, src, out) -> list(out) | (header, data) | None:
  * Communicator.sendrecv with plain tensors in one C call (its Python steps
  * cost ~30 us per call on the development VM, ten times the exchange).  With
- * out=None the message is received whole into a bytearray, as p2p_batch does
- * for a receive that expects nothing, and Python makes the tensors.
+ * out=None the receive expects no header, so the one that arrives does not
+ * match and its land function (land_tensors) makes the tensors it names,
+ * into which the data lands: the answer is their list, as with out.
  * The send and the receive progress together (batch_progress).  None: nothing was
  * sent or received (a tensor that is not plain, an out that overlaps what is
  * sent, a closed or failed engine...): the general path runs.  (header, data):
@@ -252,7 +258,7 @@ PyObject *eng_p2p_sendrecv(Engine *e, PyObject *const *args, Py_ssize_t nargs)
     if (nargs != 4 || !fast_ready(e))
         Py_RETURN_NONE;
     PyObject **sitems = p2p_args(e, args, 2, &dst, &ns), **ritems = NULL;
-    int into = args[3] != Py_None; /* else new tensors: the message lands in a bytearray */
+    int into = args[3] != Py_None; /* else new tensors, made as the header arrives */
     if (!sitems)
         Py_RETURN_NONE;
     if (into ? !(ritems = p2p_args(e, args + 2, 2, &src, &nr)) : (src = peer_arg(e, args[2])) < 0)
@@ -282,8 +288,12 @@ PyObject *eng_p2p_sendrecv(Engine *e, PyObject *const *args, Py_ssize_t nargs)
     ops[1].pc = (pieces_t){raddr + 1, rlen + 1, npr - 1};
     ops[1].want = rhead + 16;
     ops[1].want_len = rlen[0] - 16;
-    if (!into) /* new tensors: made from the header as it arrives */
+    if (!into) { /* new tensors: made from the header as it arrives, their
+                  * pieces in raddr/rlen (unused else) */
         ops[1].land = land_tensors;
+        ops[1].made_addr = raddr;
+        ops[1].made_len = rlen;
+    }
     int st = batch_progress(e, ops, 2);
     PyObject *res;
     if (st < 0)

@@ -664,12 +664,13 @@ typedef struct {
     /* recv without tensors to land in (p2p_tensors.c's sendrecv without out=):
      * makes them from the header (NULL, no exception: received aside as a
      * message that does not match), their data's pieces into made_addr and
-     * made_len, their count into the last argument */
+     * made_len (the caller's arrays, P2P_MAX_TENSORS long), their count into
+     * the last argument */
     PyObject *(*land)(Engine *e, const unsigned char *h, size_t hl, size_t dl, char **addr,
                       size_t *len, Py_ssize_t *np);
     PyObject *made;        /* the tensors land made (a list) */
-    char *made_addr[P2P_MAX_TENSORS];
-    size_t made_len[P2P_MAX_TENSORS];
+    char **made_addr;
+    size_t *made_len;
 } bop_t;
 
 /* ------------------------------------------------------------------------ */
@@ -857,6 +858,7 @@ PyObject *recv_head(Engine *e, int src, int *st);
 PyObject *eng_p2p_recv_head(Engine *e, PyObject *arg);
 PyObject *eng_p2p_wait_any(Engine *e, PyObject *unused);
 void rx_release(Engine *e);
+size_t rx_left(const Engine *e);
 int recv_body(Engine *e, const pieces_t *pc);
 PyObject *eng_p2p_recv_body(Engine *e, PyObject *list);
 

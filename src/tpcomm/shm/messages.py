@@ -13,6 +13,7 @@ dtype and shape (and, for tensor dicts and scatter parts, the rest).
 
 from __future__ import annotations
 
+import math
 import pickle
 import struct
 from typing import TYPE_CHECKING, Any, Sequence
@@ -88,21 +89,25 @@ def decode_header(header: bytes) -> tuple[list[tuple[torch.dtype, tuple]], Any]:
     return [(getattr(torch, name), tuple(shape)) for name, shape in named], extra
 
 
-def tensors_from_bytes(specs: Sequence[tuple[torch.dtype, tuple]], data: Any) -> list:
+def tensors_from_bytes(
+    specs: Sequence[tuple[torch.dtype, tuple]], data: Any, fn: str, src: int
+) -> list:
     """New tensors of ``specs`` ((dtype, shape) each) filled from the message data
     ``data`` (a bytearray: the tensors' bytes back to back, so not aligned for a
-    view).  One C memcpy per tensor: torch's slicing and ``copy_`` cost several
-    microseconds each, more than the rest of a small receive."""
+    view), which rank ``src`` sent to call ``fn``.  One C memcpy per tensor:
+    torch's slicing and ``copy_`` cost several microseconds each, more than the
+    rest of a small receive."""
+    need = sum(math.prod(shape) * dt.itemsize for dt, shape in specs)
+    if need != len(data):
+        raise CommError(
+            f"{fn}: rank {src} sent a message whose header describes {need} bytes of "
+            f"data, but it carried {len(data)}"
+        )
     base = torch.frombuffer(data, dtype=torch.uint8).data_ptr() if len(data) else 0
     out, at = [], 0
     for dt, shape in specs:
         t = torch.empty(shape, dtype=dt)
         n = t.nbytes
-        if at + n > len(data):
-            raise CommError(
-                f"a message's header describes {at + n} bytes of data or more, but it "
-                f"carried {len(data)}"
-            )
         if n:
             copy(t.data_ptr(), base + at, n)
         out.append(t)
@@ -167,7 +172,10 @@ def _recv_body(
     if tensors is None:
         tensors = [torch.empty(shape, dtype=dt) for dt, shape in specs]
     dests = [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors if t.numel()]
-    status = eng.p2p_recv_body(dests)
+    try:
+        status = eng.p2p_recv_body(dests)
+    except ValueError as e:  # the data was another size than the header said: dropped
+        raise CommError(f"{fn}: rank {src} sent a message whose {e}") from None
     if status:
         eng.raise_status(status, fn)
     if problem:

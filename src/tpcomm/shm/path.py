@@ -426,7 +426,7 @@ class ShmPath(Path):
         specs, extra = messages.decode_header(got_header)
         if extra is not None:
             raise CommError(f"{fn}: rank {src} sent a dict or a scatter part, not a tensor list")
-        got = messages.tensors_from_bytes(specs, data)
+        got = messages.tensors_from_bytes(specs, data, fn, src)
         if out is None:
             return got
         have = [(o.dtype, tuple(o.shape)) for o in out]
@@ -459,6 +459,10 @@ class ShmPath(Path):
         errors: list = [None] * len(ops)
         for i, header, data in odd:  # a message that is not exactly what the recv expected
             specs, extra = messages.decode_header(header)
-            got = messages.tensors_from_bytes(specs, data)
+            try:
+                got = messages.tensors_from_bytes(specs, data, fn, ops[i][2])
+            except CommError as e:  # a header that lies about its data, received and dropped
+                errors[i] = e
+                continue
             errors[i] = take_message(ops[i][1], ops[i][2], got, extra)
         return errors
