@@ -392,7 +392,10 @@ def main(bench_dir: str) -> None:
         "- gloo, vLLM's and DeepSpeed's shared-memory all-reduce and Open MPI (mpi4py, its "
         "default tuning) ran on the same ranks, data and sizes in the same command; "
         "`gloo / tpcomm` above 1 means tpcomm is faster; `tpcomm / best` is tpcomm's time over "
-        "the fastest library's, the median of each repetition's own ratio.",
+        "the fastest library's, the median of each repetition's own ratio. Each library's "
+        "call sits in one Python function the timing loop calls (tpcomm's method on tensors, "
+        "mpi4py's on numpy views made once, a peer's own Python wrapper), so the harness "
+        "costs them alike.",
         "- memcpy is one thread copying the same bytes on this machine: the physical bound for "
         "a collective that must move them once.",
         "- bound (the all_reduce tables): `benchmarks/handoff.c` of the same bytes, run by the "

@@ -75,10 +75,10 @@ def _calls(MPI, comm, name: str, mpi_op, inplace: bool = False):
 
     elif name == "sendrecv":
         # as tpcomm's side (table._sendrecv): to the next rank, from the previous
+        dst, src = (rank + 1) % world, (rank - 1) % world
+
         def run(st):
-            comm.Sendrecv(
-                st["np"]["x"], (rank + 1) % world, recvbuf=st["np"]["y"], source=(rank - 1) % world
-            )
+            comm.Sendrecv(st["np"]["x"], dst, recvbuf=st["np"]["y"], source=src)
 
     else:  # pragma: no cover - the perf command only passes known names
         raise ValueError(f"no MPI call for {name!r}")

@@ -53,9 +53,12 @@ class Collective:
     ``parts`` is how many equal pieces the size splits into (all_gather,
     reduce_scatter and gather move size/n per rank, like nccl-tests);
     ``make(rank, world, count, dtype, op, salt)`` returns the call's state
-    (inputs and outputs), ``run(comm, st)`` and ``run_dist(st)`` perform it,
-    ``expect(world, count, dtype, op, salt, rank)`` is the output this rank
-    must hold afterwards (None: nothing to check), ``out(st)`` that output.
+    (inputs and outputs); ``bind(comm, op)`` returns ``run(st)``, which
+    performs it in one frame (as the MPI side's ``run(st)`` does: the harness
+    costs every library alike), and ``run_dist(st, op)`` through
+    torch.distributed; ``expect(world, count, dtype, op, salt, rank)`` is the
+    output this rank must hold afterwards (None: nothing to check), ``out(st)``
+    that output.
     """
 
     name: str
@@ -63,7 +66,7 @@ class Collective:
     parts: bool
     root: int
     make: Callable[..., dict]
-    run: Callable[..., Any]
+    bind: Callable[..., Callable[[dict], Any]]
     run_dist: Callable[..., Any]
     expect: Callable[..., Any]
     out: Callable[[dict], Any]
@@ -99,12 +102,13 @@ def _gloo_reduce_scatter(out, x, op):
     fn(out, x, op=dist_op(op), group=dist_group())
 
 
-def _sendrecv(comm, st):
+def _sendrecv(comm):
     # as nccl-tests' sendrecv: every rank sends to the next and receives from
     # the previous one at once (MPI_Sendrecv; gloo: isend, then recv), into a
-    # buffer it reuses
+    # buffer it reuses; the ranks worked out once, as the MPI side does
     n, r = comm.world_size, comm.rank
-    comm.sendrecv([st["x"]], (r + 1) % n, (r - 1) % n, out=[st["y"]])
+    dst, src = (r + 1) % n, (r - 1) % n
+    return lambda st: comm.sendrecv([st["x"]], dst, src, out=[st["y"]])
 
 
 def _sendrecv_dist(st):
@@ -126,7 +130,7 @@ COLLECTIVES = {
         parts=False,
         root=-1,
         make=lambda r, w, c, dt, op, salt: {"x": data(r, c, dt, salt)},
-        run=lambda comm, st, op: comm.all_reduce(st["x"], op),
+        bind=lambda comm, op: lambda st: comm.all_reduce(st["x"], op),
         run_dist=lambda st, op: torch_dist().all_reduce(
             st["x"], op=dist_op(op), group=dist_group()
         ),
@@ -142,7 +146,7 @@ COLLECTIVES = {
             "x": data(r, c // w, dt, salt),
             "y": torch.empty(c, dtype=dt),
         },
-        run=lambda comm, st, op: comm.all_gather_into_tensor(st["y"], st["x"]),
+        bind=lambda comm, op: lambda st: comm.all_gather_into_tensor(st["y"], st["x"]),
         run_dist=lambda st, op: _gloo_gather_into(st["y"], st["x"]),
         expect=lambda w, c, dt, op, salt, r: concat(w, c, dt, salt),
         out=lambda st: st["y"],
@@ -156,7 +160,7 @@ COLLECTIVES = {
             "x": data(r, c, dt, salt),
             "y": torch.empty(c // w, dtype=dt),
         },
-        run=lambda comm, st, op: comm.reduce_scatter_tensor(st["y"], st["x"], op),
+        bind=lambda comm, op: lambda st: comm.reduce_scatter_tensor(st["y"], st["x"], op),
         run_dist=lambda st, op: _gloo_reduce_scatter(st["y"], st["x"], op),
         expect=lambda w, c, dt, op, salt, r: expected(w, c, dt, op, salt).chunk(w)[r],
         out=lambda st: st["y"],
@@ -167,7 +171,7 @@ COLLECTIVES = {
         parts=False,
         root=0,
         make=lambda r, w, c, dt, op, salt: {"x": data(r, c, dt, salt)},
-        run=lambda comm, st, op: comm.broadcast(st["x"], 0),
+        bind=lambda comm, op: lambda st: comm.broadcast(st["x"], 0),
         run_dist=lambda st, op: torch_dist().broadcast(st["x"], 0, group=dist_group()),
         expect=lambda w, c, dt, op, salt, r: data(0, c, dt, salt),
         out=lambda st: st["x"],
@@ -184,7 +188,7 @@ COLLECTIVES = {
             "y": [torch.empty(c // w, dtype=dt) for _ in range(w)] if r == 0 else None,
             "o": torch.empty(c, dtype=dt) if r == 0 else None,
         },
-        run=lambda comm, st, op: st.__setitem__("g", comm.gather(st["x"], 0, out=st["o"])),
+        bind=lambda comm, op: lambda st: st.__setitem__("g", comm.gather(st["x"], 0, out=st["o"])),
         run_dist=lambda st, op: torch_dist().gather(st["x"], st["y"], dst=0, group=dist_group()),
         expect=lambda w, c, dt, op, salt, r: concat(w, c, dt, salt) if r == 0 else None,
         out=lambda st: st.get("g"),
@@ -198,7 +202,7 @@ COLLECTIVES = {
             "x": data(r, c, dt, salt),
             "y": torch.empty(c, dtype=dt),
         },
-        run=lambda comm, st, op: _sendrecv(comm, st),
+        bind=lambda comm, op: _sendrecv(comm),
         run_dist=lambda st, op: _sendrecv_dist(st),
         expect=lambda w, c, dt, op, salt, r: data((r - 1) % w, c, dt, salt),
         out=lambda st: st["y"],

@@ -53,7 +53,7 @@ def _connect(comm: Any, cfg: dict) -> tuple:
         )
     if gloo:
         torch_dist().init_process_group("gloo", store=_store(comm), rank=rank, world_size=world)
-    return (lambda st: coll.run(comm, st, op)), None
+    return coll.bind(comm, op), None
 
 
 def _iterations(comm: Any, cfg: dict, call: Any, st: dict, first: bool) -> int:
