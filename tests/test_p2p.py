@@ -27,6 +27,7 @@ from ._ref import MOVE_DTYPES, make
 def _payload(seed: int, big: int):
     ts = [make(0, (3, 4), dt, seed + i) for i, dt in enumerate(MOVE_DTYPES)]
     ts.append(torch.tensor(2.5, dtype=torch.float64))  # 0-d
+    ts.append(make(0, (2, 1, 3, 1, 2, 1, 2, 2), torch.bfloat16, seed + 7))  # 8-d, the most plain
     ts.append(torch.empty(0, 7, dtype=torch.int16))  # empty
     ts.append(make(0, (6, 8), torch.float32, seed)[:, ::3])  # non-contiguous
     ts.append(make(0, (big,), torch.float32, seed + 99))  # larger than a channel slot
