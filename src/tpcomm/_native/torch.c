@@ -581,15 +581,16 @@ PyObject *new_tensor(Engine *e, int code, const long long *dims, int nd, char **
                      size_t *nbytes)
 {
     PyObject *argv[P2P_MAX_DIMS + 1], *t = NULL;
-    int n = nd > 0 && nd <= P2P_MAX_DIMS ? nd : 1, made = 0;
-    if (n == nd)
-        for (; made < nd && (argv[made] = PyLong_FromLongLong(dims[made])); made++)
-            ;
-    else if ((argv[0] = shape_tuple(dims, nd)))
-        made = 1;
-    if (made == n) {
-        argv[n] = e->tv->any_dtypes[code];
-        t = PyObject_Vectorcall(e->tv->empty_fn, argv, (size_t)n, e->tv->kw_dtype);
+    const int tuple = nd == 0 || nd > P2P_MAX_DIMS, want = tuple ? 1 : nd;
+    int made = 0; /* the size arguments made so far */
+    if (tuple)
+        made = (argv[0] = shape_tuple(dims, nd)) != NULL;
+    else
+        while (made < nd && (argv[made] = PyLong_FromLongLong(dims[made])))
+            made++;
+    if (made == want) {
+        argv[want] = e->tv->any_dtypes[code];
+        t = PyObject_Vectorcall(e->tv->empty_fn, argv, (size_t)want, e->tv->kw_dtype);
     }
     for (int j = 0; j < made; j++)
         Py_DECREF(argv[j]);
