@@ -517,7 +517,8 @@ static int recv_aside(Engine *e)
 /* p2p_recv_body([(address, nbytes), ...]) -> status: the rest of the message.
  * Pieces that do not hold exactly its data (a header whose tensors do not
  * add up to it): the data is received aside and dropped, so that the channel
- * stays in step, and ValueError says both sizes. */
+ * stays in step, and ValueError(the pieces' bytes, the data's) says so
+ * (shm/messages.py words it). */
 PyObject *eng_p2p_recv_body(Engine *e, PyObject *list)
 {
     pieces_t pc;
@@ -540,8 +541,11 @@ PyObject *eng_p2p_recv_body(Engine *e, PyObject *list)
     PyMem_Free(pc.addr);
     PyMem_Free(pc.len);
     if (total != left && (st = recv_aside(e)) == ST_OK) {
-        PyErr_Format(PyExc_ValueError, "header describes %zu bytes of data, but it carried %zu",
-                     total, left);
+        PyObject *sizes = Py_BuildValue("(KK)", (unsigned long long)total, (unsigned long long)left);
+        if (sizes) {
+            PyErr_SetObject(PyExc_ValueError, sizes);
+            Py_DECREF(sizes);
+        }
         return NULL;
     }
     return status_result(st);

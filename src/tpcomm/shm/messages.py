@@ -89,6 +89,16 @@ def decode_header(header: bytes) -> tuple[list[tuple[torch.dtype, tuple]], Any]:
     return [(getattr(torch, name), tuple(shape)) for name, shape in named], extra
 
 
+def _lying_header(fn: str, src: int, need: int, carried: int) -> CommError:
+    """The error of a message from ``src`` whose header's tensors need ``need``
+    bytes of data where it carried ``carried`` (a peer's bug: the sizes come from
+    shared memory); the message was received and dropped, the channel in step."""
+    return CommError(
+        f"{fn}: rank {src} sent a message whose header describes {need} bytes of data, "
+        f"but it carried {carried}"
+    )
+
+
 def tensors_from_bytes(
     specs: Sequence[tuple[torch.dtype, tuple]], data: Any, fn: str, src: int
 ) -> list:
@@ -99,10 +109,7 @@ def tensors_from_bytes(
     rest of a small receive."""
     need = sum(math.prod(shape) * dt.itemsize for dt, shape in specs)
     if need != len(data):
-        raise CommError(
-            f"{fn}: rank {src} sent a message whose header describes {need} bytes of "
-            f"data, but it carried {len(data)}"
-        )
+        raise _lying_header(fn, src, need, len(data))
     base = torch.frombuffer(data, dtype=torch.uint8).data_ptr() if len(data) else 0
     out, at = [], 0
     for dt, shape in specs:
@@ -175,7 +182,7 @@ def _recv_body(
     try:
         status = eng.p2p_recv_body(dests)
     except ValueError as e:  # the data was another size than the header said: dropped
-        raise CommError(f"{fn}: rank {src} sent a message whose {e}") from None
+        raise _lying_header(fn, src, *e.args) from None
     if status:
         eng.raise_status(status, fn)
     if problem:
