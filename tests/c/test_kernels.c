@@ -3,7 +3,8 @@
  * run (AVX2, AVX-512, NEON) gives bitwise the portable kernels' result, for
  * every dtype and op, world sizes 1-16, lengths around every vector width and
  * tail, random bit patterns (NaN, infinities, denormals, both zeros) and
- * rounding ties; in place too (dst = srcs[0], as all_reduce uses it).  Where
+ * rounding ties; every bfloat16 and float16 pattern against 64 others, SUM
+ * and AVG of two; in place too (dst = srcs[0], as all_reduce uses it).  Where
  * both results are NaN they count as equal: which NaN's payload survives when
  * two meet is the hardware's choice and differs between CPUs anyway; a
  * bfloat16 or float16 NaN must be quiet in both.
@@ -146,6 +147,35 @@ int main(void)
                     }
             }
     }
+    /* every 16-bit pattern against 64 others apiece, SUM and AVG of two: each
+     * rounding carry, tie and NaN the 16-bit kernels can meet at world 2 */
+    const size_t all = 65536;
+    uint16_t *a = malloc(all * 2), *b = malloc(all * 2), *ref = malloc(all * 2), *got = malloc(all * 2);
+    for (int isa = ISA_SCALAR + 1; isa < ISA_COUNT; isa++) {
+        if (!kernel_has_isa(isa))
+            continue;
+        for (int dt = DT_BF16; dt <= DT_F16; dt++)
+            for (int op = OP_SUM; op <= OP_AVG; op++)
+                for (unsigned k = 0; k < 64; k++) {
+                    for (size_t i = 0; i < all; i++) {
+                        a[i] = (uint16_t)i;
+                        b[i] = (uint16_t)(i + k * 1031u + (i & 7) * (k & 3));
+                    }
+                    void *s[2] = {a, b};
+                    kernel_set_isa(ISA_SCALAR);
+                    do_reduce(dt, op, ref, s, 2, all);
+                    kernel_set_isa(isa);
+                    do_reduce(dt, op, got, s, 2, all);
+                    checked++;
+                    if (!same(dt, (const char *)ref, (const char *)got, all) && failed++ < 10)
+                        printf("FAIL %s %s %s: every pattern against pattern + %u\n",
+                               kernel_isa_name(isa), dts[dt], ops[op], k * 1031u);
+                }
+    }
+    free(a);
+    free(b);
+    free(ref);
+    free(got);
     kernel_set_isa(ISA_AUTO);
     printf("# kernels: %d variant(s) against the portable kernels, %d cases\n", variants, checked);
     printf("%d passed, %d failed\n", checked - failed, failed);

@@ -167,21 +167,23 @@ AVX2 static inline __m256 bf16_odd(__m256i v)
  * 16 bfloat16 back in order from the even and odd float32 results, rounded to
  * nearest even in 16-bit lanes: H holds every result's high half in place
  * (the even ones' shifted down, one word blend), L its low half; the carry
- * into H is L + 0x7fff + (H & 1) >= 0x10000, i.e. L > 0x8000 - (H & 1)
- * unsigned, one signed compare once L's top bit is flipped.  9 operations
- * for 16 values, 2 of them shifts (rounding each float32 on its own took 10,
- * 5 of them shifts).  A NaN must have a zero low half (see above): a carry
- * would turn one whose payload sits there into infinity.
+ * into H is L + 0x7fff + (H & 1) >= 0x10000, i.e. L + (H & 1) > 0x8000,
+ * i.e. the top bit of L minus (1 - (H & 1)), saturating at zero (L = 0 with
+ * H even must not wrap): one andnot, one saturating subtract, and the top
+ * bit spread over the word by an arithmetic shift is -1 where H carries.
+ * 8 operations for 16 values, 3 of them shifts (a signed compare against
+ * -(H & 1) after flipping L's top bit took 9; rounding each float32 on its
+ * own, 10).  A NaN must have a zero low half (see above): a carry would turn
+ * one whose payload sits there into infinity.
  */
 AVX2 static inline __m256i bf16_pair_finite(__m256 e, __m256 o)
 {
     __m256i eu = _mm256_castps_si256(e), ou = _mm256_castps_si256(o);
     __m256i hi = _mm256_blend_epi16(_mm256_srli_epi32(eu, 16), ou, 0xAA);
     __m256i lo = _mm256_blend_epi16(eu, _mm256_slli_epi32(ou, 16), 0xAA);
-    __m256i one = _mm256_set1_epi16(1);
-    __m256i minus_lsb = _mm256_cmpeq_epi16(_mm256_and_si256(hi, one), one);
-    __m256i lo_signed = _mm256_xor_si256(lo, _mm256_set1_epi16((short)0x8000));
-    return _mm256_sub_epi16(hi, _mm256_cmpgt_epi16(lo_signed, minus_lsb));
+    __m256i even = _mm256_andnot_si256(hi, _mm256_set1_epi16(1));
+    __m256i top = _mm256_subs_epu16(lo, even);
+    return _mm256_sub_epi16(hi, _mm256_srai_epi16(top, 15));
 }
 
 /* the same with NaN quieted (f32_to_bf16's rule), for a step that holds one */
