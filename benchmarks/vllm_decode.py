@@ -357,6 +357,31 @@ def spawn(args: argparse.Namespace, mode: str, model: str) -> dict:
     raise SystemExit(f"# engine {mode} printed no result")
 
 
+NO_SHM = (
+    "vLLM's shared memory is not in its build for this CPU (x86 without AVX-512F: its _C_AVX2 "
+    "library has no shm ops), so vLLM runs tensor parallelism over gloo here: gloo is the "
+    "baseline, there is no separate vllm mode"
+)
+
+
+def vllm_without_shm() -> bool:
+    """Whether vLLM's CPU wheel runs this CPU without its shared memory: x86
+    without AVX-512F loads its _C_AVX2 library, which has no shm ops (the same
+    rule as tpcomm perf's vLLM peer, tpcomm.perf.peers)."""
+    import platform
+
+    if platform.machine() != "x86_64":
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "avx512f" not in line.split()
+    except OSError:
+        pass
+    return False
+
+
 def cpu_name() -> str:
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
@@ -376,8 +401,8 @@ def main() -> None:
     ap.add_argument(
         "--modes",
         nargs="+",
-        default=["vllm", "tpcomm", "gloo"],
-        help="communicators (MODES), each optionally with settings: tpcomm:TPCOMM_SPIN_US=50",
+        help="communicators (MODES), each optionally with settings: tpcomm:TPCOMM_SPIN_US=50 "
+        "(default: vllm tpcomm gloo; gloo tpcomm where vLLM has no shared memory: NO_SHM)",
     )
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
     ap.add_argument("--tokens", type=int, default=96, help="tokens decoded per sequence")
@@ -398,6 +423,10 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument("--report", metavar="JSON", help="print the report of a -J file again")
     args = ap.parse_args()
+    if args.modes is None:
+        args.modes = ["gloo", "tpcomm"] if vllm_without_shm() else ["vllm", "tpcomm", "gloo"]
+        if args.modes[0] == "gloo" and not args.engine:
+            print(f"# {NO_SHM}", flush=True)
     if args.report:
         with open(args.report) as f:
             saved = json.load(f)

