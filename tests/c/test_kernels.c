@@ -4,7 +4,9 @@
  * every dtype and op, world sizes 1-16, lengths around every vector width and
  * tail, random bit patterns (NaN, infinities, denormals, both zeros) and
  * rounding ties; every bfloat16 and float16 pattern against 64 others, SUM
- * and AVG of two; in place too (dst = srcs[0], as all_reduce uses it).  Where
+ * and AVG of two; in place too (dst = srcs[0], as all_reduce uses it); the
+ * reduce that also copies its result (do_reduce_copy), into the last source
+ * as two-shot's rank 1 calls it.  Where
  * both results are NaN they count as equal: which NaN's payload survives when
  * two meet is the hardware's choice and differs between CPUs anyway; a
  * bfloat16 or float16 NaN must be quiet in both.
@@ -103,6 +105,16 @@ static int same(int dt, const char *a, const char *b, size_t n)
     return 1;
 }
 
+/* w sources of n random elements of dt, bytes each (src to free, s to pass) */
+static void sources(int dt, int w, size_t n, size_t bytes, char **src, void **s)
+{
+    for (int r = 0; r < w; r++) {
+        src[r] = malloc(bytes);
+        fill(dt, src[r], n);
+        s[r] = src[r];
+    }
+}
+
 int main(void)
 {
     static const size_t lens[] = {0, 1, 3, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 100, 257, 1029};
@@ -124,11 +136,7 @@ int main(void)
                         const size_t n = lens[li], es = dt_size[dt], bytes = n * es + 1;
                         char *src[16], *ref = malloc(bytes), *got = malloc(bytes);
                         void *s[16];
-                        for (int r = 0; r < w; r++) {
-                            src[r] = malloc(bytes);
-                            fill(dt, src[r], n);
-                            s[r] = src[r];
-                        }
+                        sources(dt, w, n, bytes, src, s);
                         kernel_set_isa(ISA_SCALAR);
                         do_reduce(dt, op, ref, s, w, n);
                         kernel_set_isa(isa);
@@ -147,6 +155,39 @@ int main(void)
                     }
             }
     }
+    /* the reduce whose result also goes to a second place (two-shot's shard
+     * into its slot): both copies the portable kernels' result, plain and
+     * non-temporal stores, in place as two-shot calls it */
+    for (int isa = ISA_SCALAR + 1; isa < ISA_COUNT; isa++) {
+        if (!kernel_has_isa(isa))
+            continue;
+        for (int dt = 0; dt < DT_COUNT; dt++)
+            for (int op = 0; op < OP_COUNT; op++)
+                for (int w = 1; w <= 3; w++)
+                    for (size_t li = 0; li < sizeof lens / sizeof lens[0]; li++)
+                        for (int nt = 0; nt < 2; nt++) {
+                            if (op == OP_AVG && dt >= DT_I32)
+                                continue;
+                            const size_t n = lens[li], es = dt_size[dt], bytes = n * es + 1;
+                            char *src[3], *ref = malloc(bytes), *copy = malloc(bytes + 64);
+                            void *s[3];
+                            sources(dt, w, n, bytes, src, s);
+                            kernel_set_isa(ISA_SCALAR);
+                            do_reduce(dt, op, ref, s, w, n);
+                            kernel_set_isa(isa);
+                            do_reduce_copy(dt, op, src[w - 1], copy + 8, s, w, n, nt);
+                            checked++;
+                            if (!(same(dt, ref, src[w - 1], n) && same(dt, ref, copy + 8, n)) &&
+                                failed++ < 10)
+                                printf("FAIL %s %s %s world %d n %zu nt %d: reduce with a copy\n",
+                                       kernel_isa_name(isa), dts[dt], ops[op], w, n, nt);
+                            for (int r = 0; r < w; r++)
+                                free(src[r]);
+                            free(ref);
+                            free(copy);
+                        }
+    }
+
     /* every 16-bit pattern against 64 others apiece, SUM and AVG of two: each
      * rounding carry, tie and NaN the 16-bit kernels can meet at world 2 */
     const size_t all = 65536;

@@ -500,8 +500,7 @@ static int twoshot_chunk(Engine *e, char *src, size_t m, int dtype, int op, uint
             const size_t k = hi - b < blk ? hi - b : blk;
             for (int r = 0; r < w; r++)
                 e->srcs[r] = r == me ? (void *)(src + b * es) : (void *)(slot_of(e, r, p) + in_at + b * es);
-            do_reduce(dtype, op, src + b * es, e->srcs, w, k);
-            copy_slot(out + b * es, src + b * es, k * es, nt);
+            do_reduce_copy(dtype, op, src + b * es, out + b * es, e->srcs, w, k, nt);
         }
     }
     st = sync_untimed(e, &sc, kind, dtype, op, count, arg, ts);

@@ -45,6 +45,9 @@ int kernel_isa_in_use(void);       /* the variant do_reduce runs (never ISA_AUTO
 const char *kernel_isa_name(int isa);
 const char *kernel_isa(void);      /* the variant in use and why, for doctor and perf */
 void copy_slot(char *dst, const char *src, size_t n, int nt); /* nt: non-temporal stores */
+/* do_reduce into dst, and the result copied to `copy` too (copy_slot's nt) */
+void do_reduce_copy(int dtype, int op, void *dst, char *copy, void *const *srcs, int w, size_t n,
+                    int nt);
 int copy_nt_available(void);
 
 /* one file per variant; each returns 0 (nothing done) for a dtype it leaves
@@ -55,5 +58,7 @@ int reduce_avx512(int dtype, int op, void *dst, void *const *srcs, int w, size_t
 int avx2_present(void);
 int reduce_avx2(int dtype, int op, void *dst, void *const *srcs, int w, size_t n);
 int reduce_neon(int dtype, int op, void *dst, void *const *srcs, int w, size_t n);
+/* two sources, SUM, into dst and copy in one loop (plain stores); 0: not done */
+int reduce_copy_avx2(int dtype, void *dst, void *copy, void *const *srcs, size_t n);
 
 #endif /* TPCOMM_KERNELS_H */

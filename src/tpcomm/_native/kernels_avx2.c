@@ -246,6 +246,73 @@ DEF_AVX2_BF16(avx2_bf16p_avg, OP_AVG)
 DEF_AVX2_BF16(avx2_bf16p_max, OP_MAX)
 DEF_AVX2_BF16(avx2_bf16p_min, OP_MIN)
 
+/* two sources, SUM, the result stored at dst and at copy (the values a rank
+ * reduces in two-shot go to its tensor and its slot): the second store rides
+ * on the loop's arithmetic instead of a pass of its own */
+AVX2 static size_t avx2_f32_sum_copy(float *d, float *c, const float *a, const float *b, size_t n)
+{
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m256 x0 = _mm256_add_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i));
+        __m256 x1 = _mm256_add_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8));
+        _mm256_storeu_ps(d + i, x0);
+        _mm256_storeu_ps(d + i + 8, x1);
+        _mm256_storeu_ps(c + i, x0);
+        _mm256_storeu_ps(c + i + 8, x1);
+    }
+    return i;
+}
+
+AVX2 static size_t avx2_bf16_sum_copy(uint16_t *d, uint16_t *c, const uint16_t *a, const uint16_t *b,
+                                      size_t n)
+{
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m256i va = _mm256_loadu_si256((const __m256i *)(a + i));
+        __m256i vb = _mm256_loadu_si256((const __m256i *)(b + i));
+        __m256 e = _mm256_add_ps(bf16_even(va), bf16_even(vb));
+        __m256 o = _mm256_add_ps(bf16_odd(va), bf16_odd(vb));
+        __m256i r = bf16_pair_finite(e, o);
+        _mm256_storeu_si256((__m256i *)(d + i), r);
+        _mm256_storeu_si256((__m256i *)(c + i), r);
+    }
+    return i;
+}
+
+AVX2 static size_t avx2_f16_sum_copy(uint16_t *d, uint16_t *c, const uint16_t *a, const uint16_t *b,
+                                     size_t n)
+{
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m256 x0 = _mm256_add_ps(ld8(DT_F16, a, i), ld8(DT_F16, b, i));
+        __m256 x1 = _mm256_add_ps(ld8(DT_F16, a, i + 8), ld8(DT_F16, b, i + 8));
+        __m128i h0 = _mm256_cvtps_ph(x0, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m128i h1 = _mm256_cvtps_ph(x1, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm_storeu_si128((__m128i *)(d + i), h0);
+        _mm_storeu_si128((__m128i *)(d + i + 8), h1);
+        _mm_storeu_si128((__m128i *)(c + i), h0);
+        _mm_storeu_si128((__m128i *)(c + i + 8), h1);
+    }
+    return i;
+}
+
+int reduce_copy_avx2(int dtype, void *dst, void *copy, void *const *srcs, size_t n)
+{
+    if (dtype > DT_F16 || !avx2_present())
+        return 0;
+    size_t done;
+    if (dtype == DT_F32)
+        done = avx2_f32_sum_copy(dst, copy, srcs[0], srcs[1], n);
+    else if (dtype == DT_BF16)
+        done = avx2_bf16_sum_copy(dst, copy, srcs[0], srcs[1], n);
+    else
+        done = avx2_f16_sum_copy(dst, copy, srcs[0], srcs[1], n);
+    reduce_tail(dtype, OP_SUM, dst, srcs, 2, n, done);
+    const size_t es = dt_size[dtype];
+    memcpy((char *)copy + done * es, (char *)dst + done * es, (n - done) * es);
+    return 1;
+}
+
 typedef size_t (*avx2_fn)(void *, void *const *, int, size_t);
 static const avx2_fn avx2_kernels[3][OP_COUNT] = {
     {avx2_f32_sum, avx2_f32_avg, avx2_f32_max, avx2_f32_min},
@@ -272,6 +339,12 @@ int reduce_avx2(int dtype, int op, void *dst, void *const *srcs, int w, size_t n
 }
 #else
 int avx2_present(void) { return 0; }
+
+int reduce_copy_avx2(int dtype, void *dst, void *copy, void *const *srcs, size_t n)
+{
+    (void)dtype, (void)dst, (void)copy, (void)srcs, (void)n;
+    return 0;
+}
 
 int reduce_avx2(int dtype, int op, void *dst, void *const *srcs, int w, size_t n)
 {
