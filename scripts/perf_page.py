@@ -419,8 +419,10 @@ def main(bench_dir: str) -> None:
         "one-shot all_reduce at 2 ranks moves, without its arithmetic or any library's call. "
         "Whatever the two directions share (the fabric between the cores; memory, for "
         "non-temporal stores) they pay twice here and once in the bound.",
-        "- vLLM is shown both ways: through `torch.ops`, as vLLM itself calls its kernel, and "
-        "the same kernel called from Python with no dispatcher (its kernel alone).",
+        "- vLLM, where the CPU has it (vLLM builds its shared memory for x86 with AVX-512F "
+        "only; elsewhere its columns say n/a and why), is shown both ways: through "
+        "`torch.ops`, as vLLM itself calls its kernel, and the same kernel called from Python "
+        "with no dispatcher (its kernel alone).",
         "- algorithm: what tpcomm's engine ran (the C core's own choice); `/256K`: through the "
         "slots (zero copy: through every shard) 256 KiB at a time instead of a slot at a time; "
         "`/nt`: its copies into the slots ended the size on non-temporal stores.",
