@@ -455,7 +455,7 @@ PyObject *eng_stores(Engine *e, PyObject *unused)
  * a time, each block copied to the slot while it is still in L1, where the
  * whole shard reduced first was copied back out of L2 or memory (AMD Zen 3,
  * world 2, the two forms in turns in the same ranks, 9 rounds: 4 MiB float32
- * 0.90x, 16 MiB 0.94x, 1 MiB 0.96x; 16 KiB blocks 0.94-0.99x). */
+ * 0.90x, 16 MiB 0.94x, 1 MiB 0.96x; 16 KiB blocks 0.90-1.04x). */
 #define REDUCE_BLOCK 8192
 
 /*
