@@ -149,7 +149,25 @@ def run_engine(args: argparse.Namespace) -> dict:
         llm.generate(prompts(1, args.prefill, 97), one, use_tqdm=False)  # warm-up
         dt, toks = prefills(llm, one, args.prefill)
         out["prefill"] = {"s": dt, "tok_s": args.prefill / dt, "tokens": toks}
+    if os.environ.get("TPCOMM_STATS") and os.environ.get("TPCOMM_VLLM") == "1":
+        # the workers' records now, while they live: at shutdown vLLM may end
+        # a busy worker before its exit handlers run
+        llm.collective_rpc(_worker_report)
     return out
+
+
+def _worker_report(worker) -> bool:
+    """In each worker (LLM.collective_rpc): report the tensor-parallel group's
+    tpcomm Communicator where TPCOMM_STATS says (tpcomm.stats.finish: once;
+    its close or exit then reports nothing more)."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    from tpcomm import stats
+
+    comm = getattr(get_tp_group().device_communicator.dist_module, "comm", None)
+    if comm is not None:
+        stats.finish(comm)
+    return comm is not None
 
 
 def prefills(llm, one, length: int) -> tuple:
@@ -447,6 +465,8 @@ def main() -> None:
                 json.dump({"cpu": cpu_name(), "model": LLAMA, "args": vars(args), **res}, f)
         return
     if args.engine:
+        if os.environ.get("TPCOMM_STATS"):  # run_engine's collective_rpc (_worker_report)
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         args.model = model_dir(args.model)
         print(json.dumps(run_engine(args)), flush=True)
         return
