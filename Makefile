@@ -18,6 +18,7 @@ BENCH_ARGS ?= -b 1K -e 64M -f 4 -R 5 --compare gloo,vllm,vllm_kernel,deepspeed,m
 # installed for its shm op; vLLM's shm.cpp is built from its pinned source by tpcomm.perf.peers
 BENCH_PACKAGES ?= deepspeed==0.19.8 hjson msgpack ninja psutil py-cpuinfo "pydantic>=2" einops tqdm
 COLL_ARGS ?= -b 1K -e 16M -f 4 -R 3 --compare gloo,mpi --fresh
+DECODE_ARGS ?= -b 1K -e 256K -f 4 -R 3 --gap-us 30 --skew-us 5 --compare vllm,vllm_kernel,deepspeed,mpi
 
 # vLLM's CPU build, in an environment of its own (the suite's stays as it is): the tpcomm
 # plugin is tested and measured there, installed from tpcomm's wheel as a user installs it
@@ -130,6 +131,8 @@ bench: install build/handoff build/oneshot build/kernels
 		it=$$((33554432 / n)); [ $$it -ge 300 ] || it=300; \
 		build/handoff $$n $$it && build/handoff $$n $$it both || exit 1; done; \
 	} > $(BENCH_DIR)/handoff.txt && cat $(BENCH_DIR)/handoff.txt
+	# decode-shaped: 30 us of work through 32 MiB before every call, one rank 5 us late by turns
+	$(TP) perf all_reduce $(DECODE_ARGS) -J $(BENCH_DIR)/all_reduce_decode.json
 	# tensors from comm.empty: read where they are (zero copy)
 	$(TP) perf all_reduce -b 1K -e 64M -f 4 -R 5 -Z -J $(BENCH_DIR)/all_reduce_zero_copy.json
 	# the three dtypes in turns, auto and (beside AVX-512) AVX2 kernels

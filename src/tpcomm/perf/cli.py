@@ -347,7 +347,8 @@ def _rows(args: argparse.Namespace, cfg: dict, reps: list) -> tuple:
                 per_rep = [a / min(v[k] for v in ran.values()) for k, a in enumerate(mine)]
                 best = min(ran, key=lambda lib: _median(ran[lib]))
                 rec["vs_best"], rec["best"] = _median(per_rep), best
-                line += f"  {rec['vs_best']:>6.2f}x {best:>9}"
+                vs = rec["vs_best"]  # two significant digits under 0.1 (against gloo alone)
+                line += f"  {f'{vs:.2f}' if vs >= 0.1 else f'{vs:.2g}':>6}x {best:>9}"
             else:
                 line += f"  {'n/a':>7} {'':>9}"
         m = row["memcpy"]
