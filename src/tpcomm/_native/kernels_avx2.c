@@ -223,6 +223,16 @@ AVX2 static inline __m256i bf16_pair(__m256 e, __m256 o)
     }
 DEF_AVX2_BF16(avx2_bf16p_sumw, OP_SUM)
 
+/* a[0..16) + b[0..16), bfloat16: the step of both two-source sums below */
+AVX2 static inline __m256i bf16_sum16(const uint16_t *a, const uint16_t *b)
+{
+    __m256i va = _mm256_loadu_si256((const __m256i *)a);
+    __m256i vb = _mm256_loadu_si256((const __m256i *)b);
+    __m256 e = _mm256_add_ps(bf16_even(va), bf16_even(vb));
+    __m256 o = _mm256_add_ps(bf16_odd(va), bf16_odd(vb));
+    return bf16_pair_finite(e, o);
+}
+
 /* two sources, SUM: the hot case at world size 2, 32 values a step */
 AVX2 static size_t avx2_bf16p_sum(void *dst, void *const *srcs, int w, size_t n)
 {
@@ -232,13 +242,8 @@ AVX2 static size_t avx2_bf16p_sum(void *dst, void *const *srcs, int w, size_t n)
     uint16_t *d = dst;
     size_t i = 0;
     for (; i + 32 <= n; i += 32) {
-        for (int k = 0; k < 2; k++) {
-            __m256i va = _mm256_loadu_si256((const __m256i *)(a + i + 16 * k));
-            __m256i vb = _mm256_loadu_si256((const __m256i *)(b + i + 16 * k));
-            __m256 e = _mm256_add_ps(bf16_even(va), bf16_even(vb));
-            __m256 o = _mm256_add_ps(bf16_odd(va), bf16_odd(vb));
-            _mm256_storeu_si256((__m256i *)(d + i + 16 * k), bf16_pair_finite(e, o));
-        }
+        _mm256_storeu_si256((__m256i *)(d + i), bf16_sum16(a + i, b + i));
+        _mm256_storeu_si256((__m256i *)(d + i + 16), bf16_sum16(a + i + 16, b + i + 16));
     }
     return i;
 }
@@ -268,11 +273,7 @@ AVX2 static size_t avx2_bf16_sum_copy(uint16_t *d, uint16_t *c, const uint16_t *
 {
     size_t i = 0;
     for (; i + 16 <= n; i += 16) {
-        __m256i va = _mm256_loadu_si256((const __m256i *)(a + i));
-        __m256i vb = _mm256_loadu_si256((const __m256i *)(b + i));
-        __m256 e = _mm256_add_ps(bf16_even(va), bf16_even(vb));
-        __m256 o = _mm256_add_ps(bf16_odd(va), bf16_odd(vb));
-        __m256i r = bf16_pair_finite(e, o);
+        __m256i r = bf16_sum16(a + i, b + i);
         _mm256_storeu_si256((__m256i *)(d + i), r);
         _mm256_storeu_si256((__m256i *)(c + i), r);
     }
